@@ -1,0 +1,37 @@
+"""matrixopt: matrix-aware optimizers (Muon, MOP, Shampoo, SOAP) for PyTorch.
+
+Public API:
+    newton_schulz(G, steps=5, coefficients="quintic", *, dtype=None)  approximate polar factor, (m, n) or (b, m, n)
+    polar(G)                                                          exact polar factor via float64 SVD
+    Muon, MOP                                                         torch.optim.Optimizer subclasses
+    build_optimizer(model, name, **hparams)                           route a model and build by name
+    param_groups(model, ...), routing_summary(groups)                 the routing itself
+    mark_split(param, sizes, dim=0), mark_experts(param)              matrix layouts of fused / stacked weights
+    OPTIMIZERS, register_optimizer(name, factory)                     the registry
+"""
+
+from matrixopt.linalg.ortho import SCHEDULES, NewtonSchulzConfig, newton_schulz, polar
+from matrixopt.optim.base import NonFiniteGradientError
+from matrixopt.optim.layout import mark_experts, mark_split
+from matrixopt.optim.muon import MOP, Muon
+from matrixopt.optim.registry import OPTIMIZERS, build_optimizer, register_optimizer
+from matrixopt.optim.routing import param_groups, routing_summary
+
+__all__ = [
+    "MOP",
+    "OPTIMIZERS",
+    "SCHEDULES",
+    "Muon",
+    "NewtonSchulzConfig",
+    "NonFiniteGradientError",
+    "build_optimizer",
+    "mark_experts",
+    "mark_split",
+    "newton_schulz",
+    "param_groups",
+    "polar",
+    "register_optimizer",
+    "routing_summary",
+]
+
+__version__ = "0.1.0"

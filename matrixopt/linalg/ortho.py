@@ -1,0 +1,231 @@
+"""Orthogonalization: Newton–Schulz iterations with named coefficient schedules, and the exact polar factor.
+
+All functions here are pure math on local tensors: no optimizer state, no communication.
+
+A Newton–Schulz step applies the odd polynomial ``p(x) = a x + b x^3 + c x^5`` to every singular value of X:
+
+    A = X X^T                      (m, m), symmetric
+    X <- a X + (b A + c A^2) X     (m, n)
+
+Starting from ``X = G / ||G||_F`` (all singular values in (0, 1]) a good schedule of (a, b, c) drives every
+singular value towards 1, so X tends to the polar factor ``U V^T`` of ``G = U S V^T``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from matrixopt.kernels.ns_step import ns_step
+
+Coefficients = tuple[float, float, float]
+
+# Keller Jordan's quintic (github.com/KellerJordan/Muon): one (a, b, c) for every step. a = 3.4445 makes
+# p'(0) large so tiny singular values grow fast; the price is that the fixed point is not 1: singular values
+# end in a band of roughly [0.7, 1.2], which Muon tolerates.
+SIMPLE: tuple[Coefficients, ...] = ((3.4445, -4.7750, 2.0315),)
+
+# The 5-step schedule of modded-nanogpt's Muon (KellerJordan/modded-nanogpt, train_gpt.py, 2025): Polar
+# Express polynomials computed for 5 iterations with a 2e-2 safety factor and cushion 2, applied after a
+# Frobenius normalization. Published values; `schedule_band` documents where they send singular values.
+QUINTIC: tuple[Coefficients, ...] = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+
+def minimax_odd_quintic(lo: float, hi: float, iters: int = 100) -> tuple[Coefficients, float]:
+    """The odd quintic p minimizing ``max_{x in [lo, hi]} |1 - p(x)|``, by the Remez exchange algorithm.
+
+    The optimum equioscillates at four points ``lo < x1 < x2 < hi`` with errors ``+E, -E, +E, -E``; x1, x2 are the
+    critical points of p. Returns ``((a, b, c), E)``. Computed in float64.
+    """
+    if not 0.0 < lo < hi:
+        raise ValueError(f"minimax_odd_quintic needs 0 < lo < hi, got lo={lo}, hi={hi}")
+    pts = [lo + (hi - lo) * (1 - math.cos(math.pi * i / 3)) / 2 for i in range(4)]
+    coeffs, err = (0.0, 0.0, 0.0), 0.0
+    for _ in range(iters):
+        M = torch.tensor([[x, x**3, x**5, (-1) ** i] for i, x in enumerate(pts)], dtype=torch.float64)
+        a, b, c, err = torch.linalg.solve(M, torch.ones(4, dtype=torch.float64)).tolist()
+        coeffs = (a, b, c)
+        # critical points of p: a + 3b y + 5c y^2 = 0 with y = x^2
+        disc = 9 * b * b - 20 * a * c
+        if c == 0 or disc < 0:
+            break
+        ys = sorted(((-3 * b - s * math.sqrt(disc)) / (10 * c)) for s in (1, -1))
+        crit = [math.sqrt(y) for y in ys if y > 0 and lo < math.sqrt(y) < hi]
+        if len(crit) != 2:
+            break
+        new = [lo, crit[0], crit[1], hi]
+        if max(abs(p - q) for p, q in zip(new, pts)) < 1e-15 * hi:
+            break
+        pts = new
+    return coeffs, abs(err)
+
+
+def _poly(coeffs: Coefficients, x: Tensor) -> Tensor:
+    a, b, c = coeffs
+    return a * x + b * x**3 + c * x**5
+
+
+def _image(coeffs: Coefficients, lo: float, hi: float) -> tuple[float, float]:
+    """The range of p over [lo, hi] (dense float64 grid plus the endpoints)."""
+    x = torch.linspace(lo, hi, 20001, dtype=torch.float64)
+    y = _poly(coeffs, x)
+    return y.min().item(), y.max().item()
+
+
+@functools.lru_cache(maxsize=32)
+def polar_express_schedule(steps: int, lo: float = 1e-3, safety: float = 1.01) -> tuple[Coefficients, ...]:
+    """Polar Express (Amsel et al., arXiv:2505.16932): at each step the minimax odd quintic on the current
+    interval [l_t, u_t] of singular values; the next interval is its image. Every step but the last is applied
+    to ``x / safety`` (coefficients ``a/s, b/s^3, c/s^5``) so bf16 round-off cannot push a singular value past
+    the interval the polynomial was built for. Starts from [lo, 1]: singular values below ``lo`` of the
+    Frobenius-normalized input converge more slowly."""
+    lo_t, hi_t = lo, 1.0
+    out: list[Coefficients] = []
+    for t in range(steps):
+        (a, b, c), _ = minimax_odd_quintic(lo_t, hi_t)
+        if t < steps - 1:
+            a, b, c = a / safety, b / safety**3, c / safety**5
+        out.append((a, b, c))
+        lo_t, hi_t = _image((a, b, c), lo_t, hi_t)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=32)
+def cans_schedule(steps: int, lo: float = 1e-3, delta: float = 0.3) -> tuple[Coefficients, ...]:
+    """CANS (Grishina et al., arXiv:2506.10935): Chebyshev-alternance (minimax) odd quintics for
+    delta-orthogonalization. Muon only needs singular values in ``[1 - delta, 1 + delta]``, so as soon as a
+    minimax step on [l_t, u_t] would land inside that band, CANS instead takes the polynomial whose minimax error
+    is exactly ``delta`` on the widest interval ``[l', u_t]`` (l' found by bisection): the remaining steps then
+    grow small singular values faster than an exact-polar schedule, while the band is kept."""
+    lo_t, hi_t = lo, 1.0
+    out: list[Coefficients] = []
+    for _ in range(steps):
+        coeffs, err = minimax_odd_quintic(lo_t, hi_t)
+        if err < delta:
+            left, right = 1e-9, lo_t  # error(left) > delta >= error(right)
+            for _ in range(60):
+                mid = math.sqrt(left * right)
+                if minimax_odd_quintic(mid, hi_t)[1] > delta:
+                    left = mid
+                else:
+                    right = mid
+            coeffs, _ = minimax_odd_quintic(right, hi_t)
+        out.append(coeffs)
+        lo_t, hi_t = _image(coeffs, lo_t, hi_t)
+    return tuple(out)
+
+
+SCHEDULES = ("simple", "quintic", "polar_express", "cans")
+
+
+def resolve_schedule(coefficients: str | Sequence[Sequence[float]], steps: int) -> tuple[Coefficients, ...]:
+    """The (a, b, c) of each of ``steps`` iterations; a schedule shorter than ``steps`` repeats its last step."""
+    if steps < 1:
+        raise ValueError(f"Newton–Schulz needs steps >= 1, got {steps}")
+    if isinstance(coefficients, str):
+        if coefficients == "simple":
+            sched: Sequence[Coefficients] = SIMPLE
+        elif coefficients == "quintic":
+            sched = QUINTIC
+        elif coefficients == "polar_express":
+            sched = polar_express_schedule(steps)
+        elif coefficients == "cans":
+            sched = cans_schedule(steps)
+        else:
+            raise ValueError(f"Unknown Newton–Schulz schedule {coefficients!r}; use one of {SCHEDULES} "
+                             "or a list of (a, b, c) tuples")
+    else:
+        sched = [tuple(float(v) for v in abc) for abc in coefficients]  # type: ignore[misc]
+        if len(sched) == 0 or any(len(abc) != 3 for abc in sched):
+            raise ValueError(f"ns coefficients must be a non-empty list of (a, b, c) tuples, got {coefficients!r}")
+        if not all(math.isfinite(v) for abc in sched for v in abc):
+            raise ValueError(f"ns coefficients must be finite, got {coefficients!r}")
+    sched = list(sched)
+    return tuple(sched[min(i, len(sched) - 1)] for i in range(steps))
+
+
+def schedule_band(coefficients: str | Sequence[Sequence[float]], steps: int, lo: float) -> tuple[float, float]:
+    """Where a schedule sends singular values: the min and max of the composed polynomial over [lo, 1], in
+    float64. ``newton_schulz`` output for an input whose normalized singular values lie in [lo, 1] has its
+    singular values in this band, up to the round-off of the iteration dtype."""
+    x = torch.logspace(math.log10(lo), 0, 20001, dtype=torch.float64)
+    for abc in resolve_schedule(coefficients, steps):
+        x = _poly(abc, x)
+    return x.min().item(), x.max().item()
+
+
+@dataclass(frozen=True, kw_only=True)
+class NewtonSchulzConfig:
+    """How a matrix is orthogonalized.
+
+    steps: iterations (>= 1). coefficients: a name in ``SCHEDULES`` or a list of (a, b, c).
+    dtype: iteration dtype; None means bfloat16 on CUDA and float32 elsewhere.
+    """
+
+    steps: int = 5
+    coefficients: str | tuple[Coefficients, ...] = "quintic"
+    dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        resolve_schedule(self.coefficients, self.steps)  # validates
+        if self.dtype is not None and not self.dtype.is_floating_point:
+            raise ValueError(f"Newton–Schulz dtype must be a floating dtype, got {self.dtype}")
+
+
+def newton_schulz(G: Tensor, steps: int = 5, coefficients: str | Sequence[Sequence[float]] = "quintic", *,
+                  dtype: torch.dtype | None = None) -> Tensor:
+    """Approximate polar factor ``U V^T`` of G by a Newton–Schulz iteration.
+
+    G: ``(m, n)`` or a batch ``(b, m, n)``, floating point. Returns the same shape and dtype as G.
+    Iterates on the short side (transposes when m > n, so the Gram matrix is min(m, n) square), normalizes each
+    matrix by its Frobenius norm in float32, and runs in ``dtype`` (default bfloat16 on CUDA, float32 elsewhere).
+    A zero matrix maps to zero. ``coefficients``: "simple", "quintic" (default), "polar_express", "cans", or a
+    list of (a, b, c); a list shorter than ``steps`` repeats its last entry.
+    """
+    if G.ndim not in (2, 3):
+        raise ValueError(f"newton_schulz takes (m, n) or (b, m, n) input, got shape {tuple(G.shape)}")
+    if not G.is_floating_point():
+        raise ValueError(f"newton_schulz needs a real floating-point input, got {G.dtype}")
+    schedule = resolve_schedule(coefficients, steps)
+    if dtype is None:
+        dtype = torch.bfloat16 if G.is_cuda else torch.float32
+    X = G.unsqueeze(0) if G.ndim == 2 else G  # (b, m, n)
+    transposed = X.size(-2) > X.size(-1)
+    if transposed:
+        X = X.mT  # (b, n, m): short side first
+    norm = torch.linalg.vector_norm(X.float(), dim=(-2, -1), keepdim=True)
+    X = (X.float() / norm.clamp_min(1e-30)).to(dtype)  # every singular value in [0, 1]
+    for a, b, c in schedule:
+        X = ns_step(X, a, b, c)
+    if transposed:
+        X = X.mT
+    X = X.to(G.dtype)
+    return X.squeeze(0) if G.ndim == 2 else X
+
+
+def polar(G: Tensor) -> Tensor:
+    """Exact polar factor ``U V^T`` of G (``(m, n)`` or ``(b, m, n)``) by an SVD in float64.
+
+    Returns the input's shape and dtype. For rank-deficient G the factor on the null space is zero.
+    """
+    if G.ndim not in (2, 3):
+        raise ValueError(f"polar takes (m, n) or (b, m, n) input, got shape {tuple(G.shape)}")
+    if not G.is_floating_point():
+        raise ValueError(f"polar needs a real floating-point input, got {G.dtype}")
+    X = G.double()
+    U, S, Vh = torch.linalg.svd(X, full_matrices=False)
+    # drop directions whose singular value is round-off, so a zero matrix maps to zero
+    keep = S > S.amax(dim=-1, keepdim=True) * max(X.shape[-2:]) * torch.finfo(torch.float64).eps
+    out = (U * keep.unsqueeze(-2).to(U.dtype)) @ Vh
+    return out.to(G.dtype)

@@ -1,0 +1,256 @@
+"""Shared machinery of matrixopt's optimizers: one object per model, a matrix algorithm for the groups that
+carry the optimizer's flag (``use_muon=True`` for Muon), AdamW inside for every other group.
+
+Subclasses implement ``_matrix_update(group, params, grads)``; this class owns group defaults and validation,
+the non-finite gradient policy, the AdamW update, and a ``state_dict`` that keeps float32 state for low-precision
+parameters and refuses state from another optimizer or model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient holds NaN or Inf. Raised before any parameter or state is touched."""
+
+
+def _check_finite(name: str, value: Any) -> None:
+    v = value.item() if isinstance(value, Tensor) else value
+    if not math.isfinite(v):
+        raise ValueError(f"Invalid {name}: {v!r} (must be finite)")
+
+
+def check_lr(value: Any) -> None:
+    if isinstance(value, Tensor) and value.numel() != 1:
+        raise ValueError(f"Tensor lr must have one element, got shape {tuple(value.shape)}")
+    _check_finite("learning rate", value)
+    if value < 0:
+        raise ValueError(f"Invalid learning rate: {float(value)} (must be >= 0)")
+
+
+def check_adamw_group(group: dict[str, Any]) -> None:
+    check_lr(group["lr"])
+    b1, b2 = group["betas"]
+    for i, b in enumerate((b1, b2)):
+        _check_finite(f"beta parameter at index {i}", b)
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be in [0, 1))")
+    _check_finite("epsilon", group["eps"])
+    if group["eps"] < 0:
+        raise ValueError(f"Invalid epsilon value: {group['eps']} (must be >= 0)")
+    _check_finite("weight_decay", group["weight_decay"])
+    if group["weight_decay"] < 0:
+        raise ValueError(f"Invalid weight_decay value: {group['weight_decay']} (must be >= 0)")
+
+
+def param_label(group: dict[str, Any], i: int, p: Tensor) -> str:
+    """A readable name for the i-th parameter of a group: its model name when routing supplied one."""
+    names = group.get("names")
+    name = names[i] if names is not None else f"params[{i}]"
+    return f"`{name}` (shape {tuple(p.shape)})"
+
+
+class MatrixOptimizer(Optimizer):
+    """Base class. ``matrix_flag`` is the group key that selects the matrix algorithm (default True);
+    ``matrix_defaults`` and ``adamw_defaults`` fill in missing group keys of each kind."""
+
+    matrix_flag = "use_muon"
+
+    def __init__(self, params: Iterable[Any], matrix_defaults: dict[str, Any], adamw_defaults: dict[str, Any],
+                 *, skip_nonfinite: bool = False) -> None:
+        check_adamw_group(adamw_defaults)
+        self._matrix_defaults = dict(matrix_defaults)
+        self._adamw_defaults = dict(adamw_defaults)
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self.skipped_updates = 0  # parameter updates skipped for non-finite gradients
+        super().__init__(params, dict(matrix_defaults))
+
+    # ----------------------------------------------------------------------------------- param groups
+    def _validate_matrix_group(self, group: dict[str, Any]) -> None:
+        """Subclasses check their own hyperparameters and shapes; raise ValueError naming the value."""
+        raise NotImplementedError
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        group = dict(param_group)
+        params = group["params"]
+        group["params"] = [params] if isinstance(params, Tensor) else list(params)
+        if len(group["params"]) == 0:
+            raise ValueError("optimizer got an empty parameter group; drop it or add parameters to it")
+        is_matrix = bool(group.setdefault(self.matrix_flag, True))
+        for k, v in (self._matrix_defaults if is_matrix else self._adamw_defaults).items():
+            group.setdefault(k, v)
+        for i, p in enumerate(group["params"]):
+            if not isinstance(p, Tensor):
+                raise TypeError(f"optimizer params must be Tensors, got {type(p).__name__} at index {i}")
+            if not p.is_leaf:
+                raise ValueError(f"can't optimize a non-leaf Tensor: {param_label(group, i, p)}")
+        if group.get("names") is not None and len(group["names"]) != len(group["params"]):
+            raise ValueError("param group 'names' must have one entry per parameter")
+        if is_matrix:
+            self._validate_matrix_group(group)
+        else:
+            check_adamw_group(group)
+            for i, p in enumerate(group["params"]):
+                if p.is_complex() or p.is_sparse:
+                    raise ValueError(f"matrixopt's AdamW handles real dense parameters; {param_label(group, i, p)}"
+                                     " is complex or sparse")
+        seen = {id(p) for g in self.param_groups for p in g["params"]}
+        if any(id(p) in seen for p in group["params"]) or len({id(p) for p in group["params"]}) < len(
+                group["params"]):
+            raise ValueError("some parameters appear in more than one parameter group")
+        self.param_groups.append(group)
+
+    # ----------------------------------------------------------------------------------- step
+    def _gather(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]]:
+        params, grads = [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError("matrixopt optimizers do not support sparse gradients")
+            params.append(p)
+            grads.append(p.grad)
+        return params, grads
+
+    def _finite_mask(self, grads: list[Tensor]) -> list[bool]:
+        """One host sync for the whole step: the max-abs of every gradient, checked for NaN/Inf."""
+        if not grads:
+            return []
+        maxabs = torch._foreach_norm(grads, ord=math.inf)
+        return torch.isfinite(torch.stack([m.float().to(grads[0].device) for m in maxabs])).tolist()
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One optimizer step over every group. A NaN/Inf gradient raises ``NonFiniteGradientError`` before
+        anything is written (or, with ``skip_nonfinite=True``, that parameter's update is skipped and counted in
+        ``skipped_updates``)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = [(g, *self._gather(g)) for g in self.param_groups]
+        flat = [gr for _, _, grads in work for gr in grads]
+        finite = self._finite_mask(flat)
+        if not all(finite):
+            if not self.skip_nonfinite:
+                bad = []
+                k = 0
+                for g, params, _ in work:
+                    for p in params:
+                        if not finite[k]:
+                            idx = next(i for i, q in enumerate(g["params"]) if q is p)
+                            bad.append(param_label(g, idx, p))
+                        k += 1
+                raise NonFiniteGradientError(
+                    f"non-finite (NaN/Inf) gradient in {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; "
+                    "no parameter or state was updated. Lower the learning rate, use gradient clipping or loss "
+                    "scaling, or pass skip_nonfinite=True to skip such updates.")
+            k = 0
+            kept = []
+            for g, params, grads in work:
+                keep = finite[k:k + len(params)]
+                k += len(params)
+                self.skipped_updates += keep.count(False)
+                kept.append((g, [p for p, f in zip(params, keep) if f], [x for x, f in zip(grads, keep) if f]))
+            work = kept
+        for group, params, grads in work:
+            if not params:
+                continue
+            if group[self.matrix_flag]:
+                self._matrix_update(group, params, grads)
+            else:
+                self._adamw_update(group, params, grads)
+        return loss
+
+    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------------------------- AdamW
+    def _adamw_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+        """Decoupled-weight-decay Adam. Float32 state for every parameter dtype; PyTorch's fused kernel when the
+        parameters are float32, a foreach path otherwise."""
+        exp_avgs, exp_avg_sqs, steps = [], [], []
+        for p in params:
+            st = self.state[p]
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            exp_avgs.append(st["exp_avg"])
+            exp_avg_sqs.append(st["exp_avg_sq"])
+            steps.append(st["step"])
+        beta1, beta2 = group["betas"]
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        torch._foreach_add_(steps, 1.0)
+        if all(p.dtype == torch.float32 and g.dtype == torch.float32 for p, g in zip(params, grads)):
+            if isinstance(lr, Tensor):
+                lr = lr.to(params[0].device)
+            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
+                                weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+            return
+        # foreach path (low-precision parameters): float32 math on 0-d step tensors (no host sync)
+        g32 = [g.float() for g in grads]
+        torch._foreach_lerp_(exp_avgs, g32, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, g32, g32, 1 - beta2)
+        for p, m, v, t in zip(params, exp_avgs, exp_avg_sqs, steps):
+            denom = (v.sqrt() / (1 - beta2**t).sqrt()).add_(eps)
+            p32 = p.float().mul_(1 - lr * wd)
+            p32.sub_(m / denom * (lr / (1 - beta1**t)))
+            p.copy_(p32)
+
+    # ----------------------------------------------------------------------------------- state_dict
+    def state_dict(self) -> dict[str, Any]:
+        """PyTorch's structure ``{"state": {index: {...}}, "param_groups": [...]}`` plus ``"optimizer"``: the
+        class name, checked on load."""
+        sd = super().state_dict()
+        sd["optimizer"] = type(self).__name__
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from ``state_dict()`` of the same optimizer class over the same parameters. A state
+        dict from another optimizer class, another grouping or other parameter shapes raises ValueError. State
+        tensors keep the float32 dtype they were saved with (PyTorch would cast them to the parameter dtype)."""
+        saved_name = state_dict.get("optimizer")
+        if saved_name is not None and saved_name != type(self).__name__:
+            raise ValueError(f"this state dict was saved by {saved_name}, not {type(self).__name__}; build the "
+                             f"same optimizer it came from to load it")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"state dict has {len(saved_groups)} param groups, this optimizer has "
+                             f"{len(self.param_groups)}: it comes from a different model or routing")
+        for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(sg["params"]) != len(g["params"]):
+                raise ValueError(f"param group {gi}: state dict has {len(sg['params'])} parameters, optimizer "
+                                 f"has {len(g['params'])}: it comes from a different model")
+            if bool(sg.get(self.matrix_flag, True)) != bool(g[self.matrix_flag]):
+                raise ValueError(f"param group {gi}: {self.matrix_flag} differs between state dict and optimizer")
+            missing = [k for k in g if k not in sg and k not in ("params", "names")]
+            if missing:
+                raise ValueError(f"param group {gi} of the state dict lacks {missing}: it was saved by a "
+                                 f"different optimizer")
+        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
+                          chain.from_iterable(g["params"] for g in self.param_groups)))
+        for pid, st in state_dict["state"].items():
+            p = id_map.get(pid)
+            if p is None:
+                raise ValueError(f"state dict has state for parameter index {pid}, which no group holds")
+            for k, v in st.items():
+                if isinstance(v, Tensor) and v.ndim > 0 and v.shape != p.shape and k in self._shaped_state_keys:
+                    raise ValueError(f"state '{k}' has shape {tuple(v.shape)} but the parameter has shape "
+                                     f"{tuple(p.shape)}: the state dict comes from a different model")
+        super().load_state_dict(state_dict)
+        for pid, st in state_dict["state"].items():
+            p = id_map[pid]
+            self.state[p] = {k: (v.to(device=p.device, copy=True) if isinstance(v, Tensor) else v)
+                             for k, v in st.items()}
+
+    _shaped_state_keys = ("exp_avg", "exp_avg_sq", "momentum_buffer")

@@ -1,0 +1,163 @@
+r"""Muon (momentum orthogonalized by Newton–Schulz) and MOP (momentum orthogonalized by the exact polar factor).
+
+For each matrix parameter W with gradient G (Keller Jordan, https://kellerjordan.github.io/posts/muon/):
+
+.. math::
+    B_t = \mu B_{t-1} + (1 - \mu) G_t, \qquad
+    U_t = \mathrm{polar}\big(\mathrm{nesterov}\ ?\ (1-\mu) G_t + \mu B_t : B_t\big), \qquad
+    W_t = (1 - \eta\lambda) W_{t-1} - \eta\, s(m, n)\, U_t
+
+``polar`` is approximated by Newton–Schulz (Muon) or computed by an SVD (MOP). ``s(m, n)`` is the update scale
+for an ``(m, n) = (out, in)`` matrix:
+
+- ``"match_adamw"`` (default): ``0.2 * sqrt(max(m, n))``, so the update's RMS is about 0.2 like AdamW's
+  (Moonlight, arXiv:2502.16982): one AdamW learning rate serves the matrix and the AdamW groups.
+- ``"original"``: ``sqrt(max(1, m / n))`` (Keller Jordan's Muon).
+- ``"spectral"``: ``sqrt(m / n)`` for ``(out, in)`` weights (spectral-norm scaling).
+
+Groups with ``use_muon=False`` are updated by AdamW inside the same optimizer (their own lr, betas, eps and
+weight decay), so one object works with LR schedulers, gradient clipping and training frameworks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from matrixopt.linalg.ortho import newton_schulz, polar, resolve_schedule
+from matrixopt.optim.base import MatrixOptimizer, _check_finite, check_lr, param_label
+from matrixopt.optim.layout import orthogonalize_batched
+
+SCALINGS = ("match_adamw", "original", "spectral")
+
+
+def update_scale(scaling: str, m: int, n: int) -> float:
+    """Multiplier of the orthogonalized update of an ``(m, n) = (out, in)`` matrix."""
+    if scaling == "match_adamw":
+        return 0.2 * math.sqrt(max(m, n))
+    if scaling == "original":
+        return math.sqrt(max(1.0, m / n))
+    if scaling == "spectral":
+        return math.sqrt(m / n)
+    raise ValueError(f"Unknown update scaling {scaling!r}; use one of {SCALINGS}")
+
+
+class Muon(MatrixOptimizer):
+    """Muon: SGD-momentum whose update is orthogonalized by Newton–Schulz.
+
+    Args:
+        params: parameters or param groups. Groups default to ``use_muon=True``; a group with
+            ``use_muon=False`` is updated by AdamW. Use :func:`matrixopt.param_groups` to route a model.
+        lr: learning rate (default 1e-3: with ``scaling="match_adamw"`` an AdamW learning rate works).
+        momentum: in [0, 1) (default 0.95). nesterov: Nesterov momentum (default True).
+        weight_decay: decoupled weight decay (default 0.01).
+        ns_steps: Newton–Schulz iterations (default 5).
+        ns_coefficients: "quintic" (default), "simple", "polar_express", "cans" or a list of (a, b, c).
+        ns_dtype: iteration dtype; None means bfloat16 on CUDA, float32 on CPU.
+        scaling: "match_adamw" (default), "original" or "spectral".
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults of the AdamW groups (lr and weight decay
+            default to ``lr`` and ``weight_decay``).
+        skip_nonfinite: skip (and count) the update of a parameter whose gradient is NaN/Inf instead of raising.
+
+    Parameters of matrix groups: 2-D ``(out, in)``; conv kernels ``(out, in, ...)`` (flattened); stacked experts
+    ``(E, out, in)`` marked with :func:`matrixopt.mark_experts`; fused weights marked with
+    :func:`matrixopt.mark_split`. Any float dtype; the momentum buffer is float32. Same-shape matrices are
+    orthogonalized together in one batched call.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float | Tensor = 1e-3, momentum: float = 0.95,
+                 nesterov: bool = True, weight_decay: float = 0.01, ns_steps: int = 5,
+                 ns_coefficients: Any = "quintic", ns_dtype: torch.dtype | None = None,
+                 scaling: str = "match_adamw", *, adamw_lr: float | None = None,
+                 adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
+                 adamw_weight_decay: float | None = None, skip_nonfinite: bool = False) -> None:
+        matrix_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                               ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
+                               scaling=scaling)
+        adamw_defaults = dict(lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+                              weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
+        super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite)
+
+    def _validate_matrix_group(self, group: dict[str, Any]) -> None:
+        check_lr(group["lr"])
+        mu = group["momentum"]
+        _check_finite("momentum", mu)
+        if not 0.0 <= mu < 1.0:
+            raise ValueError(f"Invalid momentum value: {mu} (must be in [0, 1))")
+        _check_finite("weight_decay", group["weight_decay"])
+        if group["weight_decay"] < 0:
+            raise ValueError(f"Invalid weight_decay value: {group['weight_decay']} (must be >= 0)")
+        if group["scaling"] not in SCALINGS:
+            raise ValueError(f"Unknown update scaling {group['scaling']!r}; use one of {SCALINGS}")
+        self._validate_orthogonalizer(group)
+        for i, p in enumerate(group["params"]):
+            label = param_label(group, i, p)
+            if p.is_complex() or p.is_sparse or not p.is_floating_point():
+                raise ValueError(f"{type(self).__name__} handles real dense floating-point matrices; {label} is "
+                                 f"not. Put it in an AdamW group (use_muon=False).")
+            if p.ndim < 2:
+                raise ValueError(f"{type(self).__name__} handles matrix parameters (2-D or more); {label} is "
+                                 f"{p.ndim}-D. Put it in an AdamW group (use_muon=False), as "
+                                 f"matrixopt.param_groups(model) does.")
+
+    def _validate_orthogonalizer(self, group: dict[str, Any]) -> None:
+        if not isinstance(group["ns_steps"], int) or group["ns_steps"] < 1:
+            raise ValueError(f"Invalid ns_steps: {group['ns_steps']!r} (must be an int >= 1)")
+        resolve_schedule(group["ns_coefficients"], group["ns_steps"])
+
+    def _orthogonalize(self, group: dict[str, Any], X: Tensor) -> Tensor:
+        """``(b, m, n)`` float32 -> ``(b, m, n)``."""
+        return newton_schulz(X, group["ns_steps"], group["ns_coefficients"], dtype=group["ns_dtype"])
+
+    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+        mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+        bufs = []
+        for p in params:
+            st = self.state[p]
+            if not st:
+                st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32,
+                                                         memory_format=torch.preserve_format)
+            bufs.append(st["momentum_buffer"])
+        g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
+        torch._foreach_lerp_(bufs, g32, 1 - mu)  # B = mu B + (1 - mu) G
+        updates = torch._foreach_lerp(g32, bufs, mu) if group["nesterov"] else bufs
+        ortho = orthogonalize_batched(params, updates, lambda X: self._orthogonalize(group, X),
+                                      lambda m, n: update_scale(group["scaling"], m, n))
+        if isinstance(lr, Tensor):
+            lr = lr.to(params[0].device)
+            torch._foreach_mul_(ortho, lr)
+            step_alpha = -1.0
+        else:
+            step_alpha = -lr
+        if wd != 0:
+            torch._foreach_mul_(params, 1 - lr * wd)
+        same = all(o.dtype == p.dtype for o, p in zip(ortho, params))
+        torch._foreach_add_(params, ortho if same else [o.to(p.dtype) for o, p in zip(ortho, params)],
+                            alpha=step_alpha)
+
+
+class MOP(Muon):
+    """Momentum Orthogonalized by Polar decomposition: Muon with the exact polar factor ``U V^T`` from a
+    float64 SVD instead of Newton–Schulz. Slow; the quality reference for Muon's approximation. Takes Muon's
+    arguments except the Newton–Schulz ones."""
+
+    def __init__(self, params: Iterable[Any], lr: float | Tensor = 1e-3, momentum: float = 0.95,
+                 nesterov: bool = True, weight_decay: float = 0.01, scaling: str = "match_adamw", *,
+                 adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.999),
+                 adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None,
+                 skip_nonfinite: bool = False) -> None:
+        matrix_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                               scaling=scaling)
+        adamw_defaults = dict(lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+                              weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
+        MatrixOptimizer.__init__(self, params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite)
+
+    def _validate_orthogonalizer(self, group: dict[str, Any]) -> None:
+        pass
+
+    def _orthogonalize(self, group: dict[str, Any], X: Tensor) -> Tensor:
+        return polar(X)
