@@ -50,6 +50,12 @@ def minimax_odd_quintic(lo: float, hi: float, iters: int = 100) -> tuple[Coeffic
     """
     if not 0.0 < lo < hi:
         raise ValueError(f"minimax_odd_quintic needs 0 < lo < hi, got lo={lo}, hi={hi}")
+    if hi - lo < 1e-4 * hi:
+        # a narrow interval around 1: the exchange is ill-conditioned and the minimax quintic has converged to
+        # the classical Newton–Schulz quintic (15 x - 10 x^3 + 3 x^5) / 8, whose fixed point 1 is superattracting
+        coeffs = (15 / 8, -10 / 8, 3 / 8)
+        lo_img, hi_img = _image(coeffs, lo, hi)
+        return coeffs, max(abs(1 - lo_img), abs(1 - hi_img))
     pts = [lo + (hi - lo) * (1 - math.cos(math.pi * i / 3)) / 2 for i in range(4)]
     coeffs, err = (0.0, 0.0, 0.0), 0.0
     for _ in range(iters):
@@ -204,8 +210,10 @@ def newton_schulz(G: Tensor, steps: int = 5, coefficients: str | Sequence[Sequen
     transposed = X.size(-2) > X.size(-1)
     if transposed:
         X = X.mT  # (b, n, m): short side first
-    norm = torch.linalg.vector_norm(X.float(), dim=(-2, -1), keepdim=True)
-    X = (X.float() / norm.clamp_min(1e-30)).to(dtype)  # every singular value in [0, 1]
+    X = X.float()
+    # divide by the max-abs first so the float32 sum of squares can neither overflow (|g| ~ 1e30) nor underflow
+    X = X / X.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    X = (X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp_min(1e-30)).to(dtype)  # svs in [0, 1]
     for a, b, c in schedule:
         X = ns_step(X, a, b, c)
     if transposed:

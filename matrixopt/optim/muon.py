@@ -96,9 +96,11 @@ class Muon(MatrixOptimizer):
         self._validate_orthogonalizer(group)
         for i, p in enumerate(group["params"]):
             label = param_label(group, i, p)
-            if p.is_complex() or p.is_sparse or not p.is_floating_point():
+            kind = "complex" if p.is_complex() else "sparse" if p.is_sparse else (
+                None if p.is_floating_point() else f"of dtype {p.dtype}")
+            if kind is not None:
                 raise ValueError(f"{type(self).__name__} handles real dense floating-point matrices; {label} is "
-                                 f"not. Put it in an AdamW group (use_muon=False).")
+                                 f"{kind}. Put it in an AdamW group (use_muon=False) or convert it.")
             if p.ndim < 2:
                 raise ValueError(f"{type(self).__name__} handles matrix parameters (2-D or more); {label} is "
                                  f"{p.ndim}-D. Put it in an AdamW group (use_muon=False), as "

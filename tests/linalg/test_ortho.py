@@ -1,0 +1,148 @@
+"""Newton–Schulz against the exact polar factor (float64 SVD), schedules' defining properties."""
+
+import math
+
+import pytest
+import torch
+
+from matrixopt import newton_schulz, polar
+from matrixopt.linalg.ortho import (
+    QUINTIC,
+    SCHEDULES,
+    _poly,
+    minimax_odd_quintic,
+    polar_express_schedule,
+    resolve_schedule,
+    schedule_band,
+)
+
+# float32 iteration: singular values land in the scalar band up to round-off of a few float32 matmuls
+BAND_SLACK = 1e-3
+LO = 1e-3  # smallest normalized singular value of the test matrices
+
+
+def conditioned(shape, lo=LO, seed=0):
+    """Random float64 matrices with singular values log-spaced over [lo, 1] (a condition number of 1/lo)."""
+    g = torch.Generator().manual_seed(seed)
+    *b, m, n = shape
+    k = min(m, n)
+    U, _ = torch.linalg.qr(torch.randn(*b, m, k, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(*b, n, k, generator=g, dtype=torch.float64))
+    s = torch.logspace(0, math.log10(lo), k, dtype=torch.float64)
+    return (U * s.unsqueeze(-2)) @ V.mT
+
+
+SHAPES = [(64, 64), (48, 96), (96, 40), (3, 33, 50), (4, 50, 33)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_singular_values_in_documented_band(shape, schedule):
+    G = conditioned(shape).float()
+    X = newton_schulz(G, steps=5, coefficients=schedule)
+    assert X.shape == G.shape and X.dtype == G.dtype
+    # the Frobenius-normalized singular values lie in [lo_in, 1], so the output's lie in the band over it
+    s_in = torch.linalg.svdvals(G.double() / torch.linalg.vector_norm(G.double(), dim=(-2, -1), keepdim=True))
+    lo_in = s_in.min().item()
+    band_lo, band_hi = schedule_band(schedule, 5, lo_in)
+    s_out = torch.linalg.svdvals(X.double())
+    assert s_out.min() >= band_lo - BAND_SLACK, (s_out.min(), band_lo)
+    assert s_out.max() <= band_hi + BAND_SLACK, (s_out.max(), band_hi)
+    # and the singular vectors are the polar factor's: X = P H with H symmetric positive (X^T P symmetric PSD)
+    P = polar(G.double())
+    H = P.mT @ X.double()
+    assert torch.allclose(H, H.mT, atol=5e-4)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_polar_express_8_steps_close_to_exact_polar(shape):
+    G = conditioned(shape, lo=1e-2).float()
+    X = newton_schulz(G, steps=10, coefficients="polar_express")
+    P = polar(G.double())
+    rel = (X.double() - P).norm() / P.norm()
+    assert rel < 1e-3, rel  # float32 round-off; a 5-step quintic is ~1e-1 away
+    X5 = newton_schulz(G, steps=5, coefficients="simple")
+    assert (X5.double() - P).norm() / P.norm() > 10 * rel
+
+
+def test_polar_express_equioscillation():
+    """The defining property: each step's (unscaled) polynomial is the minimax approximation of 1 on its interval:
+    the error equioscillates with equal magnitude at 4 points, and no perturbation of the coefficients beats it."""
+    (a, b, c), E = minimax_odd_quintic(1e-3, 1.0)
+    x = torch.linspace(1e-3, 1.0, 200001, dtype=torch.float64)
+    err = 1 - _poly((a, b, c), x)
+    assert abs(err.abs().max().item() - E) < 1e-9
+    crit = torch.tensor([1e-3, 1.0], dtype=torch.float64)
+    assert torch.allclose(1 - _poly((a, b, c), crit), torch.tensor([E, -E], dtype=torch.float64), atol=1e-9)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        d = torch.randn(3, generator=g, dtype=torch.float64) * 1e-3
+        other = (a + d[0].item(), b + d[1].item(), c + d[2].item())
+        assert (1 - _poly(other, x)).abs().max().item() >= E - 1e-12
+    # first coefficients are in the range the paper reports for [1e-3, 1] (a ≈ 8.3–8.5)
+    assert 8.0 < a < 8.6
+
+
+def test_polar_express_schedule_converges_to_cubic_newton():
+    sched = polar_express_schedule(10)
+    a, b, c = sched[-1]
+    # on [1 - e, 1 + e] with tiny e the minimax quintic tends to the classical (15, -10, 3)/8 Newton–Schulz
+    assert abs(a - 15 / 8) < 1e-3 and abs(b + 10 / 8) < 1e-3 and abs(c - 3 / 8) < 1e-3
+
+
+def test_named_schedules_and_repeat():
+    assert resolve_schedule("quintic", 5) == QUINTIC
+    assert resolve_schedule("quintic", 7)[5:] == (QUINTIC[-1], QUINTIC[-1])
+    assert resolve_schedule([(3.0, -3.2, 1.2)], 3) == ((3.0, -3.2, 1.2),) * 3
+    assert resolve_schedule("simple", 2) == ((3.4445, -4.7750, 2.0315),) * 2
+    lo, hi = schedule_band("cans", 5, 1e-3)
+    assert lo >= 0.7 - 1e-6 and hi <= 1.3 + 1e-6  # CANS keeps the delta = 0.3 band
+
+
+@pytest.mark.parametrize("bad", ["nope", [], [(1.0, 2.0)], [(1.0, float("nan"), 0.0)]])
+def test_bad_schedule(bad):
+    with pytest.raises(ValueError):
+        newton_schulz(torch.randn(4, 4), coefficients=bad)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="shape"):
+        newton_schulz(torch.randn(4))
+    with pytest.raises(ValueError, match="floating"):
+        newton_schulz(torch.ones(4, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="steps"):
+        newton_schulz(torch.randn(4, 4), steps=0)
+
+
+def test_batched_equals_per_matrix():
+    G = torch.randn(5, 24, 40, dtype=torch.float32)
+    Xb = newton_schulz(G)
+    for i in range(5):
+        torch.testing.assert_close(Xb[i], newton_schulz(G[i]), rtol=1e-5, atol=1e-5)
+
+
+def test_zero_and_tiny_and_huge():
+    assert torch.equal(newton_schulz(torch.zeros(8, 12)), torch.zeros(8, 12))
+    G = torch.randn(16, 24, dtype=torch.float64)
+    X = newton_schulz(G.float())
+    for scale in (1e-30, 1e30):
+        Xs = newton_schulz((G * scale).float())
+        assert torch.isfinite(Xs).all()
+        torch.testing.assert_close(Xs, X, rtol=1e-4, atol=1e-4)
+
+
+def test_dtype_option_and_return_dtype():
+    G = torch.randn(16, 24)
+    Xb = newton_schulz(G, dtype=torch.bfloat16)
+    assert Xb.dtype == torch.float32
+    assert (Xb - newton_schulz(G)).norm() / Xb.norm() < 5e-2  # bf16 iteration is close to the fp32 one
+    assert newton_schulz(G.double()).dtype == torch.float64
+
+
+def test_polar_exact():
+    G = torch.randn(3, 20, 12, dtype=torch.float64)
+    P = polar(G)
+    torch.testing.assert_close(P.mT @ P, torch.eye(12, dtype=torch.float64).expand(3, 12, 12), rtol=0, atol=1e-12)
+    U, S, Vh = torch.linalg.svd(G, full_matrices=False)
+    torch.testing.assert_close(P, U @ Vh)
+    assert torch.equal(polar(torch.zeros(4, 6)), torch.zeros(4, 6))
