@@ -92,7 +92,7 @@ def orthogonalize_batched(params: list[Tensor], updates: list[Tensor], fn: Calla
         counts = [x.shape[0] for x in stack]
         X = stack[0] if len(stack) == 1 else torch.cat(stack, dim=0)
         Y = fn(X) * scale(m, n)  # (b, m, n)
-        for (_, dst), y in zip(pairs, Y.split(counts)):
-            dst.copy_(y.reshape(dst.shape))
+        dsts = [dst for _, dst in pairs]
+        torch._foreach_copy_(dsts, [y.view(d.shape) for y, d in zip(Y.split(counts), dsts)])
     return outs
 
