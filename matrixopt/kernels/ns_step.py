@@ -1,13 +1,37 @@
 """One Newton–Schulz step, X <- a X + (b A + c A^2) X with A = X X^T.
 
-This module is the single entry point the orthogonalization engine calls per iteration. It holds the
-pure-PyTorch reference; faster kernels plug in behind :func:`ns_step` without changing its contract.
+This module is the single entry point the orthogonalization engine calls per iteration. :func:`ns_step` runs
+either the pure-PyTorch reference (three cuBLAS batched GEMMs on CUDA) or the Triton path (two SYRKs that compute
+only the lower-triangle tiles, and the X update with ``a X`` fused into its epilogue), choosing per shape by
+measurement. The module imports without Triton; the Triton kernels are imported on first use.
+
+Dispatch (backend ``"auto"``, the default):
+- CPU tensors, dtypes other than bf16/fp16, no Triton, or inside ``torch.compile``: the reference.
+- CUDA bf16/fp16: the first call for each ``(batch, m, n, dtype, device)`` times both paths (median of a few
+  runs with CUDA events, after the Triton kernels have compiled and tuned) and keeps the Triton path only if it
+  was faster than cuBLAS by ``TRITON_MARGIN``; later calls reuse the decision. A shape first seen during CUDA
+  graph capture, where nothing can be timed, uses the reference.
+:func:`ns_backend` forces a backend for a block of code (benchmarks, tests).
 """
 
 from __future__ import annotations
 
+import contextlib
+import statistics
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
+
+BACKENDS = ("auto", "torch", "triton")
+
+# Keep Triton only where it beat cuBLAS by at least 2%: within that margin the timings are noise, and the
+# reference is the safer default.
+TRITON_MARGIN = 0.98
+_MEASURE_REPS = 5
+
+_backend = "auto"
+_decisions: dict[tuple, dict[str, float | str]] = {}
 
 
 def ns_step_reference(X: Tensor, a: float, b: float, c: float) -> Tensor:
@@ -20,6 +44,90 @@ def ns_step_reference(X: Tensor, a: float, b: float, c: float) -> Tensor:
     return torch.baddbmm(X, B, X, beta=a, alpha=1.0)  # a X + B @ X
 
 
+def ns_step_triton(X: Tensor, a: float, b: float, c: float) -> Tensor:
+    """The step through the Triton kernels: ``(batch, m, n)`` bf16/fp16 -> same shape and dtype.
+
+    Raises ImportError (saying what to install) when Triton is missing."""
+    from matrixopt.kernels.ns_update import ns_update
+    from matrixopt.kernels.syrk import syrk
+
+    if X.stride(-1) != 1:
+        X = X.contiguous()  # row-major tiles load 16 bytes per thread; a transposed view would not
+    A = syrk(X)  # (batch, m, m) = X X^T, lower tiles mirrored
+    B = syrk(A, alpha=c, beta=b, Y=A)  # b A + c A A^T, and A A^T = A^2 since A is symmetric
+    return ns_update(B, X, a)  # a X + B X
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels can be imported."""
+    try:
+        import matrixopt.kernels.ns_update  # noqa: F401
+        import matrixopt.kernels.syrk  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _key(X: Tensor) -> tuple:
+    return (*X.shape, X.dtype, X.device)
+
+
+def _measure(X: Tensor, a: float, b: float, c: float) -> dict[str, float | str]:
+    """Median ms of each path on X (after a warm-up that compiles and tunes), and the faster backend."""
+    paths = {"triton": ns_step_triton, "torch": ns_step_reference}
+    for fn in paths.values():
+        fn(X, a, b, c)
+        fn(X, a, b, c)
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(_MEASURE_REPS):
+        for name, fn in paths.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(X, a, b, c)
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    t_triton, t_torch = statistics.median(times["triton"]), statistics.median(times["torch"])
+    return {"triton_ms": t_triton, "torch_ms": t_torch,
+            "backend": "triton" if t_triton < TRITON_MARGIN * t_torch else "torch"}
+
+
+def _choose(X: Tensor, a: float, b: float, c: float) -> str:
+    if _backend != "auto":
+        return _backend
+    if not X.is_cuda or X.dtype not in (torch.bfloat16, torch.float16) or torch.compiler.is_compiling():
+        return "torch"
+    key = _key(X)
+    decision = _decisions.get(key)
+    if decision is None:
+        if torch.cuda.is_current_stream_capturing() or not triton_available():
+            return "torch"
+        decision = _decisions[key] = _measure(X, a, b, c)
+    return decision["backend"]  # type: ignore[return-value]
+
+
 def ns_step(X: Tensor, a: float, b: float, c: float) -> Tensor:
-    """Dispatching step: ``(batch, m, n)`` with ``m <= n`` -> same shape and dtype."""
+    """Dispatching step: ``(batch, m, n)`` with ``m <= n`` -> same shape and dtype (see the module docstring)."""
+    if _choose(X, a, b, c) == "triton":
+        return ns_step_triton(X, a, b, c)
     return ns_step_reference(X, a, b, c)
+
+
+@contextlib.contextmanager
+def ns_backend(name: str) -> Iterator[None]:
+    """Force ``"torch"`` (reference), ``"triton"`` (any device; on the CPU only under ``TRITON_INTERPRET=1``)
+    or ``"auto"`` inside a ``with`` block."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"unknown Newton–Schulz backend {name!r}; use one of {BACKENDS}")
+    previous, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = previous
+
+
+def dispatch_table() -> dict[str, dict[str, float | str]]:
+    """The measured decisions so far, ``{"batch x m x n dtype device": {"triton_ms", "torch_ms", "backend"}}``."""
+    return {f"{b}x{m}x{n} {str(dt).removeprefix('torch.')} {dev}": dict(d)
+            for (b, m, n, dt, dev), d in _decisions.items()}

@@ -1,0 +1,143 @@
+r"""The Newton–Schulz X update with its epilogue fused: ``out = a X + B X`` for ``B (batch, m, m)``,
+``X (batch, m, n)``.
+
+A batched GEMM whose epilogue reads the X tile at the output position and adds ``a X`` before the single store,
+so ``a X`` never takes a pass of its own through memory. ``a`` is a runtime argument.
+
+Blocked algorithm, one program per (output tile, matrix)::
+
+    acc = 0                                            (BLOCK_M, BLOCK_N) fp32
+    for k in 0..m step BLOCK_K:
+        acc += B[rows, k:k+BLOCK_K] @ X[k:k+BLOCK_K, cols]
+    out[rows, cols] = acc + a X[rows, cols]
+
+Output tiles are visited in groups of GROUP_M rows so that consecutive programs share B and X tiles in L2
+(the ordering of Triton's matrix-multiplication tutorial).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # pragma: no cover - exercised by the dispatcher test through ns_step
+    raise ImportError("matrixopt.kernels.ns_update needs Triton: pip install triton (or pip install "
+                      "matrixopt[triton])") from e
+
+from matrixopt.kernels._tuning import pick
+
+# ----------------------------------------------------------------------------------------------- autotune configs
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def get_ns_update_configs(batch: int, m: int, n: int) -> list[GemmConfig]:
+    """Candidates: Hopper-friendly 128 x 128 and 128 x 256 tiles, and 64 x 128 for small matrices."""
+    return [GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(64, 128, 64, 8, 4, 4)]
+
+
+# ----------------------------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _ns_update_kernel(
+    # pointers
+    b_ptr, x_ptr, out_ptr,
+    # sizes: B is M x M, X and out are M x N
+    M, N,
+    # strides (batch, row, col)
+    stride_bb, stride_bm, stride_bk,
+    stride_xb, stride_xm, stride_xn,
+    stride_ob, stride_om, stride_on,
+    # runtime coefficient
+    a,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    bid = tl.program_id(1).to(tl.int64)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % group) % size_m)
+    pid_n = (pid % group) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # rows / cols past the edge wrap around (always in bounds); masked at the store
+    rows = offs_m % M
+    cols = offs_n % N
+    b_ptrs = b_ptr + bid * stride_bb + rows[:, None] * stride_bm + offs_k[None, :] * stride_bk  # (BLOCK_M, BLOCK_K)
+    x_ptrs = x_ptr + bid * stride_xb + offs_k[:, None] * stride_xm + cols[None, :] * stride_xn  # (BLOCK_K, BLOCK_N)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, M, BLOCK_K):
+        kmask = (k + offs_k) < M
+        bt = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
+        xt = tl.load(x_ptrs, mask=kmask[:, None], other=0.0)
+        acc = tl.dot(bt, xt, acc)
+        b_ptrs += BLOCK_K * stride_bk
+        x_ptrs += BLOCK_K * stride_xm
+
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    x_tile = tl.load(x_ptr + bid * stride_xb + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn,
+                     mask=mask, other=0.0)
+    acc += a * x_tile.to(tl.float32)
+    tl.store(out_ptr + bid * stride_ob + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------- launcher
+
+
+def _launch(B: Tensor, X: Tensor, out: Tensor, a: float, cfg: GemmConfig) -> None:
+    batch, m, n = X.shape
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), batch)
+    _ns_update_kernel[grid](
+        B, X, out, m, n,
+        B.stride(0), B.stride(1), B.stride(2),
+        X.stride(0), X.stride(1), X.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        a,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def ns_update(B: Tensor, X: Tensor, a: float, *, config: GemmConfig | None = None) -> Tensor:
+    """``a X + B X``: B ``(batch, m, m)``, X ``(batch, m, n)``, same float dtype (bf16 or fp16 for the tensor
+    cores), any strides. Returns a contiguous ``(batch, m, n)`` tensor in X's dtype, accumulated in fp32.
+    ``config`` overrides the tuned choice."""
+    if X.ndim != 3 or B.shape != (X.shape[0], X.shape[1], X.shape[1]):
+        raise ValueError(f"ns_update takes B (batch, m, m) and X (batch, m, n); got B {tuple(B.shape)}, "
+                         f"X {tuple(X.shape)}")
+    out = torch.empty(X.shape, device=X.device, dtype=X.dtype)
+    if config is None:
+        key = ("ns_update", tuple(X.shape), X.stride(), B.stride(), X.dtype, X.device)
+        config = pick(key, get_ns_update_configs(*X.shape), lambda c: _launch(B, X, out, a, c), X.device)
+    _launch(B, X, out, float(a), config)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- torch reference
+
+
+def ns_update_reference(B: Tensor, X: Tensor, a: float) -> Tensor:
+    """``a X + B X`` by ``torch.baddbmm`` (cuBLAS on CUDA)."""
+    return torch.baddbmm(X, B, X, beta=a, alpha=1.0)

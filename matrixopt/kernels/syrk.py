@@ -1,0 +1,205 @@
+r"""Batched symmetric rank-k update (SYRK): ``C = alpha X X^T + beta Y`` for ``X (batch, m, k)``, ``Y (batch, m, m)``
+symmetric.
+
+Only the lower-triangle tiles of C are computed; each is stored at (i, j) and mirrored to (j, i). With T = m / BLOCK
+tiles per side that is T (T + 1) / 2 of T^2 tiles, about half the FLOPs of ``X @ X.mT``. Newton–Schulz uses it
+twice per step: ``A = X X^T`` and, because A is symmetric so that ``A^2 = A A^T``, ``b A + c A^2 = syrk(A, c, b, A)``.
+
+Blocked algorithm, one program per (lower tile, matrix, K split)::
+
+    tile (i, j), i >= j, from the program id p = i (i + 1) / 2 + j
+    acc = 0                                          (BLOCK, BLOCK) fp32
+    for k in this split's range, step BLOCK_K:
+        acc += X[i rows, k:k+BLOCK_K] @ X[j rows, k:k+BLOCK_K]^T
+    C[i, j] = alpha acc + beta Y[i, j];  C[j, i] = C[i, j]^T
+
+When the tiles times the batch cannot fill the GPU (a single 1024 x 1024 Gram matrix is 36 tiles of 128 on 132
+SMs) the K range is split: each split writes its fp32 partial (mirrored) to a workspace and a second kernel sums
+the splits and applies alpha and beta. Coefficients are runtime arguments: a new (alpha, beta) never recompiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # pragma: no cover - exercised by the dispatcher test through ns_step
+    raise ImportError("matrixopt.kernels.syrk needs Triton: pip install triton (or pip install matrixopt[triton])") \
+        from e
+
+from matrixopt.kernels._tuning import pick
+
+# ----------------------------------------------------------------------------------------------- autotune configs
+
+
+@dataclass(frozen=True)
+class SyrkConfig:
+    block: int  # square output tile side (the triangle needs square tiles)
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+NUM_SMS_H100 = 132
+
+
+def get_syrk_configs(batch: int, m: int, k: int, num_sms: int = NUM_SMS_H100) -> list[SyrkConfig]:
+    """Candidates for one shape: 128-tiles (Hopper wgmma sweet spot) and 64-tiles (more programs for small m),
+    plus K splits when the lower-triangle tiles times the batch are fewer than the SMs."""
+    out = [SyrkConfig(128, 64, 1, 8, 4), SyrkConfig(64, 64, 1, 4, 4)]
+    tiles = lambda blk: batch * (triton.cdiv(m, blk) * (triton.cdiv(m, blk) + 1) // 2)  # noqa: E731
+    for split in (2, 4, 8):
+        if tiles(128) * split <= 2 * num_sms and k // split >= 256:
+            out.append(SyrkConfig(128, 64, split, 8, 4))
+        if tiles(64) * split <= 2 * num_sms and k // split >= 256:
+            out.append(SyrkConfig(64, 64, split, 4, 4))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _syrk_kernel(
+    # pointers
+    x_ptr, y_ptr, out_ptr,
+    # sizes: M rows of X (C is M x M), K columns of X, K_PER_SPLIT columns per split (a multiple of BLOCK_K)
+    M, K, K_PER_SPLIT,
+    # strides (batch, row, col); out is C, or the (split * batch, M, M) workspace when PARTIAL
+    stride_xb, stride_xm, stride_xk,
+    stride_yb, stride_ym, stride_yn,
+    stride_ob, stride_om, stride_on,
+    # runtime coefficients
+    alpha, beta,
+    # meta-parameters
+    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_Y: tl.constexpr, PARTIAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    bid = tl.program_id(1)
+    sid = tl.program_id(2)
+    # lower-triangle tile (ti, tj), ti >= tj, with pid = ti (ti + 1) / 2 + tj; the float root is fixed up by one
+    ti = ((tl.sqrt(8.0 * pid.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
+    ti = tl.where(ti * (ti + 1) // 2 > pid, ti - 1, ti)
+    ti = tl.where((ti + 1) * (ti + 2) // 2 <= pid, ti + 1, ti)
+    tj = pid - ti * (ti + 1) // 2
+
+    offs_i = ti * BLOCK + tl.arange(0, BLOCK)
+    offs_j = tj * BLOCK + tl.arange(0, BLOCK)
+    offs_k = tl.arange(0, BLOCK_K)
+    # rows past M wrap around (always in bounds); their results are masked at the store
+    rows_i = offs_i % M
+    rows_j = offs_j % M
+    k_start = sid * K_PER_SPLIT
+    xb = x_ptr + bid.to(tl.int64) * stride_xb
+    a_ptrs = xb + rows_i[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk  # (BLOCK, BLOCK_K)
+    bt_ptrs = xb + rows_j[None, :] * stride_xm + (k_start + offs_k)[:, None] * stride_xk  # (BLOCK_K, BLOCK)
+
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for k in range(0, K_PER_SPLIT, BLOCK_K):
+        kmask = (k_start + k + offs_k) < K
+        a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+        bt = tl.load(bt_ptrs, mask=kmask[:, None], other=0.0)
+        acc = tl.dot(a, bt, acc)
+        a_ptrs += BLOCK_K * stride_xk
+        bt_ptrs += BLOCK_K * stride_xk
+
+    mask = (offs_i[:, None] < M) & (offs_j[None, :] < M)
+    mask_t = (offs_j[:, None] < M) & (offs_i[None, :] < M)
+    if PARTIAL:
+        ob = out_ptr + (sid * tl.num_programs(1) + bid).to(tl.int64) * stride_ob
+        tile = acc
+    else:
+        ob = out_ptr + bid.to(tl.int64) * stride_ob
+        acc = acc * alpha
+        if HAS_Y:
+            y = tl.load(y_ptr + bid.to(tl.int64) * stride_yb + offs_i[:, None] * stride_ym
+                        + offs_j[None, :] * stride_yn, mask=mask, other=0.0)
+            acc += beta * y.to(tl.float32)
+        tile = acc.to(out_ptr.dtype.element_ty)
+    tl.store(ob + offs_i[:, None] * stride_om + offs_j[None, :] * stride_on, tile, mask=mask)
+    if ti != tj:
+        tl.store(ob + offs_j[:, None] * stride_om + offs_i[None, :] * stride_on, tl.trans(tile), mask=mask_t)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    ws_ptr, y_ptr, out_ptr,  # ws: (SPLIT, N) fp32; y, out: N contiguous elements
+    N, SPLIT,
+    alpha, beta,
+    HAS_Y: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(ws_ptr + s * N + offs, mask=mask, other=0.0)
+    acc = acc * alpha
+    if HAS_Y:
+        acc += beta * tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------- launcher
+
+
+def _launch(X: Tensor, Y: Tensor | None, out: Tensor, alpha: float, beta: float, cfg: SyrkConfig) -> None:
+    batch, m, k = X.shape
+    T = triton.cdiv(m, cfg.block)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)
+    y = Y if Y is not None else out  # unread when HAS_Y is False
+    partial = split > 1
+    dst = torch.empty((split * batch, m, m), device=X.device, dtype=torch.float32) if partial else out
+    _syrk_kernel[(T * (T + 1) // 2, batch, split)](
+        X, y, dst, m, k, k_per_split,
+        X.stride(0), X.stride(1), X.stride(2),
+        y.stride(0), y.stride(1), y.stride(2),
+        dst.stride(0), dst.stride(1), dst.stride(2),
+        alpha, beta,
+        BLOCK=cfg.block, BLOCK_K=cfg.block_k, HAS_Y=Y is not None, PARTIAL=partial,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if partial:
+        n = batch * m * m
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(n, block),)](
+            dst, y, out, n, split, alpha, beta, HAS_Y=Y is not None, BLOCK=block, num_warps=4)
+
+
+def syrk(X: Tensor, alpha: float = 1.0, beta: float = 0.0, Y: Tensor | None = None, *,
+         config: SyrkConfig | None = None) -> Tensor:
+    """``alpha X X^T + beta Y`` for a batch of matrices, computing only the lower-triangle tiles.
+
+    X: ``(batch, m, k)``, bf16 or fp16 (fp32 works, with Triton's tf32 dot), any strides. Y: ``(batch, m, m)``
+    symmetric, contiguous, or None. alpha, beta: Python floats (runtime values, no recompilation).
+    Returns a contiguous ``(batch, m, m)`` tensor in X's dtype, accumulated in fp32. ``config`` overrides the
+    tuned choice (tests use it to reach every code path at small sizes).
+    """
+    if X.ndim != 3:
+        raise ValueError(f"syrk takes a (batch, m, k) tensor, got shape {tuple(X.shape)}")
+    batch, m, _ = X.shape
+    if Y is not None and (Y.shape != (batch, m, m) or not Y.is_contiguous()):
+        raise ValueError(f"syrk's Y must be a contiguous (batch, m, m) = {(batch, m, m)} tensor, got shape "
+                         f"{tuple(Y.shape)} with strides {Y.stride()}")
+    out = torch.empty((batch, m, m), device=X.device, dtype=X.dtype)
+    if config is None:
+        key = ("syrk", tuple(X.shape), X.stride(), X.dtype, X.device, Y is not None)
+        config = pick(key, get_syrk_configs(*X.shape), lambda c: _launch(X, Y, out, alpha, beta, c), X.device)
+    _launch(X, Y, out, float(alpha), float(beta), config)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- torch reference
+
+
+def syrk_reference(X: Tensor, alpha: float = 1.0, beta: float = 0.0, Y: Tensor | None = None) -> Tensor:
+    """``alpha X X^T + beta Y`` by ``torch.baddbmm`` (cuBLAS on CUDA): ``(batch, m, k)`` -> ``(batch, m, m)``."""
+    if Y is None:
+        return torch.bmm(X, X.mT) if alpha == 1.0 else torch.bmm(X, X.mT).mul_(alpha)
+    return torch.baddbmm(Y, X, X.mT, beta=beta, alpha=alpha)

@@ -1,0 +1,83 @@
+"""SYRK and the fused X update against float64 torch, on the CPU through Triton's interpreter (see conftest.py).
+
+Sizes are odd and not multiples of the tile, batched, and every code path is reached through explicit configs:
+one-pass and split-K SYRK (with and without the ``beta Y`` term), several GEMM tile shapes, transposed input.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from matrixopt.kernels.ns_update import GemmConfig, ns_update, ns_update_reference  # noqa: E402
+from matrixopt.kernels.syrk import SyrkConfig, get_syrk_configs, syrk, syrk_reference  # noqa: E402
+
+# Relative Frobenius error against float64 on the same (already rounded) inputs. fp32: the interpreter's dot
+# is exact fp32 (observed ~1e-7). bf16: the result is rounded to bf16 (unit round-off 2^-8, observed ~3.5e-3
+# for these sizes) after fp32 accumulation; METHOD.md's band for bf16 operands is 1e-3..1e-2.
+FP32_TOL = 1e-5
+BF16_TOL = 1e-2
+TOL = {torch.float32: FP32_TOL, torch.bfloat16: BF16_TOL}
+
+SYRK_CONFIGS = [SyrkConfig(16, 16, 1, 4, 1), SyrkConfig(32, 16, 1, 4, 1), SyrkConfig(16, 16, 3, 4, 1)]
+GEMM_CONFIGS = [GemmConfig(16, 32, 16, 2, 4, 1), GemmConfig(32, 16, 16, 1, 4, 1)]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("cfg", SYRK_CONFIGS, ids=lambda c: f"b{c.block}-split{c.split_k}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 37, 75), (1, 50, 21)])
+def test_syrk_gram(shape, dtype, cfg):
+    X = torch.randn(shape).to(dtype)
+    C = syrk(X, config=cfg)
+    assert C.shape == (shape[0], shape[1], shape[1]) and C.dtype == dtype and C.is_contiguous()
+    assert rel_err(C, syrk_reference(X.double())) < TOL[dtype]
+
+
+@pytest.mark.parametrize("cfg", SYRK_CONFIGS, ids=lambda c: f"b{c.block}-split{c.split_k}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_syrk_with_y_is_b_a_plus_c_a_squared(dtype, cfg):
+    X = torch.randn(2, 33, 47, dtype=torch.float64)
+    A = (X @ X.mT / 47).to(dtype)  # symmetric, like X X^T in Newton–Schulz
+    b, c = -2.8089, 0.5000178  # a quintic step's b and c, passed at run time
+    out = syrk(A, alpha=c, beta=b, Y=A, config=cfg)
+    A64 = A.double()
+    assert rel_err(out, b * A64 + c * A64 @ A64) < TOL[dtype]
+
+
+def test_syrk_transposed_input_and_alpha():
+    X = torch.randn(2, 41, 19).mT  # (2, 19, 41) column-major view
+    out = syrk(X, alpha=0.5, config=SYRK_CONFIGS[0])
+    assert rel_err(out, 0.5 * syrk_reference(X.double())) < FP32_TOL
+
+
+def test_syrk_rejects_bad_y():
+    X = torch.randn(2, 8, 16)
+    with pytest.raises(ValueError, match="contiguous"):
+        syrk(X, beta=1.0, Y=torch.randn(2, 8, 9))
+
+
+def test_syrk_configs_split_only_small_problems():
+    assert all(c.split_k == 1 for c in get_syrk_configs(24, 768, 3072))
+    assert any(c.split_k > 1 for c in get_syrk_configs(1, 1024, 4096))
+
+
+@pytest.mark.parametrize("cfg", GEMM_CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 37, 75), (2, 29, 29)])
+def test_ns_update(shape, dtype, cfg):
+    batch, m, n = shape
+    B = torch.randn(batch, m, m).to(dtype)
+    X = torch.randn(shape).to(dtype)
+    out = ns_update(B, X, 3.4445, config=cfg)
+    assert out.shape == shape and out.dtype == dtype
+    assert rel_err(out, ns_update_reference(B.double(), X.double(), 3.4445)) < TOL[dtype]
+
+
+def test_ns_update_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="B \\(batch, m, m\\)"):
+        ns_update(torch.randn(2, 5, 6), torch.randn(2, 5, 6), 1.0)
