@@ -73,6 +73,12 @@ class MatrixOptimizer(Optimizer):
         self.skipped_updates = 0  # parameter updates skipped for non-finite gradients
         super().__init__(params, dict(matrix_defaults))
 
+    def __getstate__(self) -> dict[str, Any]:
+        """torch.optim.Optimizer pickles only defaults, state and param_groups; keep our attributes too."""
+        return super().__getstate__() | {k: self.__dict__[k] for k in
+                                         ("_matrix_defaults", "_adamw_defaults", "skip_nonfinite",
+                                          "skipped_updates")}
+
     # ----------------------------------------------------------------------------------- param groups
     def _validate_matrix_group(self, group: dict[str, Any]) -> None:
         """Subclasses check their own hyperparameters and shapes; raise ValueError naming the value."""
