@@ -9,8 +9,19 @@ import pytest
 import torch
 from torch import nn
 
-from .common import (LR, NAMES, assert_identical, batch, build, loss_fn, matrixopt_names, set_grads, snapshot,
-                     tiny_net, train)
+from .common import (
+    LR,
+    NAMES,
+    assert_identical,
+    batch,
+    build,
+    loss_fn,
+    matrixopt_names,
+    set_grads,
+    snapshot,
+    tiny_net,
+    train,
+)
 
 
 def _through_bytes(sd):
@@ -153,7 +164,7 @@ def test_params_without_grads_are_untouched_and_do_not_change_the_others(name):
     for step in range(3):
         set_grads(model, step)
         model.fc3.weight.grad = None
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        for p, q in zip(model.parameters(), ref.parameters()):
             if p.grad is not None:
                 q.grad = p.grad.clone()
         opt.step()
