@@ -1,0 +1,223 @@
+"""A training run as one typed config, composed of the component configs.
+
+``TrainConfig()`` with no arguments is nanoGPT's CPU quick-start on TinyShakespeare (4 layers, 4 heads,
+width 128, context 64, batch 12, dropout 0, 2000 iterations, lr 1e-3 with 100 warmup steps and a cosine decay
+to 1e-4, beta2 0.99, weight decay 0.1, clip 1.0). Every config validates itself on construction and raises
+ValueError naming the field, its value and the accepted range. ``from_dict`` builds one from JSON and rejects
+unknown keys with a suggestion, so a typo in a config file is an error rather than a silent default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+
+from matrixopt.train.data import DataConfig
+from matrixopt.train.model import PRESETS, GPTConfig
+
+SCHEDULES = ("cosine", "wsd", "constant")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "bf16", "fp32")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """A preset plus optional overrides; the vocab comes from the data."""
+
+    preset: str = "tiny-cpu"
+    """One of PRESETS: tiny-cpu, shakespeare-char, gpt2-small, gpt2-medium, 1.3b."""
+    n_layer: int | None = None
+    n_head: int | None = None
+    n_embd: int | None = None
+    block_size: int | None = None
+    """Overrides of the preset's shape (None keeps the preset's value)."""
+    dropout: float = 0.0
+    bias: bool = False
+    norm: str = "layernorm"
+    rope: bool = False
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown model preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        self.gpt_config(vocab_size=1)  # validates the shape
+
+    def gpt_config(self, vocab_size: int) -> GPTConfig:
+        shape = dict(PRESETS[self.preset])
+        for name in ("n_layer", "n_head", "n_embd", "block_size"):
+            if getattr(self, name) is not None:
+                shape[name] = getattr(self, name)
+        return GPTConfig(
+            vocab_size=vocab_size,
+            dropout=self.dropout,
+            bias=self.bias,
+            norm=self.norm,
+            rope=self.rope,
+            tie_embeddings=self.tie_embeddings,
+            **shape,
+        )
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """Arguments of ``matrixopt.build_optimizer``; the name is checked against the registry there."""
+
+    name: str = "adamw"
+    """A key of matrixopt.optim.registry.OPTIMIZERS."""
+    lr: float = 1e-3
+    """Peak learning rate of the optimizer's main groups."""
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas (also used for the AdamW-routed parameters of a matrix optimizer)."""
+    hparams: dict[str, typing.Any] = field(default_factory=dict)
+    """Further keyword arguments for the optimizer, e.g. {"momentum": 0.95, "ns_steps": 5}."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        self.betas = tuple(self.betas)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    """Learning-rate multiplier over steps: linear warmup, then cosine, warmup-stable-decay or constant."""
+
+    schedule: str = "cosine"
+    """'cosine' (decay over the whole run), 'wsd' (flat, then linear decay over the last decay_frac) or
+    'constant'."""
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    """Final multiplier: nanoGPT decays lr 1e-3 to min_lr 1e-4."""
+    decay_frac: float = 0.2
+    """Share of steps spent decaying in 'wsd'."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0.0 < self.decay_frac <= 1.0:
+            raise ValueError(f"decay_frac must be in (0, 1], got {self.decay_frac}")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One training run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    steps: int = 2000
+    """Optimizer steps."""
+    batch_size: int = 12
+    """Sequences per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; tokens per step = batch_size * grad_accum * block_size."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+    eval_every: int = 100
+    """Evaluate val loss every this many steps, and at the last step."""
+    eval_iters: int = 50
+    """Val batches (of batch_size windows, fixed across evaluations) per evaluation."""
+    log_every: int = 10
+    """Write a metrics line every this many steps."""
+    ckpt_every: int = 0
+    """Checkpoint every this many steps (0: only at the end and on Ctrl-C)."""
+    seed: int = 1337
+    device: str = "auto"
+    """'auto' (cuda when available), 'cpu' or 'cuda'."""
+    dtype: str = "auto"
+    """'auto' (bf16 autocast on CUDA, fp32 on CPU), 'bf16' or 'fp32'."""
+    compile: bool = False
+    """torch.compile the model."""
+    threads: int = 0
+    """CPU threads for torch (0: torch's default)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_iters", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        for name in ("ckpt_every", "threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def lr_multiplier(step: int, steps: int, cfg: ScheduleConfig) -> float:
+    """Multiplier on each group's initial lr for optimizer step ``step`` (0-based) of ``steps``.
+
+    Warmup is nanoGPT's linear ramp (step + 1) / (warmup + 1); cosine then falls from 1 to min_lr_ratio at the
+    last step; wsd holds 1 and falls linearly to min_lr_ratio over the last decay_frac of the steps."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    lo = cfg.min_lr_ratio
+    match cfg.schedule:
+        case "constant":
+            return 1.0
+        case "cosine":
+            progress = (step - cfg.warmup_steps) / max(1, steps - 1 - cfg.warmup_steps)
+            return lo + 0.5 * (1.0 - lo) * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        case "wsd":
+            decay_start = steps - max(1, round(cfg.decay_frac * steps))
+            if step < decay_start:
+                return 1.0
+            progress = (step - decay_start) / max(1, steps - 1 - decay_start)
+            return 1.0 - (1.0 - lo) * min(progress, 1.0)
+    raise NotImplementedError(f"schedule {cfg.schedule!r}")
+
+
+def from_dict(cls: type, values: dict, where: str = "config"):
+    """Build dataclass ``cls`` from nested ``values``; unknown keys raise ValueError with a suggestion."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(values).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(fields)}"
+            raise ValueError(f"unknown key {key!r} in {where}{hint}")
+        kind = hints[key]
+        if dataclasses.is_dataclass(kind):
+            kwargs[key] = from_dict(kind, value, f"{where}.{key}")
+        else:
+            kwargs[key] = _check_type(value, kind, f"{where}.{key}")
+    return cls(**kwargs)
+
+
+def _check_type(value, kind, where: str):
+    allowed = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+    for t in allowed:
+        origin = typing.get_origin(t) or t
+        if t is type(None) and value is None:
+            return value
+        if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if origin is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if origin is tuple and isinstance(value, list):
+            return tuple(value)
+        if origin not in (float, int, tuple, type(None)) and isinstance(value, origin):
+            return value
+    raise ValueError(f"{where} must be {kind}, got {value!r}")
