@@ -4,6 +4,7 @@ Public API:
     newton_schulz(G, steps=5, coefficients="quintic", *, dtype=None)  approximate polar factor, (m, n) or (b, m, n)
     polar(G)                                                          exact polar factor via float64 SVD
     Muon, MOP                                                         torch.optim.Optimizer subclasses
+    Shampoo, SOAP                                                     Kronecker-factored preconditioning (same routing)
     build_optimizer(model, name, **hparams)                           route a model and build by name
     param_groups(model, ...), routing_summary(groups)                 the routing itself
     mark_split(param, sizes, dim=0), mark_experts(param)              matrix layouts of fused / stacked weights
@@ -16,14 +17,18 @@ from matrixopt.optim.layout import mark_experts, mark_split
 from matrixopt.optim.muon import MOP, Muon
 from matrixopt.optim.registry import OPTIMIZERS, build_optimizer, register_optimizer
 from matrixopt.optim.routing import param_groups, routing_summary
+from matrixopt.optim.shampoo import Shampoo
+from matrixopt.optim.soap import SOAP
 
 __all__ = [
     "MOP",
     "OPTIMIZERS",
     "SCHEDULES",
+    "SOAP",
     "Muon",
     "NewtonSchulzConfig",
     "NonFiniteGradientError",
+    "Shampoo",
     "build_optimizer",
     "mark_experts",
     "mark_split",

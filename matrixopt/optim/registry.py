@@ -15,6 +15,8 @@ from torch import nn
 
 from matrixopt.optim.muon import MOP, Muon
 from matrixopt.optim.routing import param_groups, routing_summary
+from matrixopt.optim.shampoo import Shampoo
+from matrixopt.optim.soap import SOAP
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {}
 
@@ -41,6 +43,8 @@ adamw.matrix_flag = None  # type: ignore[attr-defined]
 register_optimizer("adamw", adamw)
 register_optimizer("muon", Muon)
 register_optimizer("mop", MOP)
+register_optimizer("shampoo", Shampoo)
+register_optimizer("soap", SOAP)
 
 
 def build_optimizer(model: nn.Module, name: str, *, adamw: Sequence[str] = (), matrix: Sequence[str] = (),

@@ -1,0 +1,488 @@
+r"""Shampoo: Kronecker-factored preconditioning, with Adam grafting so AdamW learning rates transfer.
+
+For each matrix block G (``(m, n)``; see *Blocks* below) at step t (Gupta et al., arXiv:1802.09568; Anil et al.,
+arXiv:2002.09018; Shi et al., arXiv:2309.06497):
+
+.. math::
+    L_t = \beta_L L_{t-1} + (1 - \beta_L) G G^\top, \qquad R_t = \beta_L R_{t-1} + (1 - \beta_L) G^\top G
+    \qquad (\beta_L = 1:\ \text{plain sums})
+
+    B_t = \beta_1 B_{t-1} + (1 - \beta_1) G, \qquad D = \mathrm{nesterov}\ ?\ (1 - \beta_1) G + \beta_1 B_t : B_t
+
+    S = \hat L^{-1/r} D \hat R^{-1/r}, \qquad
+    A = \frac{D / (1 - \beta_1^t)}{\sqrt{V_t / (1 - \beta_2^t)} + \epsilon}, \quad
+    V_t = \beta_2 V_{t-1} + (1 - \beta_2) G^2
+
+    U = \frac{\|A\|_F}{\|S\|_F} S \ \ (\text{grafting} = \text{"adam"}) \quad\text{or}\quad U = S\ \ (\text{"none"}),
+    \qquad W_t = (1 - \eta\lambda) W_{t-1} - \eta U
+
+``r`` is ``inverse_root`` (4: the standard :math:`-1/4` on each side of a matrix). The roots
+:math:`\hat L^{-1/r}, \hat R^{-1/r}` are recomputed every ``precondition_frequency`` steps from step
+``start_preconditioning_step`` on, by :func:`matrixopt.linalg.roots.inverse_root` (coupled Newton in fp32,
+float64 eigh fallback, damping ``damping`` relative to the largest eigenvalue); the stale roots serve in between.
+Before ``start_preconditioning_step`` the update is the grafted Adam update A (or D without grafting).
+
+Grafting (Agarwal et al., arXiv:2002.11803) gives each block the Frobenius norm of the Adam update, so Shampoo
+takes the step size of Adam and an AdamW learning rate works as is; Shampoo only chooses the direction.
+
+Blocks. A parameter is seen as matrices as in Muon (conv kernels flattened, experts, splits; see
+:mod:`matrixopt.optim.layout`). A matrix dim above ``max_preconditioner_dim`` is cut into
+``ceil(dim / max_preconditioner_dim)`` near-equal blocks; each block has its own factors (and graft norm).
+With ``one_sided_ratio``, a matrix whose long side exceeds ``one_sided_ratio`` times its short side is
+preconditioned on its short side only, with :math:`L^{-2/r}` (the same degree, -1, in the gradient's scale).
+
+Same-size work is batched: factor updates over all blocks of one shape, roots over all factors of one size.
+Factors and roots are stored in ``factor_dtype`` (float32, or bfloat16 to halve their memory); the math is fp32.
+A failed root (see :class:`matrixopt.linalg.roots.RootResult`) keeps the previous root; roots that needed the
+float64 fallback are counted in ``root_fallbacks`` and failed ones in ``root_failures``. A non-finite factor
+contribution (fp32 overflow of :math:`GG^\top`) is dropped, and a non-finite preconditioned block falls back to
+the Adam update, so no NaN reaches the weights or the state.
+
+``side_stream=True`` (CUDA): each refresh launches the root computation on a side CUDA stream, where it
+overlaps the following forward/backward passes, and installs the results at the next refresh (one refresh
+late); the first refresh, and the first after a ``load_state_dict``, is synchronous. Results still in flight are
+not part of ``state_dict()``. On CPU the option is accepted and every refresh is synchronous.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from matrixopt.linalg.roots import InverseRootConfig, fall_back, inverse_root, newton_inverse_root
+from matrixopt.optim.base import MatrixOptimizer, _check_finite, check_lr, param_label
+from matrixopt.optim.layout import matrix_pieces
+
+GRAFTINGS = ("adam", "none")
+FACTOR_DTYPES = (torch.float32, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------- blocks
+@dataclass(frozen=True)
+class Block:
+    """Rows ``r0:r1`` and columns ``c0:c1`` of matrix piece ``piece`` of a parameter (of expert ``expert`` for
+    stacked experts). ``left`` / ``right``: whether the block has a left (rows) / right (columns) factor."""
+
+    piece: int
+    expert: int | None
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    left: bool
+    right: bool
+
+    @property
+    def key(self) -> tuple[int, int, bool, bool]:
+        """Blocks with equal keys are batched together."""
+        return self.r1 - self.r0, self.c1 - self.c0, self.left, self.right
+
+
+def split_dim(d: int, max_dim: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges cutting ``d`` into ``ceil(d / max_dim)`` pieces whose sizes differ by at most 1."""
+    k = -(-d // max_dim)
+    bounds = [d * i // k for i in range(k + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def block_plan(p: Tensor, max_dim: int, one_sided_ratio: float | None) -> list[Block]:
+    """The blocks of parameter ``p``: each matrix piece cut along every preconditioned dim above ``max_dim``."""
+    out = []
+    for i, piece in enumerate(matrix_pieces(p, p.detach())):
+        m, n = piece.shape[-2:]
+        left = right = True
+        if one_sided_ratio is not None and max(m, n) > one_sided_ratio * min(m, n):
+            left, right = m <= n, m > n
+        rows = split_dim(m, max_dim) if left else [(0, m)]
+        cols = split_dim(n, max_dim) if right else [(0, n)]
+        for e in range(piece.shape[0]) if piece.ndim == 3 else [None]:
+            out += [Block(i, e, r0, r1, c0, c1, left, right) for r0, r1 in rows for c0, c1 in cols]
+    return out
+
+
+def block_views(p: Tensor, plan: list[Block], t: Tensor) -> list[Tensor]:
+    """Views of ``t`` (shaped like ``p``, contiguous when written through) as the blocks of ``plan``."""
+    pieces = matrix_pieces(p, t)
+    out = []
+    for b in plan:
+        x = pieces[b.piece] if b.expert is None else pieces[b.piece][b.expert]
+        out.append(x[b.r0:b.r1, b.c0:b.c1])
+    return out
+
+
+class Layout:
+    """The blocks of a list of parameters, and which of them share a shape. ``entries[j] = (i, k, block)``: block
+    k of parameter i; ``buckets[key]``: the entry indices of blocks with that :attr:`Block.key`."""
+
+    def __init__(self, plans: list[list[Block]]) -> None:
+        self.entries = [(i, k, b) for i, plan in enumerate(plans) for k, b in enumerate(plan)]
+        self.buckets: dict[tuple[int, int, bool, bool], list[int]] = defaultdict(list)
+        for j, (_, _, b) in enumerate(self.entries):
+            self.buckets[b.key].append(j)
+
+
+def accumulate(factors: list[Tensor], GG: Tensor, beta: float) -> None:
+    """``F = beta F + (1 - beta) GG`` (``F += GG`` for beta = 1) for each factor; a block of GG that is not finite
+    contributes nothing. factors: b tensors ``(d, d)``; GG: ``(b, d, d)`` float32."""
+    GG = torch.where(torch.isfinite(GG).all(dim=(-2, -1), keepdim=True), GG, 0.0).to(factors[0].dtype)
+    if beta == 1.0:
+        torch._foreach_add_(factors, list(GG.unbind(0)))
+    else:
+        torch._foreach_lerp_(factors, list(GG.unbind(0)), 1.0 - beta)
+
+
+# ----------------------------------------------------------------------------------------------- shared base
+class KroneckerOptimizer(MatrixOptimizer):
+    """What Shampoo and SOAP share: hyperparameter checks, block plans and layouts, Kronecker factor updates,
+    and the side-stream schedule of refreshes. Subclasses implement ``_init_state`` and the update."""
+
+    matrix_flag = "use_shampoo"
+
+    def __init__(self, params: Iterable[Any], matrix_defaults: dict[str, Any], adamw_defaults: dict[str, Any],
+                 *, skip_nonfinite: bool = False) -> None:
+        self.root_fallbacks = 0  # roots or eigenbases that needed the float64 fallback
+        self.root_failures = 0  # roots or eigenbases that could not be computed (the previous one was kept)
+        self._plans: dict[int, list[Block]] = {}
+        self._layouts: dict[tuple[int, ...], Layout] = {}
+        self._pending: dict[int, Any] = {}  # group index -> side-stream refresh in flight
+        self._side_streams: dict[torch.device, Any] = {}
+        super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite)
+
+    # ----------------------------------------------------------------------------------- validation
+    def _validate_matrix_group(self, group: dict[str, Any]) -> None:
+        check_lr(group["lr"])
+        b1, b2 = group["betas"]
+        for i, b in enumerate((b1, b2)):
+            _check_finite(f"beta parameter at index {i}", b)
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be in [0, 1))")
+        sb = group["shampoo_beta"]
+        if sb is not None:
+            _check_finite("shampoo_beta", sb)
+            if not 0.0 <= sb <= 1.0:
+                raise ValueError(f"Invalid shampoo_beta: {sb} (must be in [0, 1]; 1 sums the factors; None uses "
+                                 f"betas[1])")
+        for name, lo in (("eps", 0.0), ("weight_decay", 0.0)):
+            _check_finite(name, group[name])
+            if group[name] < lo:
+                raise ValueError(f"Invalid {name} value: {group[name]} (must be >= {lo})")
+        _check_finite("damping", group["damping"])
+        if not 0.0 <= group["damping"] < 1.0:
+            raise ValueError(f"Invalid damping: {group['damping']} (relative to the largest eigenvalue; must be in "
+                             f"[0, 1))")
+        for name in ("precondition_frequency", "max_preconditioner_dim"):
+            v = group[name]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Invalid {name}: {v!r} (must be an int >= 1)")
+        r = group["one_sided_ratio"]
+        if r is not None and (not isinstance(r, int | float) or not math.isfinite(r) or r < 1):
+            raise ValueError(f"Invalid one_sided_ratio: {r!r} (must be None or a finite number >= 1)")
+        if group["factor_dtype"] not in FACTOR_DTYPES:
+            raise ValueError(f"Invalid factor_dtype: {group['factor_dtype']} (use torch.float32 or torch.bfloat16)")
+        if not isinstance(group["side_stream"], bool):
+            raise ValueError(f"Invalid side_stream: {group['side_stream']!r} (must be True or False)")
+        for i, p in enumerate(group["params"]):
+            label = param_label(group, i, p)
+            if p.is_complex() or p.is_sparse or not p.is_floating_point():
+                raise ValueError(f"{type(self).__name__} handles real dense floating-point matrices; {label} is "
+                                 f"not. Put it in an AdamW group ({self.matrix_flag}=False).")
+            if p.ndim < 2:
+                raise ValueError(f"{type(self).__name__} handles matrix parameters (2-D or more); {label} is "
+                                 f"{p.ndim}-D. Put it in an AdamW group ({self.matrix_flag}=False), as "
+                                 f"matrixopt.param_groups(model) does.")
+
+    # ----------------------------------------------------------------------------------- blocks and state
+    def _plan(self, group: dict[str, Any], p: Tensor) -> list[Block]:
+        plan = self._plans.get(id(p))
+        if plan is None:
+            plan = self._plans[id(p)] = block_plan(p, group["max_preconditioner_dim"], group["one_sided_ratio"])
+        return plan
+
+    def _layout(self, group: dict[str, Any], params: list[Tensor]) -> Layout:
+        key = tuple(id(p) for p in params)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = Layout([self._plan(group, p) for p in params])
+        return layout
+
+    def _state(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
+        st = self.state[p]
+        if not st:
+            st["step"] = 0
+            self._init_state(group, st, p)
+        return st
+
+    def _init_state(self, group: dict[str, Any], st: dict[str, Any], p: Tensor) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _shampoo_beta(group: dict[str, Any]) -> float:
+        return group["betas"][1] if group["shampoo_beta"] is None else group["shampoo_beta"]
+
+    def _update_factors(self, group: dict[str, Any], layout: Layout, states: list[dict[str, Any]],
+                        gviews: list[list[Tensor]], only: set[int] | None = None) -> None:
+        """``L = EMA(G G^T)``, ``R = EMA(G^T G)`` for every block (of the parameters in ``only``), batched by shape."""
+        beta = self._shampoo_beta(group)
+        for (_, _, left, right), idx in layout.buckets.items():
+            idx = [j for j in idx if only is None or layout.entries[j][0] in only]
+            if not idx:
+                continue
+            G = torch.stack([gviews[i][k] for i, k, _ in (layout.entries[j] for j in idx)])  # (b, m, n)
+            if left:
+                accumulate([states[i][f"left{k}"] for i, k, _ in (layout.entries[j] for j in idx)], G @ G.mT, beta)
+            if right:
+                accumulate([states[i][f"right{k}"] for i, k, _ in (layout.entries[j] for j in idx)], G.mT @ G, beta)
+
+    # ----------------------------------------------------------------------------------- refresh schedule
+    def _refresh(self, gi: int, group: dict[str, Any], launch: Callable[[bool], Any],
+                 install: Callable[[Any], None]) -> None:
+        """Run one refresh. ``launch(sync)`` starts the work (with host syncs allowed when ``sync``) and returns a
+        handle; ``install(handle)`` writes its results into the state. Synchronous unless ``side_stream`` is set
+        and the parameters are on CUDA; then the previous refresh's work is installed and this one launched on a
+        side stream (the first refresh, with nothing in flight, runs synchronously)."""
+        device = group["params"][0].device
+        if not (group["side_stream"] and device.type == "cuda"):
+            install(launch(True))
+            return
+        pending = self._pending.pop(gi, None)
+        if pending is None:
+            install(launch(True))
+        else:
+            event, handle = pending
+            torch.cuda.current_stream(device).wait_event(event)
+            install(handle)
+        side = self._side_streams.get(device)
+        if side is None:
+            side = self._side_streams[device] = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            handle = launch(False)
+            event = torch.cuda.Event()
+            event.record(side)
+        self._pending[gi] = (event, handle)
+
+    @staticmethod
+    def _adopt(*tensors: Tensor) -> None:
+        """Side-stream results read on the current stream: keep their memory until that stream is done."""
+        for t in tensors:
+            if t.is_cuda:
+                t.record_stream(torch.cuda.current_stream(t.device))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As :meth:`MatrixOptimizer.load_state_dict`, and also checks the shape of every factor against this
+        optimizer's blocks. Side-stream results in flight are dropped."""
+        saved = [p for g in state_dict["param_groups"] for p in g["params"]]
+        mine = [(g, p) for g in self.param_groups for p in g["params"]]
+        for pid, (g, p) in zip(saved, mine):
+            st = state_dict["state"].get(pid)
+            if not st or not g[self.matrix_flag]:
+                continue
+            for k, b in enumerate(block_plan(p, g["max_preconditioner_dim"], g["one_sided_ratio"])):
+                m, n = b.key[:2]
+                for side, d in (("left", m), ("right", n)):
+                    f = st.get(f"{side}{k}")
+                    if (f is None) == getattr(b, side) or (f is not None and tuple(f.shape) != (d, d)):
+                        raise ValueError(f"state dict factors of a parameter of shape {tuple(p.shape)} do not match "
+                                         f"its blocks (block {k}: {side} factor {None if f is None else tuple(f.shape)}"
+                                         f", expected {(d, d) if getattr(b, side) else None}); it was saved with "
+                                         f"another max_preconditioner_dim, one_sided_ratio or model")
+        super().load_state_dict(state_dict)
+        self._pending.clear()
+
+    # ----------------------------------------------------------------------------------- helpers
+    @staticmethod
+    def _apply(group: dict[str, Any], params: list[Tensor], updates: list[Tensor]) -> None:
+        """``W = (1 - lr wd) W - lr U`` over the list (U float32, cast to each parameter's dtype; not modified)."""
+        lr, wd = group["lr"], group["weight_decay"]
+        if isinstance(lr, Tensor):
+            lr = lr.to(params[0].device)
+            updates = torch._foreach_mul(updates, lr)
+            alpha = -1.0
+        else:
+            alpha = -lr
+        if wd != 0:
+            torch._foreach_mul_(params, 1 - lr * wd)
+        same = all(u.dtype == p.dtype for u, p in zip(updates, params))
+        torch._foreach_add_(params, updates if same else [u.to(p.dtype) for u, p in zip(updates, params)],
+                            alpha=alpha)
+
+
+def _kronecker_defaults(lr: Any, weight_decay: float, adamw_lr: float | None, adamw_betas: tuple[float, float],
+                        adamw_eps: float, adamw_weight_decay: float | None) -> dict[str, Any]:
+    return dict(lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+                weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
+
+
+# ----------------------------------------------------------------------------------------------- Shampoo
+class Shampoo(KroneckerOptimizer):
+    """Shampoo with Adam grafting (see the module docstring for the update).
+
+    Args:
+        params: parameters or param groups. Groups default to ``use_shampoo=True``; a group with
+            ``use_shampoo=False`` is updated by AdamW. Use :func:`matrixopt.build_optimizer` to route a model.
+        lr: learning rate (default 1e-3; with ``grafting="adam"`` an AdamW learning rate works).
+        betas: (momentum of the gradient, second-moment decay of the Adam graft), each in [0, 1)
+            (default (0.9, 0.999)).
+        shampoo_beta: decay of the factors L and R in [0, 1]; 1 sums them (AdaGrad-style); None (default) uses
+            ``betas[1]``.
+        eps: Adam-graft epsilon (default 1e-8). weight_decay: decoupled weight decay (default 0.01).
+        nesterov: Nesterov momentum (default True).
+        precondition_frequency: roots recomputed every this many steps (default 10); stale roots in between.
+        start_preconditioning_step: first step that uses the roots (default None: ``precondition_frequency``).
+        inverse_root: r in :math:`L^{-1/r} G R^{-1/r}` (even int >= 2, default 4; one-sided blocks use r/2).
+        damping: root damping relative to each factor's largest eigenvalue, in [0, 1) (default 1e-6).
+        grafting: "adam" (default) or "none" (raw Shampoo steps; the learning rate is no longer AdamW's).
+        max_preconditioner_dim: dims above this are cut into blocks (default 1024).
+        one_sided_ratio: precondition only the short side of matrices longer than this ratio (default None).
+        factor_dtype: storage of factors and roots, torch.float32 (default) or torch.bfloat16.
+        root_config: :class:`matrixopt.linalg.roots.InverseRootConfig` (Newton steps and tolerance).
+        side_stream: on CUDA, compute roots on a side stream, used one refresh later (default False).
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults of the AdamW groups (lr and weight decay
+            default to ``lr`` and ``weight_decay``).
+        skip_nonfinite: skip (and count) the update of a parameter whose gradient is NaN/Inf instead of raising.
+
+    State per parameter: ``step`` (int), ``momentum_buffer`` and ``exp_avg_sq`` (float32, the parameter's shape;
+    ``exp_avg_sq`` only with Adam grafting), and per block k ``left{k}``, ``right{k}`` (factors) and
+    ``left_root{k}``, ``right_root{k}`` (their inverse roots), in ``factor_dtype``.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float | Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 shampoo_beta: float | None = None, eps: float = 1e-8, weight_decay: float = 0.01,
+                 nesterov: bool = True, precondition_frequency: int = 10, start_preconditioning_step: int | None = None,
+                 inverse_root: int = 4, damping: float = 1e-6, grafting: str = "adam",
+                 max_preconditioner_dim: int = 1024, one_sided_ratio: float | None = None,
+                 factor_dtype: torch.dtype = torch.float32, root_config: InverseRootConfig | None = None,
+                 side_stream: bool = False, *, adamw_lr: float | None = None,
+                 adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
+                 adamw_weight_decay: float | None = None, skip_nonfinite: bool = False) -> None:
+        matrix_defaults = dict(
+            lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
+            nesterov=nesterov, precondition_frequency=precondition_frequency,
+            start_preconditioning_step=(precondition_frequency if start_preconditioning_step is None
+                                        else start_preconditioning_step),
+            inverse_root=inverse_root, damping=damping, grafting=grafting,
+            max_preconditioner_dim=max_preconditioner_dim, one_sided_ratio=one_sided_ratio,
+            factor_dtype=factor_dtype, root_config=root_config or InverseRootConfig(), side_stream=side_stream)
+        adamw_defaults = _kronecker_defaults(lr, weight_decay, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay)
+        super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite)
+
+    def _validate_matrix_group(self, group: dict[str, Any]) -> None:
+        super()._validate_matrix_group(group)
+        s = group["start_preconditioning_step"]
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise ValueError(f"Invalid start_preconditioning_step: {s!r} (must be an int >= 1)")
+        r = group["inverse_root"]
+        if isinstance(r, bool) or not isinstance(r, int) or r < 2 or r % 2:
+            raise ValueError(f"Invalid inverse_root: {r!r} (must be an even int >= 2: the update is "
+                             f"L^(-1/r) G R^(-1/r), and one-sided blocks use L^(-2/r))")
+        if group["grafting"] not in GRAFTINGS:
+            raise ValueError(f"Unknown grafting {group['grafting']!r}; use one of {GRAFTINGS}")
+        if not isinstance(group["root_config"], InverseRootConfig):
+            raise ValueError(f"Invalid root_config: {group['root_config']!r} (must be an InverseRootConfig)")
+
+    def _init_state(self, group: dict[str, Any], st: dict[str, Any], p: Tensor) -> None:
+        st["momentum_buffer"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        if group["grafting"] == "adam":
+            st["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        dt = group["factor_dtype"]
+        for k, b in enumerate(self._plan(group, p)):
+            for side, d in (("left", b.r1 - b.r0), ("right", b.c1 - b.c0)):
+                if getattr(b, side):
+                    st[f"{side}{k}"] = torch.zeros(d, d, dtype=dt, device=p.device)
+                    st[f"{side}_root{k}"] = torch.eye(d, dtype=dt, device=p.device)
+
+    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+        beta1, beta2 = group["betas"]
+        graft = group["grafting"] == "adam"
+        states = [self._state(group, p) for p in params]
+        layout = self._layout(group, params)
+        for st in states:
+            st["step"] += 1
+        g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
+        bufs = [st["momentum_buffer"] for st in states]
+        torch._foreach_lerp_(bufs, g32, 1 - beta1)  # B = beta1 B + (1 - beta1) G
+        D = torch._foreach_lerp(g32, bufs, beta1) if group["nesterov"] else bufs
+        if graft:  # Adam update A = (D / bc1) / (sqrt(V / bc2) + eps)
+            V = [st["exp_avg_sq"] for st in states]
+            torch._foreach_mul_(V, beta2)
+            torch._foreach_addcmul_(V, g32, g32, 1 - beta2)
+            denom = torch._foreach_div(V, [1 - beta2 ** st["step"] for st in states])
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, group["eps"])
+            fallback = torch._foreach_div(D, denom)
+            torch._foreach_div_(fallback, [1 - beta1 ** st["step"] for st in states])
+        else:
+            fallback = D
+        gviews = [block_views(p, self._plan(group, p), g) for p, g in zip(params, g32)]
+        self._update_factors(group, layout, states, gviews)
+
+        start, freq = group["start_preconditioning_step"], group["precondition_frequency"]
+        due = [i for i, st in enumerate(states) if st["step"] >= start and (st["step"] - start) % freq == 0]
+        if due:
+            gi = next(j for j, g in enumerate(self.param_groups) if g is group)
+            items = [(self._plan(group, params[i]), states[i]) for i in due]
+            self._refresh(gi, group, lambda sync: self._launch_roots(group, items, sync),
+                          lambda handle: self._install_roots(group, handle))
+
+        active = {i for i, st in enumerate(states) if st["step"] >= start}
+        updates = [f if i not in active else torch.empty(p.shape, dtype=torch.float32, device=p.device)
+                   for i, (p, f) in enumerate(zip(params, fallback))]
+        if active:
+            dviews = [block_views(p, self._plan(group, p), d) for p, d in zip(params, D)]
+            fviews = [block_views(p, self._plan(group, p), f) for p, f in zip(params, fallback)]
+            uviews = [block_views(p, self._plan(group, p), u) for p, u in zip(params, updates)]
+            for (_, _, left, right), idx in layout.buckets.items():
+                ents = [layout.entries[j] for j in idx if layout.entries[j][0] in active]
+                if not ents:
+                    continue
+                S = torch.stack([dviews[i][k] for i, k, _ in ents])  # (b, m, n)
+                if left:
+                    S = torch.stack([states[i][f"left_root{k}"] for i, k, _ in ents]).float() @ S
+                if right:
+                    S = S @ torch.stack([states[i][f"right_root{k}"] for i, k, _ in ents]).float()
+                F = torch.stack([fviews[i][k] for i, k, _ in ents])  # (b, m, n)
+                if graft:
+                    nS = torch.linalg.vector_norm(S, dim=(-2, -1), keepdim=True)
+                    nF = torch.linalg.vector_norm(F, dim=(-2, -1), keepdim=True)
+                    S = S * torch.where(nS > 0, nF / nS, 0.0)
+                S = torch.where(torch.isfinite(S).all(dim=(-2, -1), keepdim=True), S, F)
+                torch._foreach_copy_([uviews[i][k] for i, k, _ in ents], list(S.unbind(0)))
+        self._apply(group, params, updates)
+
+    # ----------------------------------------------------------------------------------- roots
+    def _launch_roots(self, group: dict[str, Any], items: list[tuple[list[Block], dict[str, Any]]],
+                      sync: bool) -> list[Any]:
+        """Start the roots of every factor of ``items`` (``(plan, state)`` pairs), batched by (size, order)."""
+        r = group["inverse_root"]
+        buckets: dict[tuple[int, int], list[tuple[dict[str, Any], int, str]]] = defaultdict(list)
+        for plan, st in items:
+            for k, b in enumerate(plan):
+                for side in ("left", "right")[0 if b.left else 1:2 if b.right else 1]:
+                    buckets[(st[f"{side}{k}"].shape[0], r if b.left and b.right else r // 2)].append((st, k, side))
+        out = []
+        for (_, p), jobs in buckets.items():
+            A = torch.stack([st[f"{side}{k}"] for st, k, side in jobs]).float()  # (b, d, d) snapshot
+            dsts = [st[f"{side}_root{k}"] for st, k, side in jobs]
+            if sync:
+                out.append((dsts, A, inverse_root(A, p, group["damping"], group["root_config"]), p))
+            else:
+                X, conv = newton_inverse_root(A, p, group["damping"], group["root_config"], early_exit=False)
+                out.append((dsts, A, (X, conv), p))
+        return out
+
+    def _install_roots(self, group: dict[str, Any], handle: list[Any]) -> None:
+        for dsts, A, res, p in handle:
+            if not hasattr(res, "failed"):
+                self._adopt(*res)
+                res = fall_back(A, res[0], res[1], p, group["damping"])
+            old = torch.stack(dsts).float()
+            new = torch.where(res.failed[:, None, None], old, res.root)
+            torch._foreach_copy_(dsts, list(new.to(dsts[0].dtype).unbind(0)))
+            self.root_fallbacks += int(res.fell_back.sum())
+            self.root_failures += int(res.failed.sum())

@@ -1,0 +1,298 @@
+r"""SOAP: Adam in the eigenbasis of Shampoo's factors (Vyas et al., arXiv:2409.11321).
+
+For each matrix block G (``(m, n)``; blocks as in :mod:`matrixopt.optim.shampoo`) at step t, with
+:math:`Q_L, Q_R` the eigenbases of the factors L, R:
+
+.. math::
+    G' = Q_L^\top G Q_R, \qquad M'_t = \beta_1 M'_{t-1} + (1 - \beta_1) G', \qquad
+    V'_t = \beta_2 V'_{t-1} + (1 - \beta_2) G'^2
+
+    U = Q_L \frac{M'_t / (1 - \beta_1^t)}{\sqrt{V'_t / (1 - \beta_2^t)} + \epsilon} Q_R^\top, \qquad
+    W_t = (1 - \eta\lambda) W_{t-1} - \eta U
+
+and then, after the update, :math:`L \leftarrow \beta_L L + (1 - \beta_L) G G^\top`,
+:math:`R \leftarrow \beta_L R + (1 - \beta_L) G^\top G`. The moments live in the rotated coordinates.
+
+Eigenbases: at step 1 the factors are built from G and their eigenvectors taken by float64 ``eigh``; every
+``precondition_frequency`` steps after that, one QR power-iteration step refreshes them
+(:func:`matrixopt.linalg.roots.refresh_eigenbasis`): the second moment V' is permuted with the basis columns
+(sorted by estimated eigenvalue), and the first moment M' is rotated exactly into the new basis,
+:math:`M' \leftarrow (Q_L^{\text{new}\top} Q_L)\, M'\, (Q_R^\top Q_R^{\text{new}})`.
+
+``factor_update="kl"`` uses KL-Shampoo's factor updates (Lin et al., arXiv:2509.03378), in which each factor is
+estimated with the other one whitened out:
+
+.. math::
+    L \leftarrow \beta_L L + \frac{1 - \beta_L}{n} G R^{-1} G^\top, \qquad
+    R \leftarrow \beta_L R + \frac{1 - \beta_L}{m} G^\top L^{-1} G .
+
+As in the paper's KL-SOAP, :math:`R^{-1}` is taken in the current eigenbasis,
+:math:`Q_R \operatorname{diag}(d_R)^{-1} Q_R^\top`, where the eigenvalue estimates d (state ``left_eig{k}``,
+``right_eig{k}``) follow the same EMA every step, :math:`d_L \leftarrow \beta_L d_L + \frac{1-\beta_L}{n}
+\sum_j G'^2_{ij} / d_{R,j}`, and are reset to :math:`\operatorname{diag}(Q^\top L Q)` at each refresh. ``damping``
+(relative to the largest estimate) keeps the inverse bounded. Step 1 uses the plain update with the other factor
+taken as the identity.
+
+A one-sided block (``one_sided_ratio``) has a basis on its short side only. ``side_stream=True`` on CUDA runs
+each QR refresh on a side stream and installs it at the next refresh (the eigh at step 1 is synchronous); on CPU
+it is accepted and synchronous. Eigenbases that cannot be computed (non-finite factors) keep the previous basis
+and are counted in ``root_failures``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from matrixopt.linalg.roots import eigenbasis, refresh_eigenbasis
+from matrixopt.optim.shampoo import Block, KroneckerOptimizer, Layout, _kronecker_defaults, accumulate, block_views
+
+FACTOR_UPDATES = ("shampoo", "kl")
+
+
+def _eig_estimate(F: Tensor, Q: Tensor) -> Tensor:
+    """``diag(Q^T F Q)``: ``(b, d, d)`` x ``(b, d, d)`` -> ``(b, d)`` float32."""
+    F, Q = F.float(), Q.float()
+    return (Q * (F @ Q)).sum(dim=-2)
+
+
+def _inverse(d: Tensor, damping: float) -> Tensor:
+    """``1 / (d + damping * max(d))`` per row of ``(b, d)`` estimates; 0 where that is 0 (no information)."""
+    den = d.clamp_min(0) + damping * d.amax(dim=-1, keepdim=True).clamp_min(0)
+    return torch.where(den > 0, 1.0 / den, 0.0)
+
+
+class SOAP(KroneckerOptimizer):
+    """SOAP: Adam in the eigenbasis of Shampoo's factors, refreshed every ``precondition_frequency`` steps.
+
+    Args:
+        params: parameters or param groups. Groups default to ``use_soap=True``; a group with ``use_soap=False``
+            is updated by AdamW. Use :func:`matrixopt.build_optimizer` to route a model.
+        lr: learning rate (default 3e-3, the paper's). betas: Adam's (beta1, beta2), each in [0, 1)
+            (default (0.95, 0.95), the paper's).
+        shampoo_beta: decay of the factors in [0, 1] (1 sums them); None (default) uses ``betas[1]``.
+        eps: Adam epsilon (default 1e-8). weight_decay: decoupled weight decay (default 0.01).
+        precondition_frequency: eigenbases refreshed every this many steps (default 10).
+        factor_update: "shampoo" (default) or "kl" (KL-Shampoo factor updates, see the module docstring).
+        damping: relative damping of the eigenvalue estimates of ``factor_update="kl"`` (default 1e-6).
+        max_preconditioner_dim: dims above this are cut into blocks (default 1024).
+        one_sided_ratio: rotate only the short side of matrices longer than this ratio (default None).
+        factor_dtype: storage of factors and eigenbases, torch.float32 (default) or torch.bfloat16.
+        side_stream: on CUDA, refresh eigenbases on a side stream, used one refresh later (default False).
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, skip_nonfinite: as in :class:`matrixopt.Shampoo`.
+
+    State per parameter: ``step`` (int), ``exp_avg`` and ``exp_avg_sq`` (float32, the parameter's shape, each
+    block in its eigen-coordinates), and per block k ``left{k}``, ``right{k}`` (factors), ``left_basis{k}``,
+    ``right_basis{k}`` (eigenbases), in ``factor_dtype``, and with ``factor_update="kl"`` ``left_eig{k}``,
+    ``right_eig{k}`` (float32 eigenvalue estimates).
+    """
+
+    matrix_flag = "use_soap"
+
+    def __init__(self, params: Iterable[Any], lr: float | Tensor = 3e-3, betas: tuple[float, float] = (0.95, 0.95),
+                 shampoo_beta: float | None = None, eps: float = 1e-8, weight_decay: float = 0.01,
+                 precondition_frequency: int = 10, factor_update: str = "shampoo", damping: float = 1e-6,
+                 max_preconditioner_dim: int = 1024, one_sided_ratio: float | None = None,
+                 factor_dtype: torch.dtype = torch.float32, side_stream: bool = False, *,
+                 adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.999),
+                 adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None,
+                 skip_nonfinite: bool = False) -> None:
+        matrix_defaults = dict(
+            lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
+            precondition_frequency=precondition_frequency, factor_update=factor_update, damping=damping,
+            max_preconditioner_dim=max_preconditioner_dim, one_sided_ratio=one_sided_ratio,
+            factor_dtype=factor_dtype, side_stream=side_stream)
+        adamw_defaults = _kronecker_defaults(lr, weight_decay, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay)
+        super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite)
+
+    def _validate_matrix_group(self, group: dict[str, Any]) -> None:
+        super()._validate_matrix_group(group)
+        if group["factor_update"] not in FACTOR_UPDATES:
+            raise ValueError(f"Unknown factor_update {group['factor_update']!r}; use one of {FACTOR_UPDATES}")
+
+    def _init_state(self, group: dict[str, Any], st: dict[str, Any], p: Tensor) -> None:
+        st["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        st["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        dt = group["factor_dtype"]
+        for k, b in enumerate(self._plan(group, p)):
+            for side, d in (("left", b.r1 - b.r0), ("right", b.c1 - b.c0)):
+                if getattr(b, side):
+                    st[f"{side}{k}"] = torch.zeros(d, d, dtype=dt, device=p.device)
+                    st[f"{side}_basis{k}"] = torch.eye(d, dtype=dt, device=p.device)
+                    if group["factor_update"] == "kl":
+                        st[f"{side}_eig{k}"] = torch.zeros(d, dtype=torch.float32, device=p.device)
+
+    @staticmethod
+    def _sides(b: Block) -> tuple[str, ...]:
+        return ("left", "right")[0 if b.left else 1:2 if b.right else 1]
+
+    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+        beta1, beta2 = group["betas"]
+        kl = group["factor_update"] == "kl"
+        states = [self._state(group, p) for p in params]
+        layout = self._layout(group, params)
+        plans = [self._plan(group, p) for p in params]
+        for st in states:
+            st["step"] += 1
+        g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
+        gviews = [block_views(p, plan, g) for p, plan, g in zip(params, plans, g32)]
+
+        first = {i for i, st in enumerate(states) if st["step"] == 1}
+        if first:  # factors from this gradient, eigenbases by eigh
+            if kl:
+                self._update_factors_kl(group, layout, states, gviews, {}, only=first)
+            else:
+                self._update_factors(group, layout, states, gviews, only=first)
+            self._first_bases(group, [(params[i], plans[i], states[i]) for i in first])
+
+        # Adam in the eigenbasis: project, update the moments, precondition, project back
+        gp = [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]
+        gpviews = [block_views(p, plan, t) for p, plan, t in zip(params, plans, gp)]
+        projected: dict[tuple, Tensor] = {}
+        for key, idx in layout.buckets.items():
+            ents = [layout.entries[j] for j in idx]
+            X = self._rotate(states, ents, torch.stack([gviews[i][k] for i, k, _ in ents]), key, to_eigen=True)
+            projected[key] = X
+            torch._foreach_copy_([gpviews[i][k] for i, k, _ in ents], list(X.unbind(0)))
+        M = [st["exp_avg"] for st in states]
+        V = [st["exp_avg_sq"] for st in states]
+        torch._foreach_lerp_(M, gp, 1 - beta1)
+        torch._foreach_mul_(V, beta2)
+        torch._foreach_addcmul_(V, gp, gp, 1 - beta2)
+        denom = torch._foreach_div(V, [1 - beta2 ** st["step"] for st in states])
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, group["eps"])
+        N = torch._foreach_div(M, denom)
+        torch._foreach_div_(N, [1 - beta1 ** st["step"] for st in states])
+        nviews = [block_views(p, plan, t) for p, plan, t in zip(params, plans, N)]
+        updates = [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]
+        uviews = [block_views(p, plan, t) for p, plan, t in zip(params, plans, updates)]
+        for key, idx in layout.buckets.items():
+            ents = [layout.entries[j] for j in idx]
+            U = self._rotate(states, ents, torch.stack([nviews[i][k] for i, k, _ in ents]), key, to_eigen=False)
+            torch._foreach_copy_([uviews[i][k] for i, k, _ in ents], list(U.unbind(0)))
+        self._apply(group, params, updates)
+
+        rest = set(range(len(params))) - first
+        if rest:  # factors after the step: the projection never used the current gradient (but at step 1)
+            if kl:
+                self._update_factors_kl(group, layout, states, gviews, projected, only=rest)
+            else:
+                self._update_factors(group, layout, states, gviews, only=rest)
+        freq = group["precondition_frequency"]
+        due = [i for i, st in enumerate(states) if st["step"] % freq == 0]
+        if due:
+            gi = next(j for j, g in enumerate(self.param_groups) if g is group)
+            items = [(params[i], plans[i], states[i]) for i in due]
+            self._refresh(gi, group, lambda sync: self._launch_bases(items),
+                          lambda handle: self._install_bases(group, handle))
+
+    # ----------------------------------------------------------------------------------- rotations
+    @staticmethod
+    def _rotate(states: list[dict[str, Any]], ents: list[tuple[int, int, Block]], X: Tensor,
+                key: tuple[int, int, bool, bool], to_eigen: bool) -> Tensor:
+        """``Q_L^T X Q_R`` (``to_eigen``) or ``Q_L X Q_R^T`` for a stack ``(b, m, n)`` of blocks sharing ``key``."""
+        _, _, left, right = key
+        if left:
+            QL = torch.stack([states[i][f"left_basis{k}"] for i, k, _ in ents]).float()
+            X = (QL.mT if to_eigen else QL) @ X
+        if right:
+            QR = torch.stack([states[i][f"right_basis{k}"] for i, k, _ in ents]).float()
+            X = X @ (QR if to_eigen else QR.mT)
+        return X
+
+    # ----------------------------------------------------------------------------------- factors (KL)
+    def _update_factors_kl(self, group: dict[str, Any], layout: Layout, states: list[dict[str, Any]],
+                           gviews: list[list[Tensor]], projected: dict[tuple, Tensor], only: set[int]) -> None:
+        """KL-Shampoo factor updates (module docstring). ``projected[key]``: the blocks' ``G' = Q_L^T G Q_R`` from
+        this step, absent at step 1 (then the other factor is taken as the identity)."""
+        beta = self._shampoo_beta(group)
+        for key, idx in layout.buckets.items():
+            m, n, left, right = key
+            sel = [pos for pos, j in enumerate(idx) if layout.entries[j][0] in only]
+            if not sel:
+                continue
+            ents = [layout.entries[idx[pos]] for pos in sel]
+            G = torch.stack([gviews[i][k] for i, k, _ in ents])  # (b, m, n)
+            init = key not in projected
+            ones_m, ones_n = G.new_ones(len(ents), m), G.new_ones(len(ents), n)
+            inv_l = ones_m if init or not left else _inverse(
+                torch.stack([states[i][f"left_eig{k}"] for i, k, _ in ents]), group["damping"])  # (b, m)
+            inv_r = ones_n if init or not right else _inverse(
+                torch.stack([states[i][f"right_eig{k}"] for i, k, _ in ents]), group["damping"])  # (b, n)
+            if left:  # L += (1 - beta)/n G R^-1 G^T, R^-1 = Q_R diag(inv_r) Q_R^T
+                H = G if init or not right else G @ torch.stack(
+                    [states[i][f"right_basis{k}"] for i, k, _ in ents]).float()
+                H = H * inv_r.sqrt()[:, None, :]
+                accumulate([states[i][f"left{k}"] for i, k, _ in ents], H @ H.mT / n, beta)
+            if right:  # R += (1 - beta)/m G^T L^-1 G
+                H = G if init or not left else torch.stack(
+                    [states[i][f"left_basis{k}"] for i, k, _ in ents]).float().mT @ G
+                H = H * inv_l.sqrt()[:, :, None]
+                accumulate([states[i][f"right{k}"] for i, k, _ in ents], H.mT @ H / m, beta)
+            if not init:  # eigenvalue estimates, from this step's G' = Q_L^T G Q_R
+                P2 = projected[key][sel].square()  # (b, m, n)
+                if left:
+                    d = [states[i][f"left_eig{k}"] for i, k, _ in ents]
+                    torch._foreach_lerp_(d, list(((P2 * inv_r[:, None, :]).sum(-1) / n).unbind(0)), 1 - beta)
+                if right:
+                    d = [states[i][f"right_eig{k}"] for i, k, _ in ents]
+                    torch._foreach_lerp_(d, list(((P2 * inv_l[:, :, None]).sum(-2) / m).unbind(0)), 1 - beta)
+
+    # ----------------------------------------------------------------------------------- eigenbases
+    def _factor_jobs(self, items: list[tuple[Tensor, list[Block], dict[str, Any]]]) -> dict[int, list[tuple]]:
+        """``{d: [(state, k, side, exp_avg block, exp_avg_sq block)]}``: every factor of ``items``
+        (``(param, plan, state)``), bucketed by size."""
+        jobs: dict[int, list[tuple]] = defaultdict(list)
+        for p, plan, st in items:
+            mviews, vviews = block_views(p, plan, st["exp_avg"]), block_views(p, plan, st["exp_avg_sq"])
+            for k, b in enumerate(plan):
+                for side in self._sides(b):
+                    jobs[st[f"{side}{k}"].shape[0]].append((st, k, side, mviews[k], vviews[k]))
+        return jobs
+
+    @staticmethod
+    def _stack(jobs: list[tuple], name: str) -> Tensor:
+        return torch.stack([st[f"{side}{name}{k}"] for st, k, side, *_ in jobs]).float()
+
+    @staticmethod
+    def _write(jobs: list[tuple], name: str, X: Tensor) -> None:
+        dsts = [st[f"{side}{name}{k}"] for st, k, side, *_ in jobs]
+        torch._foreach_copy_(dsts, list(X.to(dsts[0].dtype).unbind(0)))
+
+    def _first_bases(self, group: dict[str, Any], items: list[tuple[Tensor, list[Block], dict[str, Any]]]) -> None:
+        for jobs in self._factor_jobs(items).values():
+            F = self._stack(jobs, "")
+            Q, ok = eigenbasis(F)
+            self._write(jobs, "_basis", Q)
+            if group["factor_update"] == "kl":
+                self._write(jobs, "_eig", _eig_estimate(F, Q))
+            self.root_failures += int((~ok).sum())
+
+    def _launch_bases(self, items: list[tuple[Tensor, list[Block], dict[str, Any]]]) -> list[Any]:
+        out = []
+        for jobs in self._factor_jobs(items).values():
+            F, Q = self._stack(jobs, ""), self._stack(jobs, "_basis")  # snapshots
+            out.append((jobs, F, Q, *refresh_eigenbasis(F, Q)))
+        return out
+
+    def _install_bases(self, group: dict[str, Any], handle: list[Any]) -> None:
+        """Write new bases; rotate the first moment into them and permute the second moment with their columns."""
+        for jobs, F, Q_old, Q_new, order, ok in handle:
+            self._adopt(Q_new, order, ok)
+            R = Q_new.mT @ Q_old  # (b, d, d): old eigen-coordinates -> new
+            for (_, _, side, m, v), r, o in zip(jobs, R.unbind(0), order.unbind(0)):
+                if side == "left":
+                    m.copy_(r @ m)
+                    v.copy_(v[o])
+                else:
+                    m.copy_(m @ r.mT)
+                    v.copy_(v[:, o])
+            self._write(jobs, "_basis", Q_new)
+            if group["factor_update"] == "kl":
+                self._write(jobs, "_eig", _eig_estimate(F, Q_new))
+            self.root_failures += int((~ok).sum())
