@@ -1,4 +1,5 @@
-"""Kernel tests run Triton's interpreter on the CPU: TRITON_INTERPRET must be set before Triton is imported.
+"""Without a GPU the kernel tests run Triton's interpreter on the CPU: TRITON_INTERPRET must be set before Triton
+is imported. With a GPU they run compiled kernels (and test_gpu.py runs too).
 
 Two patches of Triton 3.6's interpreter (they touch nothing that runs on a GPU):
 - a runtime loop bound becomes an index through ``int(array)``, which NumPy >= 2.4 rejects for its 1-element
@@ -9,7 +10,10 @@ Two patches of Triton 3.6's interpreter (they touch nothing that runs on a GPU):
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 try:
     import numpy as np

@@ -1,0 +1,10 @@
+"""``python -m matrixopt.bench ns|step|train [--json PATH]``."""
+
+import argparse
+import sys
+
+from matrixopt.bench.cli import add_arguments, run
+
+parser = argparse.ArgumentParser(prog="python -m matrixopt.bench", description=__doc__)
+add_arguments(parser)
+sys.exit(run(parser.parse_args()))

@@ -1,0 +1,116 @@
+"""What every benchmark shares: the machine's limits, timing, the environment record, tables and JSON."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# One H100 SXM as measured on the lent machines (device README, KINDS.md, 2026-11-13): an 8192^3 bf16 matmul ran
+# at 798 TFLOP/s on random data and a device-to-device copy moved 3.0 TB/s (read + write). These are the limits
+# the benchmarks report against; on another device the ratios are still printed, against these numbers.
+PEAK_BF16_TFLOPS = 800.0
+COPY_TBPS = 3.0
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Device, library versions and git commit, for the JSON record."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                    text=True, cwd=Path(__file__).parent, check=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = None, None
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "limits": {"peak_bf16_tflops": PEAK_BF16_TFLOPS, "copy_tbps": COPY_TBPS,
+                   "source": "H100 measured on the lent machine: 8192^3 bf16 matmul, device-to-device copy"},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, *, reps: int = 10, inner: int = 1,
+            warmup: int = 2) -> dict[str, float]:
+    """Milliseconds per call of ``fn``: ``reps`` blocks of ``inner`` back-to-back calls (CUDA events on the GPU,
+    ``perf_counter`` plus a sync elsewhere), after ``warmup`` calls. Returns median, p20, p80 and min."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / inner)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            sync(device)
+            times.append((time.perf_counter() - t0) * 1e3 / inner)
+    q = statistics.quantiles(times, n=5, method="inclusive") if len(times) > 1 else [times[0]] * 4
+    return {"median": statistics.median(times), "p20": q[0], "p80": q[3], "min": min(times)}
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A markdown table of ``rows`` (dicts) over ``columns``; floats to 4 significant digits."""
+
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "–"
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
+    """Write ``payload`` as indented JSON (parents created); nothing when ``path`` is None."""
+    if path is None:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` is CUDA when available, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available here; use --device cpu")
+    return device

@@ -1,0 +1,178 @@
+"""``matrixopt bench step``: how long is one optimizer step for a model's parameter set?
+
+The parameter set of a GPT (vocab 50304, untied head, fused QKV, MLP (d, 4d) and (4d, d), biases and LayerNorms
+as in GPT-2) is built as plain parameters with random fp32 gradients, no model forward. Every hidden matrix goes
+to the matrix optimizer, the embeddings, head, norms and biases to AdamW. Compared on the same parameters:
+
+- ``adamw (fused)``: ``torch.optim.AdamW(fused=True)`` on everything (foreach on the CPU);
+- ``torch.optim.Muon``: ``torch.optim.Muon`` on the hidden matrices plus fused AdamW on the rest, stepped together;
+- ``emerging_optimizers Muon`` when ``emerging_optimizers`` is installed (recorded as missing otherwise);
+- ``matrixopt <name>``: every matrix optimizer in ``matrixopt.OPTIMIZERS`` (muon, and shampoo / soap once they
+  are registered) through ``build_optimizer``; Muon also with the Newton–Schulz dispatcher forced to cuBLAS.
+
+Limit of a Muon step: the Newton–Schulz FLOPs at ``PEAK_BF16_TFLOPS`` plus the fewest bytes at ``COPY_TBPS``:
+    FLOPs = sum over hidden matrices of steps * (4 m^2 n + 2 m^3), m <= n
+    bytes = 20 per Muon parameter (read grad and momentum, write momentum, read and write the fp32 weight)
+          + 28 per AdamW parameter (read grad, weight, m, v; write weight, m, v)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Any
+
+import torch
+from torch import nn
+
+from matrixopt.bench.common import COPY_TBPS, PEAK_BF16_TFLOPS, environment, resolve_device, table, time_ms
+from matrixopt.bench.ns import ns_flops
+from matrixopt.kernels.ns_step import dispatch_table, ns_backend
+from matrixopt.optim.registry import OPTIMIZERS, build_optimizer
+
+# (n_layer, n_embd, block_size, vocab): the issue's parameter sets; "toy" keeps the CPU test fast.
+MODELS: dict[str, tuple[int, int, int, int]] = {
+    "gpt2-small": (12, 768, 1024, 50304),
+    "gpt2-medium": (24, 1024, 1024, 50304),
+    "1.3b": (24, 2048, 2048, 50304),
+    "toy": (2, 64, 32, 512),
+}
+NS_STEPS = 5
+LR = 1e-3
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d)
+        self.attn = nn.ModuleDict(dict(c_attn=nn.Linear(d, 3 * d), c_proj=nn.Linear(d, d)))  # weights (3d, d), (d, d)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = nn.ModuleDict(dict(c_fc=nn.Linear(d, 4 * d), c_proj=nn.Linear(4 * d, d)))  # (4d, d), (d, 4d)
+
+
+class ParamSet(nn.Module):
+    """GPT-2's parameters by name (no forward): ``transformer.wte``, ``wpe``, ``h.{i}``, ``ln_f``, ``lm_head``."""
+
+    def __init__(self, n_layer: int, d: int, block_size: int, vocab: int):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(vocab, d), wpe=nn.Embedding(block_size, d),
+                                              h=nn.ModuleList([Block(d) for _ in range(n_layer)]),
+                                              ln_f=nn.LayerNorm(d)))
+        self.lm_head = nn.Linear(d, vocab, bias=False)  # untied
+
+
+def param_set(model: str, device: torch.device) -> ParamSet:
+    """The parameter set with random gradients (scaled like real ones, ~1e-3)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        ps = ParamSet(*MODELS[model])
+    for p in ps.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    return ps
+
+
+def hidden_matrices(ps: ParamSet) -> list[nn.Parameter]:
+    return [p for name, p in ps.named_parameters() if p.ndim == 2 and ".h." in f".{name}"]
+
+
+def _adamw_rest(ps: ParamSet, fused: bool) -> torch.optim.AdamW:
+    hidden = {id(p) for p in hidden_matrices(ps)}
+    rest = [p for p in ps.parameters() if id(p) not in hidden]
+    return torch.optim.AdamW(rest, lr=LR, weight_decay=0.1, fused=fused, foreach=None if fused else True)
+
+
+class Stepper:
+    """Steps several optimizers as one (a peer's Muon plus its separate AdamW)."""
+
+    def __init__(self, *opts: torch.optim.Optimizer):
+        self.opts = opts
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+
+def candidates(ps: ParamSet, device: torch.device) -> dict[str, Any]:
+    """name -> (factory of a stepper, context) or a string saying why it is missing."""
+    fused = device.type == "cuda"
+    out: dict[str, Any] = {
+        "adamw (fused)": (lambda: torch.optim.AdamW(ps.parameters(), lr=LR, weight_decay=0.1, fused=fused,
+                                                    foreach=None if fused else True), contextlib.nullcontext),
+        "torch.optim.Muon": (lambda: Stepper(torch.optim.Muon(hidden_matrices(ps), lr=0.02, ns_steps=NS_STEPS),
+                                             _adamw_rest(ps, fused)), contextlib.nullcontext),
+    }
+    try:
+        from emerging_optimizers.orthogonalized_optimizers import Muon as EOMuon
+
+        out["emerging_optimizers Muon"] = (lambda: Stepper(EOMuon(hidden_matrices(ps), lr=0.02),
+                                                           _adamw_rest(ps, fused)), contextlib.nullcontext)
+    except ImportError:
+        out["emerging_optimizers Muon"] = "not installed (import emerging_optimizers failed)"
+    for name, factory in OPTIMIZERS.items():
+        if getattr(factory, "matrix_flag", None) is None or name == "mop":
+            continue  # plain AdamW is the fused row above; MOP is the slow SVD reference
+        out[f"matrixopt {name}"] = (lambda name=name: build_optimizer(ps, name, lr=LR), contextlib.nullcontext)
+    out["matrixopt muon, cuBLAS only"] = (lambda: build_optimizer(ps, "muon", lr=LR), lambda: ns_backend("torch"))
+    return out
+
+
+def step_limit(ps: ParamSet) -> dict[str, float]:
+    hidden = hidden_matrices(ps)
+    flops = sum(ns_flops(1, min(p.shape), max(p.shape), NS_STEPS) for p in hidden)
+    n_muon = sum(p.numel() for p in hidden)
+    n_adamw = sum(p.numel() for p in ps.parameters()) - n_muon
+    nbytes = 20 * n_muon + 28 * n_adamw
+    return {"ns_gflop": flops / 1e9, "bytes_gb": nbytes / 1e9,
+            "flop_ms": flops / (PEAK_BF16_TFLOPS * 1e12) * 1e3, "byte_ms": nbytes / (COPY_TBPS * 1e12) * 1e3,
+            "muon_limit_ms": flops / (PEAK_BF16_TFLOPS * 1e12) * 1e3 + nbytes / (COPY_TBPS * 1e12) * 1e3,
+            "adamw_limit_ms": 28 * (n_muon + n_adamw) / (COPY_TBPS * 1e12) * 1e3,
+            "muon_params": n_muon, "adamw_params": n_adamw}
+
+
+def run(model: str = "gpt2-small", *, device: torch.device | None = None, reps: int = 10,
+        inner: int = 5, only: list[str] | None = None) -> dict[str, Any]:
+    """Time every candidate's ``step()`` on ``model``'s parameter set; returns the JSON record."""
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
+    device = device or resolve_device("auto")
+    ps = param_set(model, device)
+    limit = step_limit(ps)
+    results: dict[str, Any] = {}
+    for name, entry in candidates(ps, device).items():
+        if only is not None and name not in only:
+            continue
+        if isinstance(entry, str):
+            results[name] = {"status": entry}
+            continue
+        factory, ctx = entry
+        with ctx():
+            opt = factory()
+            t = time_ms(opt.step, device, reps=reps, inner=inner, warmup=3)
+        results[name] = {"status": "ok", "ms": t}
+        del opt
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    adamw_ms = results.get("adamw (fused)", {}).get("ms", {}).get("median")
+    for name, r in results.items():
+        if r.get("status") != "ok":
+            continue
+        med = r["ms"]["median"]
+        r["vs_adamw"] = med / adamw_ms if adamw_ms else None
+        r["of_limit"] = (limit["adamw_limit_ms"] if name.startswith("adamw") else limit["muon_limit_ms"]) / med
+    return {"benchmark": "step", "model": model, "shape": dict(zip(("n_layer", "n_embd", "block_size", "vocab"),
+                                                                     MODELS[model])),
+            "params": sum(p.numel() for p in ps.parameters()), "ns_steps": NS_STEPS, "env": environment(device),
+            "limit": limit, "results": results, "dispatch": dispatch_table()}
+
+
+def format_tables(record: dict[str, Any]) -> str:
+    rows = [{"optimizer": name, "ms": r.get("ms", {}).get("median"), "p20": r.get("ms", {}).get("p20"),
+             "p80": r.get("ms", {}).get("p80"), "vs AdamW": r.get("vs_adamw"), "of limit": r.get("of_limit"),
+             "status": r["status"]} for name, r in record["results"].items()]
+    lim = record["limit"]
+    return (f"Optimizer step, {record['model']} parameter set ({record['params'] / 1e6:.1f}M params), medians\n"
+            + table(rows, ["optimizer", "ms", "p20", "p80", "vs AdamW", "of limit", "status"])
+            + f"\nMuon limit {lim['muon_limit_ms']:.3g} ms = {lim['ns_gflop']:.0f} GFLOP at {PEAK_BF16_TFLOPS:.0f}"
+              f" TFLOP/s ({lim['flop_ms']:.3g} ms) + {lim['bytes_gb']:.2f} GB at {COPY_TBPS} TB/s "
+              f"({lim['byte_ms']:.3g} ms); AdamW limit {lim['adamw_limit_ms']:.3g} ms")

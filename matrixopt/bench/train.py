@@ -1,0 +1,98 @@
+"""``matrixopt bench train``: end-to-end training throughput with each optimizer, as a ratio to AdamW.
+
+The trainer's loop cut down for timing (as nanoGPT's ``bench.py`` is to its ``train.py``): the reference GPT
+of :mod:`matrixopt.train.model` with an untied head and vocab 50304 (512 for tiny-cpu), random tokens
+(throughput does not depend on the data), bf16 autocast on CUDA, forward, backward, gradient clipping at 1.0
+and ``optimizer.step()``. Each optimizer gets a freshly initialized model; ``warmup`` steps, then ``steps``
+timed steps in ``reps`` blocks (median block).
+
+MFU uses the model's ``estimate_flops_per_token`` (6 N + 12 L T d, PaLM appendix B) at ``PEAK_BF16_TFLOPS``.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from typing import Any
+
+import torch
+
+from matrixopt.bench.common import PEAK_BF16_TFLOPS, environment, resolve_device, table, time_ms
+from matrixopt.bench.step import Stepper
+from matrixopt.kernels.ns_step import dispatch_table
+
+# preset -> (batch, block_size, vocab) of the issue's rows; "tiny-cpu" keeps the CPU test fast.
+BATCHES: dict[str, tuple[int, int, int]] = {"gpt2-small": (16, 1024, 50304), "gpt2-medium": (8, 1024, 50304),
+                                            "1.3b": (4, 2048, 50304), "tiny-cpu": (2, 32, 512)}
+QKV_SPLITS = {r"attn\.c_attn\.weight$": 3}
+
+
+def train_step(net: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+               autocast: torch.autocast) -> None:
+    with autocast:
+        _, loss = net(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+    opt.step()
+    for p in net.parameters():
+        p.grad = None
+
+
+def _optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
+    from matrixopt.optim.registry import build_optimizer
+
+    if name == "torch.optim.Muon":
+        hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and ".h." in n]
+        ids = {id(p) for p in hidden}
+        rest = [p for p in model.parameters() if id(p) not in ids]
+        fused = next(model.parameters()).is_cuda
+        return Stepper(torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=1e-3, fused=fused))  # type: ignore
+    if name == "adamw":
+        return build_optimizer(model, "adamw", lr=6e-4, weight_decay=0.1)
+    return build_optimizer(model, name, lr=6e-4, weight_decay=0.1, splits=QKV_SPLITS)
+
+
+def run(model: str = "gpt2-small", optimizers: tuple[str, ...] = ("adamw", "muon", "torch.optim.Muon"), *,
+        device: torch.device | None = None, steps: int = 10, reps: int = 3, warmup: int = 3,
+        batch: int | None = None) -> dict[str, Any]:
+    """Tokens/s of each optimizer's training step; returns the JSON record."""
+    from matrixopt.train.model import GPT, PRESETS, GPTConfig
+
+    if model not in BATCHES:
+        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(BATCHES)}")
+    device = device or resolve_device("auto")
+    B, T, vocab = BATCHES[model]
+    B = batch or B
+    shape = dict(PRESETS[model], block_size=T)
+    cfg = GPTConfig(vocab_size=vocab, tie_embeddings=False, **shape)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast(
+        "cpu", enabled=False)
+    results: dict[str, Any] = {}
+    for name in optimizers:
+        torch.manual_seed(0)
+        with torch.device(device):
+            net = GPT(cfg)
+        opt = _optimizer(net, name)
+        x = torch.randint(0, vocab, (B, T), device=device)
+        y = torch.randint(0, vocab, (B, T), device=device)
+        t = time_ms(functools.partial(train_step, net, opt, x, y, autocast), device, reps=reps, inner=steps,
+                    warmup=warmup)
+        tok_s = B * T / (t["median"] / 1e3)
+        results[name] = {"step_ms": t, "tokens_per_s": tok_s,
+                         "mfu": net.estimate_flops_per_token() * tok_s / (PEAK_BF16_TFLOPS * 1e12)}
+        del net, opt
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    base = results.get("adamw", {}).get("tokens_per_s")
+    for r in results.values():
+        r["vs_adamw"] = r["tokens_per_s"] / base if base else None
+    return {"benchmark": "train", "model": model, "batch": B, "block_size": T, "vocab": vocab,
+            "env": environment(device), "results": results, "dispatch": dispatch_table()}
+
+
+def format_tables(record: dict[str, Any]) -> str:
+    rows = [{"optimizer": name, "step ms": r["step_ms"]["median"], "tokens/s": r["tokens_per_s"],
+             "vs AdamW": r["vs_adamw"], "MFU": r["mfu"]} for name, r in record["results"].items()]
+    return (f"Training throughput, {record['model']}, batch {record['batch']}x{record['block_size']} (medians)\n"
+            + table(rows, ["optimizer", "step ms", "tokens/s", "vs AdamW", "MFU"]))

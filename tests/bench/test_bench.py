@@ -1,0 +1,77 @@
+"""The benchmark commands run on the CPU at toy sizes and write valid JSON."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from matrixopt.bench import cli
+
+
+def run_cli(argv):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return cli.run(parser.parse_args(argv))
+
+
+def test_ns_writes_json(tmp_path, capsys):
+    path = tmp_path / "ns.json"
+    assert run_cli(["ns", "--device", "cpu", "--shapes", "2x12x20", "--gram", "1x16x40", "--reps", "2",
+                    "--steps", "3", "--json", str(path)]) == 0
+    rec = json.loads(path.read_text())
+    assert rec["benchmark"] == "ns" and rec["env"]["device_type"] == "cpu" and rec["env"]["torch"]
+    (row,) = rec["ns"]
+    assert (row["batch"], row["m"], row["n"], row["steps"]) == (2, 12, 20, 3)
+    assert {"matrixopt", "matrixopt cuBLAS only", "torch.optim.Muon"} <= set(row["methods"])
+    for m in row["methods"].values():
+        assert m["ms"]["median"] > 0 and 0 <= m["err_vs_polar"] < 1
+    assert rec["gram"][0]["cublas"]["ms"]["median"] > 0
+    assert "| 2x12x20 | matrixopt |" in capsys.readouterr().out
+
+
+def test_step_writes_json(tmp_path):
+    path = tmp_path / "step.json"
+    assert run_cli(["step", "--device", "cpu", "--model", "toy", "--reps", "2", "--json", str(path),
+                    "--only", "adamw (fused)", "torch.optim.Muon", "matrixopt muon", "emerging_optimizers Muon"]) == 0
+    rec = json.loads(path.read_text())
+    res = rec["results"]
+    assert set(res) == {"adamw (fused)", "torch.optim.Muon", "matrixopt muon", "emerging_optimizers Muon"}
+    assert res["matrixopt muon"]["status"] == "ok" and res["matrixopt muon"]["ms"]["median"] > 0
+    assert res["adamw (fused)"]["vs_adamw"] == 1.0
+    assert rec["limit"]["muon_params"] == 2 * (64 * 192 + 64 * 64 + 2 * 64 * 256)
+
+
+def test_step_param_set_routes_like_the_issue():
+    import torch
+
+    from matrixopt.bench.step import hidden_matrices, param_set
+    from matrixopt.optim.routing import route
+
+    ps = param_set("toy", torch.device("cpu"))
+    routes = {name: r for name, _, r in route(ps)}
+    assert routes["lm_head.weight"] == routes["transformer.wte.weight"] == "adamw"
+    assert routes["transformer.h.0.attn.c_attn.weight"] == "matrix"
+    assert {id(p) for p in hidden_matrices(ps)} == {id(p) for n, p in ps.named_parameters() if routes[n] == "matrix"}
+
+
+def test_train_writes_json(tmp_path):
+    pytest.importorskip("matrixopt.train.model")
+    path = tmp_path / "train.json"
+    assert run_cli(["train", "--device", "cpu", "--model", "tiny-cpu", "--steps", "1", "--reps", "1",
+                    "--optimizers", "adamw", "muon", "--json", str(path)]) == 0
+    rec = json.loads(path.read_text())
+    assert rec["results"]["adamw"]["vs_adamw"] == 1.0 and rec["results"]["muon"]["tokens_per_s"] > 0
+
+
+def test_bad_shape_is_explained(capsys):
+    with pytest.raises(SystemExit):
+        run_cli(["ns", "--shapes", "12x-3"])
+    assert "write BATCHxMxN" in capsys.readouterr().err
+
+
+def test_module_entry_point_help():
+    out = subprocess.run([sys.executable, "-m", "matrixopt.bench", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "{ns,step,train}" in out.stdout
