@@ -1,0 +1,139 @@
+"""Checkpoints of a layer-wise run through ``torch.distributed.checkpoint`` (DCP): one set of files, written by N
+ranks, readable by any number M of ranks, and exportable to one plain ``torch.save`` file.
+
+Each rank writes what it owns, keyed by parameter name, so no tensor is written twice and nothing in the files
+depends on the number of ranks that wrote them::
+
+    model/<name>         the parameter, from its owner (the fp32 master for a bf16 parameter)
+    optim/<name>/<key>   its optimizer state, from its owner (tensors as tensors, anything else pickled)
+    buffer/<key>         model.state_dict() entries that are not trainable parameters, from rank 0
+    meta                 optimizer name, param-group hyperparameters, tied-weight aliases and ``extra``, from rank 0
+
+:func:`load` at any world size reads the ownership the new ranks computed: each rank reads the parameters and
+state it now owns, then the owners broadcast the parameters. From the start of a load until that broadcast has
+finished on every rank, ``opt.step()`` and the model's forward raise, so a run whose load was interrupted cannot
+train on stale parameters. DCP writes its metadata file last, so an interrupted save is not loadable either.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from matrixopt.distributed.layerwise import LayerwiseOptimizer
+
+
+def _aliases(model: nn.Module, opt: LayerwiseOptimizer) -> dict[str, str]:
+    """state_dict keys that name a trainable parameter under another name (tied weights) -> the parameter's name."""
+    return {k: opt.names[id(t)] for k, t in model.state_dict(keep_vars=True).items()
+            if id(t) in opt.names and opt.names[id(t)] != k}
+
+
+def _buffers(model: nn.Module, opt: LayerwiseOptimizer) -> dict[str, torch.Tensor]:
+    return {k: t for k, t in model.state_dict(keep_vars=True).items() if id(t) not in opt.names}
+
+
+def save(path: str | os.PathLike, model: nn.Module, opt: LayerwiseOptimizer, extra: Any = None) -> None:
+    """Write a checkpoint of ``model`` and ``opt`` to the directory ``path``. Collective: call on every rank.
+    ``extra``: any picklable object (step count, scheduler and RNG state, ...) saved from rank 0."""
+    opt.wait_params()
+    sd: dict[str, Any] = {}
+    if opt.rank == 0:
+        sd["meta"] = {"optimizer": opt.name, "param_groups": opt.state_dict()["param_groups"],
+                      "aliases": _aliases(model, opt), "world_size": opt.world_size, "extra": extra}
+        sd.update({f"buffer/{k}": t.detach() for k, t in _buffers(model, opt).items()})
+    state = opt.state_dict()["state"]
+    for name in opt.owned_names():
+        sd[f"model/{name}"] = opt._inner_param(opt.param_by_name(name)).detach()
+        for k, v in state.get(name, {}).items():
+            sd[f"optim/{name}/{k}"] = v
+    dcp.save(sd, checkpoint_id=path, process_group=opt.group,
+             planner=DefaultSavePlanner(flatten_state_dict=False))
+
+
+def load(path: str | os.PathLike, model: nn.Module, opt: LayerwiseOptimizer) -> Any:
+    """Load a checkpoint written by :func:`save` at any world size into ``model`` and ``opt`` (built as for the
+    run that saved it) and synchronise the parameters. Returns the saved ``extra``. Collective."""
+    try:
+        md = FileSystemReader(path).read_metadata().state_dict_metadata
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no complete checkpoint at {os.fspath(path)!r} (its .metadata file is missing: the "
+                                f"path is wrong or the save was interrupted); load an earlier checkpoint") from None
+    problems = []
+    for p in opt.params:
+        name = opt.names[id(p)]
+        entry = md.get(f"model/{name}")
+        if not isinstance(entry, TensorStorageMetadata):
+            problems.append(f"`{name}` is missing")
+        elif tuple(entry.size) != tuple(p.shape):
+            problems.append(f"`{name}` has shape {tuple(entry.size)}, the model's {tuple(p.shape)}")
+    if problems:
+        raise ValueError(f"checkpoint {os.fspath(path)!r} does not match the model: {'; '.join(problems[:8])}. Build "
+                         f"the model the checkpoint was saved from.")
+
+    target: dict[str, Any] = {"meta": None}
+    target.update({k: None for k in md if k.startswith("buffer/")})
+    for name in opt.owned_names():
+        target[f"model/{name}"] = None
+        target.update({k: None for k in md if k.startswith(f"optim/{name}/")})
+    device = opt.params[0].device if opt.params else torch.device("cpu")
+    for k in target:
+        entry = md[k]
+        if isinstance(entry, TensorStorageMetadata):
+            target[k] = torch.empty(entry.size, dtype=entry.properties.dtype, device=device)
+
+    opt.mark_stale()
+    dcp.load(target, checkpoint_id=path, process_group=opt.group, planner=DefaultLoadPlanner(flatten_state_dict=False))
+    meta = target["meta"]
+    state: dict[str, dict[str, Any]] = {}
+    for k, v in target.items():
+        if k.startswith("optim/"):
+            name, key = k[len("optim/"):].split("/", 1)
+            state.setdefault(name, {})[key] = v
+    opt.load_state_dict({"optimizer": meta["optimizer"], "state": state, "param_groups": meta["param_groups"]})
+    for name in opt.owned_names():
+        opt.load_master_(name, target[f"model/{name}"])
+    buffers = _buffers(model, opt)
+    with torch.no_grad():
+        for k, t in buffers.items():
+            t.copy_(target[f"buffer/{k}"])
+    opt.sync_params()
+    return meta["extra"]
+
+
+def export(path: str | os.PathLike, out: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Read the checkpoint at ``path`` in one process (no process group) into a plain state dict::
+
+        {"model": model.state_dict()-style {key: tensor} (tied keys included),
+         "optimizer": {"optimizer": name, "state": {param name: {key: value}}, "param_groups": [...]},
+         "extra": ...}
+
+    and, when ``out`` is given, ``torch.save`` it there as one file. ``model.load_state_dict(sd["model"])`` works
+    on a single-process model; ``sd["optimizer"]`` loads into a :class:`LayerwiseOptimizer` at any world size."""
+    buf = io.BytesIO()
+    dcp_to_torch_save(path, buf)
+    buf.seek(0)
+    flat = torch.load(buf, weights_only=False)
+    meta = flat["meta"]
+    model = {k[len("model/"):]: v for k, v in flat.items() if k.startswith("model/")}
+    model.update({k[len("buffer/"):]: v for k, v in flat.items() if k.startswith("buffer/")})
+    model.update({alias: model[name] for alias, name in meta["aliases"].items()})
+    state: dict[str, dict[str, Any]] = {}
+    for k, v in flat.items():
+        if k.startswith("optim/"):
+            name, key = k[len("optim/"):].split("/", 1)
+            state.setdefault(name, {})[key] = v
+    sd = {"model": model, "optimizer": {"optimizer": meta["optimizer"], "state": state,
+                                        "param_groups": meta["param_groups"]}, "extra": meta["extra"]}
+    if out is not None:
+        torch.save(sd, out)
+    return sd

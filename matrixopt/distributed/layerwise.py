@@ -1,0 +1,552 @@
+"""Layer-wise distributed optimizer: each data-parallel rank owns whole parameters.
+
+A matrix optimizer (Muon, Shampoo, SOAP) needs the whole matrix, so instead of slicing every tensor across ranks
+(ZeRO-1), each rank owns whole parameters, chosen by LPT on the optimizer's cost (:mod:`.balance`). One step,
+per rank:
+
+1. backward: each parameter's gradient hook copies the local gradient into its bucket's flat buffer and frees
+   ``p.grad``; a full bucket is summed into its owner (``reduce``, asynchronous), so the reduction overlaps the
+   rest of backward. Buckets hold parameters of one owner and are launched in a fixed order on every rank.
+2. ``step()``: wait for the reductions; the owner divides by the world size (the mean over ranks, so equal local
+   batches give the single-process gradient of the global batch) and runs the registered optimizer on its
+   parameters in ``step_chunks`` chunks; after each chunk it broadcasts the finished buckets.
+3. next forward: a pre-forward hook on each module waits for the buckets holding that module's parameters, so
+   the broadcasts overlap the rest of the step and the start of the forward.
+
+AdamW-routed parameters are owned whole too (not ZeRO-1 slices): one rank runs AdamW on them and holds their
+moments. Low-precision parameters (bf16) get an fp32 master copy on their owner only; the optimizer updates the
+master and the owner broadcasts its bf16 cast. Each rank holds the optimizer state of its parameters only.
+
+Gradients: a rank keeps no ``.grad`` for parameters it does not own; ``step()`` consumes the reduced gradients.
+Clip with :meth:`LayerwiseOptimizer.clip_grad_norm_` (global norm over all ranks) and accumulate micro-batches
+inside :meth:`LayerwiseOptimizer.no_sync`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from matrixopt.distributed import comm
+from matrixopt.distributed.balance import MATRIX_COSTS, Assignment, assign, muon_cost
+from matrixopt.optim.base import MatrixOptimizer, NonFiniteGradientError
+from matrixopt.optim.registry import OPTIMIZERS
+from matrixopt.optim.routing import param_groups, routing_summary
+
+_GROUP_META = ("params", "names")  # group keys that are not hyperparameters
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Parameters of one owner and dtype, flattened in order. ``grad`` (the reduce buffer) lives on every rank;
+    ``work`` handles are in flight between launch and wait."""
+
+    index: int
+    owner: int
+    params: list[Tensor]
+    offsets: list[int]
+    numel: int
+    grad: Tensor
+    arrived: int = 0
+    grad_work: Any = None
+    param_work: Any = None
+    param_buffer: Tensor | None = None
+    seen: set[int] = field(default_factory=set)
+
+    def segment(self, buf: Tensor, k: int) -> Tensor:
+        p = self.params[k]
+        return buf[self.offsets[k]:self.offsets[k] + p.numel()].view(p.shape)
+
+
+@dataclass(eq=False)
+class Chunk:
+    """A slice of the owner's step: an inner optimizer over some of its parameters, after which the buckets with
+    index < ``bucket_end`` are complete and can be broadcast."""
+
+    optimizer: torch.optim.Optimizer
+    outer_group: list[int]  # inner group index -> outer group index
+    masters: list[tuple[Tensor, Tensor]]  # (model param, fp32 master) pairs to copy back after the step
+    bucket_end: int
+
+
+def _strip(groups: Sequence[dict[str, Any]], keep_names: bool) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if keep_names or k != "names"} for g in groups]
+
+
+class LayerwiseOptimizer(torch.optim.Optimizer):
+    """The optimizer registered as ``name`` (``matrixopt.OPTIMIZERS``), distributed layer-wise over
+    ``process_group``. Construct it on every rank with the same model (same parameter names, shapes and dtypes)
+    and hyperparameters; that is checked, and a mismatch raises ValueError naming it on every rank.
+
+    Args:
+        model: the model, identical on every rank; its parameters are made identical (owner's copy) here.
+        name: a registered optimizer: "muon", "mop", "shampoo", "soap", "adamw", ...
+        process_group: the data-parallel group; None creates a group over all ranks with ``timeout``.
+        timeout: how long a collective waits for a dead or stuck rank before raising (when we create the group).
+        bucket_cap_mb: flat bucket size cap; one parameter larger than the cap gets its own bucket.
+        step_chunks: the owner runs its step in this many chunks and broadcasts after each (1 = no overlap of
+            the broadcasts with the owner's compute, only with the next forward).
+        reduce_dtype: dtype of the gradient reduction (None: the parameter dtype, as DDP does).
+        cost: ``cost(m, n)`` of one step on one matrix, for LPT; default ``balance.MATRIX_COSTS[name]``.
+        adamw, matrix, splits, experts: routing, as in :func:`matrixopt.build_optimizer`.
+        hparams: the optimizer's hyperparameters (lr, weight_decay, ...).
+
+    ``param_groups`` are the global groups (every parameter on every rank): LR schedulers work on them and
+    changes reach the owners' optimizers at the next step.
+    """
+
+    def __init__(self, model: nn.Module, name: str, *, process_group: comm.Group | None = None,
+                 timeout: timedelta = timedelta(minutes=10), bucket_cap_mb: float = 25.0, step_chunks: int = 2,
+                 reduce_dtype: torch.dtype | None = None, cost: Callable[[int, int], float] | None = None,
+                 adamw: Sequence[str] = (), matrix: Sequence[str] = (),
+                 splits: Mapping[str, int | Sequence[int]] | None = None, experts: Sequence[str] = (),
+                 verbose: bool = False, **hparams: Any) -> None:
+        if name not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {name!r}; registered: {sorted(OPTIMIZERS)}")
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        if not isinstance(step_chunks, int) or step_chunks < 1:
+            raise ValueError(f"step_chunks must be an int >= 1, got {step_chunks!r}")
+        self.group = process_group if process_group is not None else comm.new_group(timeout)
+        self.rank, self.world_size = comm.rank(self.group), comm.world_size(self.group)
+        self.name = name
+        factory = OPTIMIZERS[name]
+        flag = getattr(factory, "matrix_flag", "use_muon")
+        groups = param_groups(model, matrix_flag=flag, adamw=adamw, matrix=matrix, splits=splits, experts=experts)
+        self.names = {id(p): n for g in groups for p, n in zip(g["params"], g["names"])}
+        order = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
+        self.params = sorted((p for g in groups for p in g["params"]), key=lambda p: order[id(p)])
+        self._check_same_everywhere(groups, name, hparams)
+        devices = {p.device for p in self.params}
+        if len(devices) > 1:
+            raise ValueError(f"layerwise needs every trainable parameter on one device, found "
+                             f"{sorted(map(str, devices))}; move the model to one device first")
+
+        # Validate the hyperparameters once, on all parameters, and take the filled-in groups as the global ones.
+        ref = factory(_strip(groups, keep_names=flag is not None), **hparams)
+        outer = [dict(rg, names=g["names"]) for rg, g in zip(ref.param_groups, groups)]
+        self._check_finite = isinstance(ref, MatrixOptimizer) and not ref.skip_nonfinite
+        super().__init__(outer, dict(ref.defaults))
+        del ref
+        if verbose and self.rank == 0:
+            print(routing_summary(groups, flag))
+
+        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+        is_matrix = [bool(flag is not None and groups[group_of[id(p)]][flag]) for p in self.params]
+        cost = cost or MATRIX_COSTS.get(name, muon_cost)
+        self.assignment: Assignment = assign(self.params, is_matrix, self.world_size, cost, self._state_bytes)
+        self.owner = {id(p): r for p, r in zip(self.params, self.assignment.owner)}
+        if verbose and self.rank == 0:
+            print(self.assignment.summary())
+
+        self.buckets = self._make_buckets(int(bucket_cap_mb * 2**20), reduce_dtype)
+        self._bucket_of = {id(p): (b, k) for b in self.buckets for k, p in enumerate(b.params)}
+        self._stale = False
+        self._syncing_grads = True
+        self._next_grad = len(self.buckets) - 1  # gradients are reduced from the last bucket to the first
+        self.masters: dict[int, Tensor] = {}
+        self._broadcast_buffers(model)
+        self.sync_params()
+
+        self.masters = {id(p): p.detach().float().clone() for p in self.params
+                        if self.owner[id(p)] == self.rank and p.dtype != torch.float32}
+        self.chunks = self._make_chunks(groups, group_of, step_chunks, flag, factory, hparams, cost)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        for mod in model.modules():
+            mine = [self._bucket_of[id(p)][0] for p in mod.parameters(recurse=False) if id(p) in self._bucket_of]
+            if mine:
+                self._hooks.append(mod.register_forward_pre_hook(self._make_pre_forward(mine)))
+
+    # ------------------------------------------------------------------------------------------- construction
+    def _check_same_everywhere(self, groups: list[dict[str, Any]], name: str, hparams: dict[str, Any]) -> None:
+        """Every rank must route the same parameters with the same shapes and dtypes, and use the same
+        optimizer: otherwise the collectives would pair different tensors (or hang)."""
+        mine = {"params": [(self.names[id(p)], tuple(p.shape), str(p.dtype),
+                            next(gi for gi, g in enumerate(groups) if any(q is p for q in g["params"])))
+                           for p in self.params],
+                "optimizer": (name, repr(sorted(hparams.items())))}
+        everyone = comm.all_gather_object(mine, self.group)
+        ref = everyone[0]
+        problems = []
+        for r, theirs in enumerate(everyone[1:], start=1):
+            if theirs["optimizer"] != ref["optimizer"]:
+                problems.append(f"rank 0 builds {ref['optimizer'][0]!r} with {ref['optimizer'][1]}, rank {r} builds "
+                                f"{theirs['optimizer'][0]!r} with {theirs['optimizer'][1]}")
+            a = {e[0]: e[1:] for e in ref["params"]}
+            b = {e[0]: e[1:] for e in theirs["params"]}
+            for n in a.keys() - b.keys():
+                problems.append(f"`{n}` {a[n][0]} exists on rank 0 but not on rank {r}")
+            for n in b.keys() - a.keys():
+                problems.append(f"`{n}` {b[n][0]} exists on rank {r} but not on rank 0")
+            for n in a.keys() & b.keys():
+                for what, x, y in zip(("shape", "dtype", "param group"), a[n], b[n]):
+                    if x != y:
+                        problems.append(f"`{n}` has {what} {x} on rank 0 but {y} on rank {r}")
+            if not problems and [e[0] for e in ref["params"]] != [e[0] for e in theirs["params"]]:
+                problems.append(f"parameters are registered in a different order on rank {r} than on rank 0")
+        if problems:
+            shown = "; ".join(sorted(problems)[:8]) + (" ..." if len(problems) > 8 else "")
+            raise ValueError(f"ranks disagree on the parameter set or optimizer: {shown}. Build the same model "
+                             f"(same config, dtype and routing) and optimizer on every rank before "
+                             f"matrixopt.distributed.layerwise.")
+
+    @staticmethod
+    def _state_bytes(p: Tensor, is_matrix: bool) -> int:
+        master = 0 if p.dtype == torch.float32 else 4 * p.numel()
+        return master + (4 if is_matrix else 8) * p.numel()
+
+    def _make_buckets(self, cap_bytes: int, reduce_dtype: torch.dtype | None) -> list[Bucket]:
+        """Walk the parameters in backward order (reverse registration), filling one open bucket per (owner,
+        dtype); then number the buckets in forward order (by their first parameter)."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        open_: dict[tuple[int, torch.dtype], list[Tensor]] = {}
+        closed: list[list[Tensor]] = []
+        for p in reversed(self.params):
+            key = (self.owner[id(p)], p.dtype)
+            cur = open_.setdefault(key, [])
+            cur.append(p)
+            if sum(q.numel() for q in cur) * p.element_size() >= cap_bytes:
+                closed.append(open_.pop(key))
+        closed += open_.values()
+        closed.sort(key=lambda ps: min(index[id(p)] for p in ps))
+        buckets = []
+        for bi, ps in enumerate(closed):
+            ps = sorted(ps, key=lambda p: index[id(p)])
+            offsets = [0]
+            for p in ps:
+                offsets.append(offsets[-1] + p.numel())
+            dtype = reduce_dtype or ps[0].dtype
+            grad = torch.zeros(offsets[-1], dtype=dtype, device=ps[0].device)
+            buckets.append(Bucket(bi, self.owner[id(ps[0])], ps, offsets[:-1], offsets[-1], grad))
+        return buckets
+
+    def _make_chunks(self, groups: list[dict[str, Any]], group_of: dict[int, int], step_chunks: int,
+                     flag: str | None, factory: Callable[..., torch.optim.Optimizer], hparams: dict[str, Any],
+                     cost: Callable[[int, int], float]) -> list[Chunk]:
+        """Split this rank's buckets (in forward order) into up to ``step_chunks`` runs of about equal size, each
+        stepped by its own inner optimizer built from the global groups' hyperparameters."""
+        mine = [b for b in self.buckets if b.owner == self.rank]
+        if not mine:
+            return []
+        sizes = [sum(p.numel() for p in b.params) for b in mine]
+        total, acc, runs, cur = sum(sizes), 0, [], []
+        for b, s in zip(mine, sizes):
+            cur.append(b)
+            acc += s
+            if acc >= total * (len(runs) + 1) / step_chunks and len(runs) < step_chunks - 1:
+                runs.append(cur)
+                cur = []
+        if cur:
+            runs.append(cur)
+        chunks = []
+        for run in runs:
+            ps = [p for b in run for p in b.params]
+            inner_groups, outer_index = [], []
+            for gi, g in enumerate(self.param_groups):
+                members = [p for p in ps if group_of[id(p)] == gi]
+                if not members:
+                    continue
+                ig = {k: v for k, v in g.items() if k not in _GROUP_META}
+                ig["params"] = [self.masters.get(id(p), p) for p in members]
+                if flag is not None:
+                    ig["names"] = [self.names[id(p)] for p in members]
+                inner_groups.append(ig)
+                outer_index.append(gi)
+            masters = [(p, self.masters[id(p)]) for p in ps if id(p) in self.masters]
+            chunks.append(Chunk(factory(inner_groups, **hparams), outer_index, masters, run[-1].index + 1))
+        return chunks
+
+    def _inner_param(self, p: Tensor) -> Tensor:
+        return self.masters.get(id(p), p)
+
+    def _inner_optimizer(self, p: Tensor) -> torch.optim.Optimizer:
+        b, _ = self._bucket_of[id(p)]
+        return next(c.optimizer for c in self.chunks if b.index < c.bucket_end)
+
+    # ------------------------------------------------------------------------------------------- gradients
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside, backward accumulates local gradients in ``p.grad`` without communicating (all micro-batches
+        but the last of a gradient-accumulation step); the backward after it reduces the accumulated sums."""
+        prev, self._syncing_grads = self._syncing_grads, False
+        try:
+            yield
+        finally:
+            self._syncing_grads = prev
+
+    def _on_grad(self, p: Tensor) -> None:
+        if not self._syncing_grads:
+            return
+        b, k = self._bucket_of[id(p)]
+        if k in b.seen:
+            raise RuntimeError(f"`{self.names[id(p)]}` received a second gradient before step(): wrap all but the "
+                               f"last micro-batch's backward in `with opt.no_sync():` when accumulating gradients")
+        b.seen.add(k)
+        b.segment(b.grad, k).copy_(p.grad)
+        p.grad = None
+        b.arrived += 1
+        self._launch_ready_grads()
+
+    def _launch_ready_grads(self) -> None:
+        while self._next_grad >= 0:
+            b = self.buckets[self._next_grad]
+            if b.arrived < len(b.params):
+                return
+            b.grad_work = comm.reduce_to_owner(b.grad, b.owner, self.group)
+            self._next_grad -= 1
+
+    def _finish_grad_sync(self) -> None:
+        """Launch the buckets whose gradients never all arrived (unused parameters count as zero; gradients left
+        in ``p.grad`` by a backward under ``no_sync`` are taken as they are), wait for every reduction and hand
+        the owner the mean gradient. Idempotent until the next backward."""
+        if self._next_grad < 0 and all(b.grad_work is None for b in self.buckets):
+            return
+        for b in self.buckets:
+            for k, p in enumerate(b.params):
+                if k not in b.seen:
+                    b.seen.add(k)
+                    seg = b.segment(b.grad, k)
+                    if p.grad is None:
+                        seg.zero_()
+                    else:
+                        seg.copy_(p.grad)
+                        p.grad = None
+                    b.arrived += 1
+        self._launch_ready_grads()
+        for b in reversed(self.buckets):
+            b.grad_work.wait()
+            b.grad_work = None
+            if b.owner == self.rank:
+                b.grad.div_(self.world_size)
+                for k, p in enumerate(b.params):
+                    seg, t = b.segment(b.grad, k), self._inner_param(p)
+                    t.grad = seg if seg.dtype == t.dtype else seg.to(t.dtype)
+            b.arrived, b.seen = 0, set()
+        self._next_grad = -1  # reductions done; reset to the last bucket when the step consumes the gradients
+
+    def _owned_grads(self) -> list[Tensor]:
+        return [self._inner_param(p).grad for p in self.params
+                if self.owner[id(p)] == self.rank and self._inner_param(p).grad is not None]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the mean gradient to a global ``norm_type`` norm of ``max_norm`` over all ranks' parameters, as
+        ``torch.nn.utils.clip_grad_norm_`` does in one process. Returns the total norm (before clipping), the
+        same fp32 scalar on every rank. Collective: call it on every rank, after backward, before ``step()``."""
+        self._finish_grad_sync()
+        grads = self._owned_grads()
+        dev = comm.object_device(self.group)
+        norm_type = float(norm_type)
+        if norm_type == float("inf"):
+            local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else None
+            total = torch.zeros((), device=dev) if local is None else local.to(dev)
+            total = comm.all_reduce_max(total, self.group)
+        else:
+            local = (torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) for g in grads]) ** norm_type
+                     ).sum() if grads else None
+            total = torch.zeros((), device=dev) if local is None else local.to(dev)
+            total = comm.all_reduce_sum(total, self.group) ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return total
+
+    def _agree_finite(self) -> None:
+        """Raise NonFiniteGradientError on every rank if any rank's gradients hold NaN/Inf (checked before any
+        parameter or state is written), so no rank steps while another raises."""
+        grads = self._owned_grads()
+        bad_local = [self.names[id(p)] for p in self.params if self.owner[id(p)] == self.rank
+                     and self._inner_param(p).grad is not None
+                     and not torch.isfinite(self._inner_param(p).grad).all()] if grads else []
+        flag = torch.tensor(float(len(bad_local)), device=comm.object_device(self.group))
+        if comm.all_reduce_sum(flag, self.group).item() == 0:
+            return
+        bad = [n for names in comm.all_gather_object(bad_local, self.group) for n in names]
+        self._drop_grads()
+        raise NonFiniteGradientError(
+            f"non-finite (NaN/Inf) gradient in {', '.join(f'`{n}`' for n in bad[:5])}{' ...' if len(bad) > 5 else ''}"
+            "; no parameter or state was updated on any rank. Lower the learning rate, clip gradients or pass "
+            "skip_nonfinite=True to skip such updates.")
+
+    def _drop_grads(self) -> None:
+        """Forget all gradients: finish reductions in flight (every rank launched the same ones) and reset."""
+        for b in reversed(self.buckets):
+            if b.grad_work is not None:
+                b.grad_work.wait()
+                b.grad_work = None
+            b.arrived, b.seen = 0, set()
+        for p in self.params:
+            self._inner_param(p).grad = None
+            p.grad = None
+        self._next_grad = len(self.buckets) - 1
+
+    # ------------------------------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Reduce the gradients (if backward has not finished that), step the owned parameters chunk by chunk and
+        broadcast each finished bucket; the next forward waits for the buckets it needs. Collective."""
+        self._refuse_if_stale()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.wait_params()
+        self._finish_grad_sync()
+        if self._check_finite:
+            self._agree_finite()
+        self._push_hyperparameters()
+        launched = 0
+        for chunk in self.chunks:
+            chunk.optimizer.step()
+            for p, master in chunk.masters:
+                p.copy_(master)
+            launched = self._launch_param_broadcasts(launched, chunk.bucket_end)
+        self._launch_param_broadcasts(launched, len(self.buckets))
+        self._drop_grads()
+        return loss
+
+    def _push_hyperparameters(self) -> None:
+        for chunk in self.chunks:
+            for ig, gi in zip(chunk.optimizer.param_groups, chunk.outer_group):
+                for k, v in self.param_groups[gi].items():
+                    if k not in _GROUP_META:
+                        ig[k] = v
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient this rank holds (``step()`` already consumes the reduced ones)."""
+        if not set_to_none:
+            raise ValueError("layerwise keeps no gradient buffers for parameters a rank does not own; call "
+                             "zero_grad() with set_to_none=True")
+        self._drop_grads()
+
+    # ------------------------------------------------------------------------------------------- parameters
+    def _launch_param_broadcasts(self, start: int, end: int) -> int:
+        for b in self.buckets[start:end]:
+            if len(b.params) == 1 and b.params[0].is_contiguous():
+                b.param_buffer = None
+                b.param_work = comm.broadcast_from_owner(b.params[0].data.view(-1), b.owner, self.group)
+                continue
+            if b.owner == self.rank:
+                b.param_buffer = torch.cat([p.detach().reshape(-1) for p in b.params])
+            else:
+                b.param_buffer = torch.empty(b.numel, dtype=b.params[0].dtype, device=b.params[0].device)
+            b.param_work = comm.broadcast_from_owner(b.param_buffer, b.owner, self.group)
+        return max(start, end)
+
+    def _wait_bucket(self, b: Bucket) -> None:
+        if b.param_work is None:
+            return
+        b.param_work.wait()
+        b.param_work = None
+        if b.param_buffer is not None:
+            if b.owner != self.rank:
+                with torch.no_grad():
+                    for k, p in enumerate(b.params):
+                        p.copy_(b.segment(b.param_buffer, k))
+            b.param_buffer = None
+
+    def wait_params(self) -> None:
+        """Wait until every parameter holds its owner's latest value (the forward hooks do this per module)."""
+        for b in self.buckets:
+            self._wait_bucket(b)
+
+    def _make_pre_forward(self, buckets: list[Bucket]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._refuse_if_stale()
+            for b in buckets:
+                self._wait_bucket(b)
+        return hook
+
+    @torch.no_grad()
+    def sync_params(self) -> None:
+        """Make every rank's parameters equal to their owners' (fp32 masters cast on the owner), blocking; marks
+        the parameters current again after a checkpoint load. Collective."""
+        self.wait_params()
+        for p in self.params:
+            if id(p) in self.masters:
+                p.copy_(self.masters[id(p)])
+        self._launch_param_broadcasts(0, len(self.buckets))
+        self.wait_params()
+        self._stale = False
+
+    @torch.no_grad()
+    def _broadcast_buffers(self, model: nn.Module) -> None:
+        """Rank 0's buffers (and frozen parameters) to every rank, as DDP does at construction."""
+        trainable = {id(p) for p in self.params}
+        for t in [*model.buffers(), *(p for p in model.parameters() if id(p) not in trainable)]:
+            comm.broadcast_from_owner(t.data, 0, self.group).wait()
+
+    def mark_stale(self) -> None:
+        """Mark this rank's parameters as not yet synchronised (a checkpoint load has started): ``step()`` and the
+        model's forward raise until :meth:`sync_params` completes."""
+        self._stale = True
+
+    def _refuse_if_stale(self) -> None:
+        if self._stale:
+            raise RuntimeError("parameters are stale: a checkpoint load started but the parameters were not "
+                               "synchronised from their owners afterwards (was the load interrupted?). Load the "
+                               "checkpoint again, or call opt.sync_params() on every rank.")
+
+    # ------------------------------------------------------------------------------------------- state
+    def owned_names(self) -> list[str]:
+        return [self.names[id(p)] for p in self.params if self.owner[id(p)] == self.rank]
+
+    def param_by_name(self, name: str) -> Tensor:
+        return next(p for p in self.params if self.names[id(p)] == name)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's part, keyed by parameter name: ``{"state": {name: {key: value}}, "param_groups": [...]}``
+        with the state of the parameters this rank owns and the global groups' hyperparameters. Not collective.
+        For a whole checkpoint use :func:`matrixopt.distributed.checkpoint.save`."""
+        state = {}
+        for p in self.params:
+            if self.owner[id(p)] != self.rank:
+                continue
+            st = self._inner_optimizer(p).state.get(self._inner_param(p))
+            if st:
+                state[self.names[id(p)]] = dict(st)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {"optimizer": self.name, "state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a name-keyed state dict (this rank's :meth:`state_dict`, or the whole one that
+        :func:`matrixopt.distributed.checkpoint.export` writes): hyperparameters of every group, state of the
+        parameters this rank owns. Not collective."""
+        if state_dict.get("optimizer", self.name) != self.name:
+            raise ValueError(f"this state dict was saved by {state_dict['optimizer']!r}, not {self.name!r}; build "
+                             f"the same optimizer it came from to load it")
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups) or any(
+                sg.get("names") != g.get("names") for sg, g in zip(saved, self.param_groups)):
+            raise ValueError("the state dict's param groups name other parameters than this optimizer's: it comes "
+                             "from a different model or routing")
+        for sg, g in zip(saved, self.param_groups):
+            g.update({k: v for k, v in sg.items() if k not in _GROUP_META})
+        known = set(self.names.values())
+        unknown = sorted(set(state_dict["state"]) - known)
+        if unknown:
+            raise ValueError(f"state dict has state for {unknown[:5]}, which this model does not have")
+        for name, st in state_dict["state"].items():
+            p = self.param_by_name(name)
+            if self.owner[id(p)] != self.rank:
+                continue
+            t = self._inner_param(p)
+            self._inner_optimizer(p).state[t] = {
+                k: (v.to(device=t.device, copy=True) if isinstance(v, Tensor) else v) for k, v in st.items()}
+        self._push_hyperparameters()
+
+    def load_master_(self, name: str, value: Tensor) -> None:
+        """Set the owned parameter ``name`` (and its fp32 master) to ``value``; :meth:`sync_params` spreads it."""
+        p = self.param_by_name(name)
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError(f"checkpoint value of `{name}` has shape {tuple(value.shape)}, the model's parameter "
+                             f"has shape {tuple(p.shape)}: the checkpoint comes from a different model")
+        with torch.no_grad():
+            self._inner_param(p).copy_(value)
+            p.copy_(value)
