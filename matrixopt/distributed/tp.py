@@ -204,9 +204,13 @@ def distributed_newton_schulz(X: Tensor, group: ProcessGroup | None, schedule: S
                               dtype: torch.dtype, chunks: int = 4) -> Tensor:
     """Newton–Schulz of the matrix ``[X_1 | ... | X_P]`` whose column block ``X_p`` (``(b, r, c_p)``, any float
     dtype, ``c_p`` may be 0) this rank holds. Returns this rank's column block of the result, ``(b, r, c_p)``
-    in ``dtype``. Normalizes by the global Frobenius norm like :func:`newton_schulz`."""
-    sq = tp_comm.all_reduce_sum(X.float().square().sum(dim=(-2, -1)), group)  # (b,)
-    X = (X.float() / sq.sqrt().clamp_min(1e-30)[:, None, None]).to(dtype)
+    in ``dtype``. Normalizes by the global max-abs, then the global Frobenius norm, like :func:`newton_schulz`."""
+    X = X.float()
+    # global max-abs first, as newton_schulz does, so the float32 sum of squares can neither overflow nor underflow
+    peak = X.abs().amax(dim=(-2, -1)) if X.numel() else X.new_zeros(X.size(0))  # (b,)
+    X = X / tp_comm.all_reduce_max(peak, group).clamp_min(torch.finfo(torch.float32).tiny)[:, None, None]
+    sq = tp_comm.all_reduce_sum(X.square().sum(dim=(-2, -1)), group)  # (b,)
+    X = (X / sq.sqrt().clamp_min(1e-30)[:, None, None]).to(dtype)
     for a, b, c in schedule:
         X = ns_apply(X, gram_all_reduce(X, group, chunks), a, b, c)
     return X
@@ -240,7 +244,7 @@ def tp_newton_schulz(local: Tensor, partition_dim: int, group: ProcessGroup | No
         dtype = torch.bfloat16 if local.is_cuda else torch.float32
     parts = dist.get_world_size(group)
     if mode == "blockwise" or parts == 1:
-        return newton_schulz(local, steps, coefficients, dtype=dtype)
+        return newton_schulz(local, steps, coefficients, dtype=dtype) if local.numel() else local.clone()
     X = local.unsqueeze(0) if local.ndim == 2 else local  # (b, m, n)
     X = X.mT if partition_dim == 0 else X  # (b, r, c_p): the sharded dim is the contracted (last) one
     if sizes is None:
