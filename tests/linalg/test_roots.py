@@ -1,0 +1,152 @@
+"""Inverse roots and eigenbases against float64 eigh."""
+
+import math
+
+import pytest
+import torch
+
+from matrixopt.linalg.roots import (
+    InverseRootConfig,
+    eigenbasis,
+    eigh_inverse_root,
+    inverse_root,
+    max_eigenvalue,
+    newton_inverse_root,
+    refresh_eigenbasis,
+)
+
+# fp32 coupled Newton: relative Frobenius error measured at 0.9e-3 (p=4) to 9e-3 (p=1) for condition 1e6 and about
+# 1e-6 for condition 10 (n=96); it grows like sqrt(cond) * u. Allowed: RTOL_PER_SQRT_COND * sqrt(cond), 2x margin.
+RTOL_PER_SQRT_COND = 2e-5
+# float32 round-off of an orthogonal matrix / a projection, n <= 64
+ORTHO_TOL = 1e-5
+
+
+def spd(n: int, cond: float, b: int = 3, seed: int = 0) -> torch.Tensor:
+    """``(b, n, n)`` float64 SPD with eigenvalues log-spaced in [s / cond, s], s random in (0, 100)."""
+    g = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(b, n, n, generator=g, dtype=torch.float64))
+    ev = torch.logspace(0, -math.log10(cond), n, dtype=torch.float64)
+    scale = 100 * torch.rand(b, 1, generator=g, dtype=torch.float64)
+    return (Q * (ev * scale)[:, None, :]) @ Q.mT
+
+
+def rel_err(X: torch.Tensor, ref: torch.Tensor) -> float:
+    return (torch.linalg.matrix_norm(X.double() - ref) / torch.linalg.matrix_norm(ref)).max().item()
+
+
+@pytest.mark.parametrize("cond", [1.0, 1e2, 1e4, 1e6])
+@pytest.mark.parametrize("p", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [8, 64])
+def test_inverse_root_matches_eigh(cond, p, n):
+    A = spd(n, cond)
+    res = inverse_root(A.float(), p)
+    assert res.root.dtype == torch.float32 and res.root.shape == A.shape
+    assert not res.fell_back.any() and not res.failed.any()  # Newton converged on its own
+    assert rel_err(res.root, eigh_inverse_root(A, p)) < RTOL_PER_SQRT_COND * math.sqrt(cond)
+
+
+def test_damping_is_relative_to_lambda_max():
+    A = spd(16, 10.0)
+    A[:, :, :4] = 0
+    A[:, :4, :] = 0  # singular
+    lam = max_eigenvalue(A.float()).double()  # the estimate the damping uses
+    for eps in (1e-3, 1e-1):
+        res = inverse_root(A.float(), 4, eps)
+        damped = A + (eps * lam)[:, None, None] * torch.eye(16, dtype=torch.float64)
+        assert rel_err(res.root, eigh_inverse_root(damped, 4)) < RTOL_PER_SQRT_COND * math.sqrt(1 / eps)
+        scaled = inverse_root(1e4 * A.float(), 4, eps).root  # scale-free up to (1e4)^(-1/4)
+        assert rel_err(scaled * 10.0, res.root.double()) < 1e-4
+
+
+def test_zero_matrix_gives_identity():
+    res = inverse_root(torch.zeros(2, 5, 5), 4, 1e-6)
+    torch.testing.assert_close(res.root, torch.eye(5).expand(2, 5, 5))
+    assert not res.fell_back.any() and not res.failed.any()
+
+
+def test_fallback_when_newton_does_not_converge():
+    A = spd(16, 1e4)
+    res = inverse_root(A.float(), 4, 0.0, InverseRootConfig(max_iters=2))  # far too few steps
+    assert res.fell_back.all() and not res.failed.any()
+    assert rel_err(res.root, eigh_inverse_root(A.float(), 4)) < 1e-6  # the float64 result, rounded to fp32
+
+
+def test_non_finite_input_fails_without_nan():
+    A = spd(8, 10.0).float()
+    A[1, 2, 3] = float("nan")
+    A[2, 0, 0] = float("inf")
+    res = inverse_root(A, 4)
+    assert res.failed.tolist() == [False, True, True]
+    assert torch.isfinite(res.root).all()
+    torch.testing.assert_close(res.root[1:], torch.eye(8).expand(2, 8, 8))
+
+
+def test_sync_free_newton_matches_early_exit():
+    A = spd(32, 1e3).float()
+    X1, c1 = newton_inverse_root(A, 4, 1e-6)
+    X2, c2 = newton_inverse_root(A, 4, 1e-6, early_exit=False)
+    assert c1.all() and c2.all()
+    torch.testing.assert_close(X1, X2, rtol=1e-5, atol=1e-6)
+
+
+def test_max_eigenvalue_is_a_close_lower_bound():
+    A = spd(64, 1e3)
+    true = torch.linalg.eigvalsh(A)[:, -1]
+    est = max_eigenvalue(A.float()).double()
+    assert (est <= true * (1 + 1e-5)).all() and (est >= 0.97 * true).all()  # measured: within 0.3%
+
+
+def test_eigenbasis_sorted_and_orthogonal():
+    A = spd(24, 1e3)
+    Q, ok = eigenbasis(A.float())
+    assert ok.all() and Q.dtype == torch.float32
+    torch.testing.assert_close(Q.mT @ Q, torch.eye(24).expand_as(Q), atol=ORTHO_TOL, rtol=0)
+    D = Q.double().mT @ A @ Q.double()
+    d = D.diagonal(dim1=-2, dim2=-1)
+    assert (d[:, :-1] >= d[:, 1:]).all()  # descending
+    off = D - torch.diag_embed(d)
+    assert (torch.linalg.matrix_norm(off) / torch.linalg.matrix_norm(A)).max() < ORTHO_TOL
+
+
+def test_refresh_eigenbasis_power_iteration():
+    A = spd(12, 1e2)
+    Q0 = torch.linalg.qr(torch.randn(3, 12, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))[0]
+    Q = Q0.float()
+    for _ in range(300):  # repeated single steps converge to the eigenvectors (subspace iteration)
+        Q, order, ok = refresh_eigenbasis(A.float(), Q)
+        assert ok.all()
+    ref, _ = eigenbasis(A)
+    torch.testing.assert_close((Q.mT @ ref).abs(), torch.eye(12).expand(3, 12, 12), atol=1e-3, rtol=0)
+    # one step from a permuted converged basis: columns are re-sorted and ``order`` says how
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(2))
+    Q1, order, ok = refresh_eigenbasis(A.float(), ref[:, :, perm])
+    assert torch.equal(perm[order], torch.arange(12).expand(3, 12))
+    torch.testing.assert_close(Q1, ref, atol=1e-4, rtol=0)  # signs kept: a converged basis maps to itself
+
+
+def test_refresh_eigenbasis_keeps_basis_on_non_finite():
+    A = spd(6, 10.0).float()
+    A[0, 1, 1] = float("inf")
+    Q = torch.linalg.qr(torch.randn(3, 6, 6))[0]
+    Q1, order, ok = refresh_eigenbasis(A, Q)
+    assert ok.tolist() == [False, True, True]
+    assert torch.equal(Q1[0], Q[0]) and torch.equal(order[0], torch.arange(6))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(p=0), "root order p"), (dict(p=2.5), "root order p"), (dict(epsilon=-1e-3), "damping epsilon"),
+    (dict(epsilon=1.0), "damping epsilon"), (dict(A=torch.zeros(4, 4)), r"\(b, n, n\)"),
+    (dict(A=torch.zeros(2, 4, 3)), r"\(b, n, n\)"), (dict(A=torch.zeros(1, 3, 3, dtype=torch.int64)), "floating"),
+])
+def test_bad_inputs(kwargs, match):
+    args = dict(A=torch.eye(3)[None], p=4, epsilon=0.0) | kwargs
+    with pytest.raises(ValueError, match=match):
+        inverse_root(args["A"], args["p"], args["epsilon"])
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(max_iters=0), "max_iters"), (dict(max_iters=2.0), "max_iters"),
+                                           (dict(tolerance=0.0), "tolerance"), (dict(tolerance=1.5), "tolerance")])
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        InverseRootConfig(**kwargs)
