@@ -55,13 +55,34 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _graphed(fn: Callable[[], Any], inner: int) -> Callable[[], Any]:
+    """``inner`` calls of ``fn`` captured in one CUDA graph; returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    return graph.replay
+
+
 def time_ms(fn: Callable[[], Any], device: torch.device, *, reps: int = 10, inner: int = 1,
-            warmup: int = 2) -> dict[str, float]:
+            warmup: int = 2, graph: bool = False) -> dict[str, float]:
     """Milliseconds per call of ``fn``: ``reps`` blocks of ``inner`` back-to-back calls (CUDA events on the GPU,
-    ``perf_counter`` plus a sync elsewhere), after ``warmup`` calls. Returns median, p20, p80 and min."""
+    ``perf_counter`` plus a sync elsewhere), after ``warmup`` calls. Returns median, p20, p80 and min.
+
+    ``graph=True`` (CUDA only) captures each block of ``inner`` calls in a CUDA graph and times its replays: the
+    GPU time without the host's launch overhead, which dominates kernels of a few tens of microseconds."""
     for _ in range(warmup):
         fn()
     sync(device)
+    if graph and device.type == "cuda":
+        fn, inner = _graphed(fn, inner), 1
+        fn()
+        sync(device)
     times = []
     for _ in range(reps):
         if device.type == "cuda":

@@ -100,7 +100,9 @@ def bench_gram(shapes: Sequence[tuple[int, int, int]], device: torch.device, rep
         row: dict[str, Any] = {"batch": batch, "m": m, "k": k, "gflop": flops / 1e9,
                                "limit_ms": flops / (PEAK_BF16_TFLOPS * 1e12) * 1e3}
         t = time_ms(lambda X=X: torch.bmm(X, X.mT), device, reps=reps)
-        row["cublas"] = {"ms": t, "tflops": flops / t["median"] / 1e9}
+        tg = time_ms(lambda X=X: torch.bmm(X, X.mT), device, reps=reps, inner=10, graph=True)
+        row["cublas"] = {"ms": t, "tflops": flops / t["median"] / 1e9, "graph_ms": tg,
+                         "graph_tflops": flops / tg["median"] / 1e9}
         if use_triton:
             from matrixopt.kernels.syrk import syrk
 
@@ -109,10 +111,13 @@ def bench_gram(shapes: Sequence[tuple[int, int, int]], device: torch.device, rep
             sync(device)
             first_s = time.perf_counter() - t0
             t = time_ms(lambda X=X: syrk(X), device, reps=reps)
+            tg = time_ms(lambda X=X: syrk(X), device, reps=reps, inner=10, graph=True)
             exact = torch.bmm(X.double(), X.double().mT) if ref is None else ref
             row["triton_syrk"] = {"ms": t, "tflops": flops / t["median"] / 1e9, "first_call_s": first_s,
+                                  "graph_ms": tg, "graph_tflops": flops / tg["median"] / 1e9,
                                   "err_vs_float64": _rel_err(out, exact)}
             row["speedup_vs_cublas"] = row["cublas"]["ms"]["median"] / t["median"]
+            row["graph_speedup_vs_cublas"] = row["cublas"]["graph_ms"]["median"] / tg["median"]
         rows.append(row)
     return rows
 
@@ -139,9 +144,15 @@ def format_tables(record: dict[str, Any]) -> str:
                             "TFLOP/s": v["tflops"], "of limit": v["of_limit"], "err vs polar": v["err_vs_polar"]})
     gram_rows = [{"shape": f"{r['batch']}x{r['m']}x{r['k']}", "cuBLAS ms": r["cublas"]["ms"]["median"],
                   "SYRK ms": r.get("triton_syrk", {}).get("ms", {}).get("median"),
-                  "speedup": r.get("speedup_vs_cublas"), "SYRK eff. TFLOP/s": r.get("triton_syrk", {}).get("tflops")}
+                  "speedup": r.get("speedup_vs_cublas"),
+                  "graphed cuBLAS ms": r["cublas"].get("graph_ms", {}).get("median"),
+                  "graphed SYRK ms": r.get("triton_syrk", {}).get("graph_ms", {}).get("median"),
+                  "graphed speedup": r.get("graph_speedup_vs_cublas"),
+                  "SYRK eff. TFLOP/s": r.get("triton_syrk", {}).get("graph_tflops")}
                  for r in record["gram"]]
     return ("Newton–Schulz, " + f"{record['ns'][0]['steps'] if record['ns'] else 0} quintic steps (medians)\n"
             + table(ns_rows, ["shape", "method", "ms", "TFLOP/s", "of limit", "err vs polar"])
-            + "\n\nGram X X^T, bf16 (medians; effective TFLOP/s on the dense 2 m^2 k count)\n"
-            + table(gram_rows, ["shape", "cuBLAS ms", "SYRK ms", "speedup", "SYRK eff. TFLOP/s"]))
+            + "\n\nGram X X^T, bf16 (medians, eager and replayed from a CUDA graph of 10 calls; effective TFLOP/s"
+              " on the dense 2 m^2 k count)\n"
+            + table(gram_rows, ["shape", "cuBLAS ms", "SYRK ms", "speedup", "graphed cuBLAS ms", "graphed SYRK ms",
+                                "graphed speedup", "SYRK eff. TFLOP/s"]))

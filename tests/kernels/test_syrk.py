@@ -4,10 +4,14 @@ Sizes are odd and not multiples of the tile, batched, and every code path is rea
 one-pass and split-K SYRK (with and without the ``beta Y`` term), several GEMM tile shapes, transposed input.
 """
 
+import os
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU tensors through Triton's interpreter; on a GPU see test_gpu.py")
 
 from matrixopt.kernels.ns_update import GemmConfig, ns_update, ns_update_reference  # noqa: E402
 from matrixopt.kernels.syrk import SyrkConfig, get_syrk_configs, syrk, syrk_reference  # noqa: E402
