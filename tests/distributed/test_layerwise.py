@@ -1,0 +1,283 @@
+"""Layer-wise distributed optimizer on CPU with gloo: the same parameters as the single-process optimizer on the
+same global batch, at 1 to 4 ranks, for every registered optimizer; LPT ownership; faults."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _mp import run
+from torch import nn
+
+import matrixopt.distributed as mdist
+from matrixopt import OPTIMIZERS, NonFiniteGradientError, build_optimizer
+from matrixopt.distributed.balance import assign, lpt, matrix_cost, muon_cost
+
+# fp32 sums over ranks add the per-rank gradients in another order than one process's batch sum; the difference
+# (~1e-7 relative) passes through a few optimizer steps. Measured differences are below 1e-6; a wrong reduction
+# (sum instead of mean, a missing rank, a stale parameter) moves parameters by > 1e-3.
+RTOL, ATOL = 1e-4, 1e-5
+BATCH, T, VOCAB, D = 24, 4, 16, 8  # BATCH and BATCH / 2 divide by 1, 2, 3 and 4 ranks
+LR = {"adamw": 1e-2}
+DEFAULT_LR = 2e-2
+
+
+class Net(nn.Module):
+    """Embedding -> MLP with residual -> optional big matrix -> RMSNorm -> head; routing sends fc1/fc2 (and
+    big) to the matrix optimizer, the rest to AdamW."""
+
+    def __init__(self, hidden: int = 12, big: int = 0):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.fc1 = nn.Linear(D, hidden)
+        self.fc2 = nn.Linear(hidden, D, bias=False)
+        self.big = nn.Parameter(torch.randn(big, D) / D) if big else None
+        self.ln = nn.RMSNorm(D)  # LayerNorm would make fc2's gradient rank-deficient (rows sum to 0): ill-posed MOP
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)  # (B, T, D)
+        x = x + self.fc2(F.gelu(self.fc1(x)))
+        if self.big is not None:
+            x = x + torch.tanh(x @ self.big.T) @ self.big / self.big.shape[0]  # (B, T, D)
+        return self.head(self.ln(x))  # (B, T, VOCAB)
+
+
+class Tiny(nn.Module):
+    """Two parameters (a matrix and a bias): fewer than 3 or 4 ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lin(F.one_hot(idx, D).float())
+
+
+def make(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return {"net": Net, "square": lambda: Net(hidden=D), "big": lambda: Net(big=256), "tiny": Tiny}[kind]()
+
+
+def batch(step: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    hi = D if kind == "tiny" else VOCAB
+    idx = torch.randint(0, hi, (BATCH, T), generator=g)
+    return idx, torch.randint(0, VOCAB, (BATCH, T), generator=g)
+
+
+def loss_of(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    logits = model(idx)
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), tgt.reshape(-1))
+
+
+def reference(kind: str, name: str, steps: int, accum: int = 1, clip: float | None = None,
+              **hp) -> tuple[nn.Module, list[float]]:
+    """The single-process optimizer on the whole global batch."""
+    model = make(kind)
+    opt = build_optimizer(model, name, lr=LR.get(name, DEFAULT_LR), **hp)
+    norms = []
+    for s in range(steps):
+        opt.zero_grad()
+        idx, tgt = batch(s, kind)
+        for mi, ti in zip(idx.chunk(accum), tgt.chunk(accum)):
+            (loss_of(model, mi, ti) / accum).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+    return model, norms
+
+
+def distributed(kind: str, name: str, steps: int, accum: int = 1, clip: float | None = None, model=None,
+                **kw) -> tuple[nn.Module, mdist.LayerwiseOptimizer, list[float]]:
+    model = make(kind) if model is None else model
+    model, opt = mdist.layerwise(model, name, lr=LR.get(name, DEFAULT_LR), bucket_cap_mb=1e-4, **kw)
+    norms = []
+    for s in range(steps):
+        opt.zero_grad()
+        idx, tgt = batch(s, kind)
+        micro = list(zip(idx.chunk(accum), tgt.chunk(accum)))
+        for i, (mi, ti) in enumerate(micro):
+            sl = mdist.batch_slice(mi.shape[0])
+            ctx = opt.no_sync() if i < accum - 1 else torch.enable_grad()
+            with ctx:
+                (loss_of(model, mi[sl], ti[sl]) / accum).backward()
+        if clip is not None:
+            norms.append(float(opt.clip_grad_norm_(clip)))
+        opt.step()
+    opt.wait_params()
+    return model, opt, norms
+
+
+def same_on_every_rank(model: nn.Module) -> None:
+    flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, flat)
+    for r, other in enumerate(everyone):
+        assert torch.equal(other, flat), f"rank {r}'s parameters differ from rank {dist.get_rank()}'s"
+
+
+def assert_matches(model: nn.Module, ref: nn.Module, init: nn.Module, what: str) -> None:
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, msg=f"{what}: {n} differs")
+    moved = max((p.detach() - p0.detach()).abs().max().item() for p, p0 in zip(model.parameters(), init.parameters()))
+    assert moved > 100 * ATOL, f"{what}: parameters barely moved ({moved}); the comparison would prove nothing"
+
+
+def _equivalence_worker(rank: int, world: int) -> None:
+    names = sorted(OPTIMIZERS)
+    # SOAP runs Adam in the eigenbasis of its factors; a rectangular matrix's larger factor has a degenerate zero
+    # eigenspace whose basis is arbitrary, so round-off moves SOAP's steps by ~10% even in one process (batch
+    # summed in two halves vs whole). Square hidden matrices make it well-posed (~1e-6).
+    cases = [(n, "square" if n == "soap" else "net", {}) for n in names]
+    cases += [("muon", "net", {"accum": 2}), ("muon", "net", {"clip": 0.05}), ("muon", "big", {}),
+              ("adamw", "tiny", {}), ("muon", "tiny", {})]
+    for name, kind, extra in cases:
+        what = f"{name}/{kind}/{extra} at {world} ranks"
+        ref, ref_norms = reference(kind, name, steps=3, **extra)
+        model, opt, norms = distributed(kind, name, steps=3, **extra)
+        assert_matches(model, ref, make(kind), what)
+        same_on_every_rank(model)
+        for a, b in zip(norms, ref_norms):
+            assert abs(a - b) <= 1e-5 * b, f"{what}: global grad norm {a} != single-process {b}"
+        if extra.get("clip"):
+            assert all(n > extra["clip"] for n in ref_norms), "clip threshold must bind for the test to mean anything"
+        # each rank holds the state of the parameters it owns, and nothing else
+        owned = set(opt.owned_names())
+        assert set(opt.state_dict()["state"]) == owned, what
+        counts = [None] * world
+        dist.all_gather_object(counts, len(owned))
+        assert sum(counts) == len(opt.params), what
+        if kind == "tiny" and world > 2:
+            assert 0 in counts, f"{what}: with 2 parameters some rank must own nothing, got {counts}"
+        if kind == "big":
+            big_owner = opt.owner[id(model.big)]
+            others = [p for p in opt.params if p is not model.big and p.ndim >= 2 and opt.owner[id(p)] == big_owner
+                      and opt.names[id(p)] in ("fc1.weight", "fc2.weight")]
+            assert world == 1 or not others, f"{what}: LPT should leave the big matrix's owner no other matrix"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_matches_single_process(world):
+    run(_equivalence_worker, world, timeout=200)
+
+
+def _bf16_worker(rank: int, world: int) -> None:
+    # reference: one process with fp32 master weights of a bf16 model
+    ref = make("net").to(torch.bfloat16)
+    master = make("net")
+    opt_ref = build_optimizer(master, "muon", lr=DEFAULT_LR)
+    for s in range(3):
+        idx, tgt = batch(s, "net")
+        loss_of(ref, idx, tgt).backward()
+        for p, m in zip(ref.parameters(), master.parameters()):
+            m.grad = p.grad.float()
+            p.grad = None
+        opt_ref.step()
+        with torch.no_grad():
+            for p, m in zip(ref.parameters(), master.parameters()):
+                p.copy_(m)
+    model, opt, _ = distributed("net", "muon", steps=3, model=make("net").to(torch.bfloat16),
+                                reduce_dtype=torch.float32)
+    same_on_every_rank(model)
+    for p in model.parameters():
+        assert p.dtype == torch.bfloat16
+        mine = opt.owner[id(p)] == rank
+        assert (id(p) in opt.masters) == mine, "fp32 masters must exist on the owner only"
+        if mine:
+            m = opt.masters[id(p)]
+            assert m.dtype == torch.float32 and torch.equal(m.to(torch.bfloat16), p.detach())
+            state = opt._inner_optimizer(p).state[m]
+            assert all(v.dtype == torch.float32 for v in state.values() if v.ndim > 0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        # bf16 local gradients of a half batch vs of the whole batch: bf16 rounding, then 3 steps
+        torch.testing.assert_close(p.float(), q.float(), rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bf16_master_weights_only_on_owner(world):
+    run(_bf16_worker, world)
+
+
+def _faults_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    # a rank whose model differs is named in an error on every rank, not a hang
+    model = Net()
+    if rank == 1:
+        model.fc2 = nn.Linear(12, D + 1, bias=False)
+    with pytest.raises(ValueError, match=r"`fc2.weight` has shape \(8, 12\) on rank 0 but \(9, 12\) on rank 1"):
+        mdist.layerwise(model, "muon", lr=0.01)
+    with pytest.raises(ValueError, match=r"rank 0 builds 'muon' .* rank 1 builds 'muon'"):
+        mdist.layerwise(Net(), "muon", lr=0.01 * (rank + 1))
+    with pytest.raises(ValueError, match="exists on rank 1 but not on rank 0"):
+        m = Net()
+        if rank == 1:
+            m.extra = nn.Linear(3, 3)
+        mdist.layerwise(m, "muon", lr=0.01)
+
+    # NaN on one rank's batch: every rank raises, nothing is written
+    model, opt = mdist.layerwise(Net(), "muon", lr=0.01)
+    before = [p.detach().clone() for p in model.parameters()]
+    idx, tgt = batch(0, "net")
+    loss = loss_of(model, idx, tgt) * (float("nan") if rank == 1 else 1.0)
+    loss.backward()
+    with pytest.raises(NonFiniteGradientError, match="no parameter or state was updated on any rank"):
+        opt.step()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+    assert not opt.state_dict()["state"]
+
+    # a second backward without no_sync is an error that says how to accumulate
+    loss_of(model, idx, tgt).backward()
+    with pytest.raises(RuntimeError, match="no_sync"):
+        loss_of(model, idx, tgt).backward()
+    opt.zero_grad()
+
+    # a dead rank makes the others fail within the timeout instead of hanging
+    model, opt = mdist.layerwise(Net(), "muon", lr=0.01, timeout=timedelta(seconds=5))
+    if rank == 1:
+        os._exit(0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        loss_of(model, idx, tgt).backward()
+        opt.step()
+    assert time.monotonic() - start < 30
+
+
+def test_faults_mismatch_nonfinite_dead_rank():
+    run(_faults_worker, 2)
+
+
+def test_lpt_is_deterministic_balanced_and_stable():
+    costs = [5.0, 3.0, 3.0, 2.0, 2.0, 2.0, 1.0]
+    owner, loads = lpt(costs, 3)
+    assert owner == lpt(costs, 3)[0]
+    assert owner == [0, 1, 2, 1, 2, 0, 1] and loads == [7.0, 6.0, 5.0]  # by hand; ties go to the lower rank
+    assert lpt([1.0, 1.0], 4)[0] == [0, 1]  # fewer items than ranks: distinct ranks, the rest idle
+
+
+def test_assign_puts_a_big_matrix_alone_and_spreads_adamw_memory():
+    params = [torch.empty(256, 8), torch.empty(12, 8), torch.empty(8, 12), torch.empty(16, 8), torch.empty(8)]
+    a = assign(params, [True, True, True, False, False], 2, muon_cost, lambda p, m: 4 * p.numel())
+    assert a.owner[1] == a.owner[2] != a.owner[0]
+    assert a.owner[3] == a.owner[1]  # the embedding's memory goes to the rank with fewer state bytes
+    assert a.imbalance == pytest.approx(2 * max(a.compute) / sum(a.compute))
+    assert "imbalance" in a.summary()
+
+
+def test_matrix_cost_counts_pieces():
+    from matrixopt import mark_split
+    p = mark_split(torch.empty(24, 8), 3)
+    assert matrix_cost(p, muon_cost) == 3 * muon_cost(8, 8)
+    assert muon_cost(8, 64) == muon_cost(64, 8) > muon_cost(8, 8)
+
+
+def test_needs_an_initialised_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        mdist.layerwise(Net(), "muon")
