@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -241,7 +242,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_bench(argv: list[str]) -> int:
     try:
-        from matrixopt.bench import cli as bench_cli
+        bench_cli = importlib.import_module("matrixopt.bench.cli")
     except ImportError as e:
         print(f"matrixopt bench: error: the benchmark CLI is unavailable ({e})", file=sys.stderr)
         return 2

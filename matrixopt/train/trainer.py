@@ -42,6 +42,7 @@ from matrixopt.train.data import Dataset, load_dataset, train_batch, val_offsets
 from matrixopt.train.model import GPT
 
 CKPT_MAGIC = b"MXOPTCK1"  # 8 bytes, then the sha256 (32 bytes) of the torch.save payload, then the payload
+FREE_TO_CHANGE = ("ckpt_every", "threads")  # config fields a run may change between resumes: no effect on results
 QKV_SPLITS = {r"attn\.c_attn\.weight$": 3}  # orthogonalize the fused (3d, d) QKV weight as Q, K, V
 
 
@@ -103,9 +104,9 @@ def prepare_out_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) 
             old = json.loads(config_path.read_text())
         except json.JSONDecodeError:
             raise ValueError(f"{config_path} is not valid JSON; pass --overwrite to start a new run in {out}") from None
-        if old != new:
-            a, b = _flat(old), _flat(new)
-            changed = [k for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+        a, b = _flat(old), _flat(new)
+        changed = [k for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k) and k not in FREE_TO_CHANGE]
+        if changed:
             diff = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed)
             raise ValueError(
                 f"out dir {out} holds a different run ({diff}); choose another --out, or pass --overwrite to "
