@@ -1,0 +1,261 @@
+"""Shampoo against a float64 reference written here; schedule, blocks, state_dict, fallbacks, bad input."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import matrixopt
+from matrixopt import Shampoo
+from matrixopt.linalg.roots import InverseRootConfig
+from matrixopt.optim.shampoo import block_plan, split_dim
+
+# fp32 optimizer vs float64 reference over 8 steps with damping 1e-3 (factor condition <= 1e3): the roots carry
+# ~1e-6 relative error, the steps ~1e-6; measured max |W - W_ref| about 3e-6. Allowed with margin:
+ATOL = 5e-5
+
+
+def ref_shampoo(W, grads, *, lr, betas, eps, wd, nesterov, freq, start, r, damping, graft, sides=("left", "right"),
+                shampoo_beta=None):
+    """Shampoo on one matrix (one block) in float64, roots by eigh with damping relative to lambda_max."""
+    W = W.double().clone()
+    b1, b2 = betas
+    bs = b2 if shampoo_beta is None else shampoo_beta
+    m, n = W.shape
+    F = {"left": torch.zeros(m, m, dtype=torch.float64), "right": torch.zeros(n, n, dtype=torch.float64)}
+    root = {"left": torch.eye(m, dtype=torch.float64), "right": torch.eye(n, dtype=torch.float64)}
+    p = r if len(sides) == 2 else r // 2
+    B, V = torch.zeros_like(W), torch.zeros_like(W)
+    for t, G in enumerate(grads, 1):
+        G = G.double()
+        B = b1 * B + (1 - b1) * G
+        D = (1 - b1) * G + b1 * B if nesterov else B
+        V = b2 * V + (1 - b2) * G**2
+        A = (D / (1 - b1**t)) / ((V / (1 - b2**t)).sqrt() + eps)
+        F["left"] = bs * F["left"] + (1 - bs) * G @ G.T
+        F["right"] = bs * F["right"] + (1 - bs) * G.T @ G
+        if t >= start and (t - start) % freq == 0:
+            for s in sides:
+                lam, Q = torch.linalg.eigh(F[s])
+                lam = lam.clamp_min(0) + damping * lam.max()
+                root[s] = Q @ torch.diag(lam ** (-1 / p)) @ Q.T
+        if t < start:
+            U = A if graft else D
+        else:
+            U = D
+            if "left" in sides:
+                U = root["left"] @ U
+            if "right" in sides:
+                U = U @ root["right"]
+            if graft:
+                U = U * A.norm() / U.norm()
+        W = (1 - lr * wd) * W - lr * U
+    return W
+
+
+HP = dict(lr=0.05, betas=(0.9, 0.95), eps=1e-8, wd=0.1, nesterov=True, freq=3, start=2, r=4, damping=1e-3,
+          graft=True)
+
+
+def run(W0, grads, **kw):
+    W = nn.Parameter(W0.clone())
+    opt = Shampoo([W], **kw)
+    for g in grads:
+        W.grad = g.clone()
+        opt.step()
+    return W.detach(), opt
+
+
+def kwargs(hp):
+    return dict(lr=hp["lr"], betas=hp["betas"], eps=hp["eps"], weight_decay=hp["wd"], nesterov=hp["nesterov"],
+                precondition_frequency=hp["freq"], start_preconditioning_step=hp["start"], inverse_root=hp["r"],
+                damping=hp["damping"], grafting="adam" if hp["graft"] else "none")
+
+
+def data(shape, steps=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g), [torch.randn(shape, generator=g) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("shape", [(12, 8), (6, 6), (5, 11)])
+@pytest.mark.parametrize("variant", [{}, dict(nesterov=False), dict(graft=False, lr=0.01), dict(r=2),
+                                     dict(start=1, freq=1)])
+def test_matches_float64_reference(shape, variant):
+    hp = HP | variant
+    W0, grads = data(shape)
+    W, opt = run(W0, grads, **kwargs(hp))
+    ref = ref_shampoo(W0, grads, **hp)
+    assert (W.double() - ref).abs().max() < ATOL
+    assert opt.root_fallbacks == 0 and opt.root_failures == 0
+
+
+def test_blocks_are_independent_shampoos():
+    """A (10, 7) matrix with max_preconditioner_dim=4 is 3 x 2 blocks, each its own Shampoo (own graft norm)."""
+    W0, grads = data((10, 7))
+    W, opt = run(W0, grads, **kwargs(HP), max_preconditioner_dim=4)
+    assert split_dim(10, 4) == [(0, 3), (3, 6), (6, 10)] and split_dim(7, 4) == [(0, 3), (3, 7)]
+    st = opt.state[next(iter(opt.state))]
+    assert sorted(tuple(st[f"left{k}"].shape) for k in range(6)) == [(3, 3)] * 4 + [(4, 4)] * 2
+    for r0, r1 in split_dim(10, 4):
+        for c0, c1 in split_dim(7, 4):
+            ref = ref_shampoo(W0[r0:r1, c0:c1], [g[r0:r1, c0:c1] for g in grads], **HP)
+            assert (W[r0:r1, c0:c1].double() - ref).abs().max() < ATOL
+
+
+def test_one_sided_wide_matrix():
+    W0, grads = data((4, 20))
+    W, opt = run(W0, grads, **kwargs(HP), one_sided_ratio=2.0)
+    st = opt.state[next(iter(opt.state))]
+    assert "left0" in st and "right0" not in st  # only the smaller factor
+    ref = ref_shampoo(W0, grads, **HP, sides=("left",))  # L^(-1/2) G
+    assert (W.double() - ref).abs().max() < ATOL
+
+
+def test_plans_of_conv_experts_and_splits():
+    conv = torch.zeros(8, 3, 3, 3)
+    assert [b.key for b in block_plan(conv, 1024, None)] == [(8, 27, True, True)]
+    experts = matrixopt.mark_experts(torch.zeros(2, 6, 4))
+    assert [b.key for b in block_plan(experts, 1024, None)] == [(6, 4, True, True)] * 2
+    qkv = matrixopt.mark_split(torch.zeros(12, 4), 3)
+    assert [b.key for b in block_plan(qkv, 1024, None)] == [(4, 4, True, True)] * 3
+
+
+def test_stale_roots_and_schedule():
+    """Roots change only at steps start, start + freq, ...; before start the step is Adam's (no Nesterov)."""
+    W0, grads = data((6, 5), steps=9)
+    W = nn.Parameter(W0.clone())
+    opt = Shampoo([W], lr=0.01, betas=(0.9, 0.99), weight_decay=0.1, nesterov=False, precondition_frequency=3,
+                  start_preconditioning_step=4)
+    W_adam = nn.Parameter(W0.clone())
+    adam = torch.optim.AdamW([W_adam], lr=0.01, betas=(0.9, 0.99), weight_decay=0.1)
+    changed = []
+    for t, g in enumerate(grads, 1):
+        before = opt.state[W]["left_root0"].clone() if opt.state else None
+        W.grad, W_adam.grad = g.clone(), g.clone()
+        opt.step()
+        adam.step()
+        if before is not None and not torch.equal(before, opt.state[W]["left_root0"]):
+            changed.append(t)
+        if t < 4:
+            torch.testing.assert_close(W.detach(), W_adam.detach(), rtol=1e-6, atol=1e-7)
+    assert changed == [4, 7]
+    assert not torch.allclose(W.detach(), W_adam.detach(), atol=1e-4)  # preconditioned from step 4
+
+
+def test_state_dict_round_trip_is_bit_identical():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+    x, y = torch.randn(32, 6), torch.randn(32, 3)
+
+    def train(m, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+
+    hp = dict(lr=0.01, precondition_frequency=2, start_preconditioning_step=1, max_preconditioner_dim=8)
+    opt = matrixopt.build_optimizer(model, "shampoo", **hp)
+    train(model, opt, 5)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    train(model, opt, 4)
+    model2 = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+    model2.load_state_dict(saved_model)
+    opt2 = matrixopt.build_optimizer(model2, "shampoo", **hp)
+    opt2.load_state_dict(saved_opt)
+    train(model2, opt2, 4)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="max_preconditioner_dim"):
+        matrixopt.build_optimizer(model2, "shampoo", lr=0.01, max_preconditioner_dim=4).load_state_dict(saved_opt)
+
+
+def test_forced_newton_failure_falls_back_to_eigh():
+    W0, grads = data((12, 8))
+    W, opt = run(W0, grads, **kwargs(HP), root_config=InverseRootConfig(max_iters=1))
+    assert opt.root_fallbacks == 2 * 3  # two factors at steps 2, 5, 8
+    assert opt.root_failures == 0
+    assert (W.double() - ref_shampoo(W0, grads, **HP)).abs().max() < ATOL
+
+
+def test_non_finite_factor_keeps_previous_root():
+    W0, grads = data((6, 5), steps=4)
+    W = nn.Parameter(W0.clone())
+    opt = Shampoo([W], lr=0.01, precondition_frequency=2, start_preconditioning_step=2)
+    for g in grads[:2]:
+        W.grad = g.clone()
+        opt.step()
+    st = opt.state[W]
+    root = st["left_root0"].clone()
+    st["left0"][0, 0] = float("inf")  # a corrupted factor (e.g. loaded from a bad checkpoint)
+    for g in grads[2:]:
+        W.grad = g.clone()
+        opt.step()
+    assert opt.root_failures == 1
+    assert torch.equal(st["left_root0"], root)
+    assert torch.isfinite(W).all() and all(torch.isfinite(v).all() for k, v in st.items() if k.endswith("root0"))
+
+
+def test_overflowing_gradient_never_writes_nan():
+    W = nn.Parameter(torch.randn(5, 4))
+    opt = Shampoo([W], lr=0.01, precondition_frequency=1, start_preconditioning_step=1)
+    W.grad = torch.full((5, 4), 1e30)  # finite, but G G^T overflows fp32
+    opt.step()
+    st = opt.state[W]
+    assert torch.isfinite(W).all() and torch.isfinite(st["left0"]).all() and torch.isfinite(st["left_root0"]).all()
+
+
+def test_bf16_params_and_factors():
+    W0, grads = data((12, 8))
+    W = nn.Parameter(W0.to(torch.bfloat16))
+    opt = Shampoo([W], **kwargs(HP), factor_dtype=torch.bfloat16)
+    for g in grads:
+        W.grad = g.to(torch.bfloat16)
+        opt.step()
+    st = opt.state[W]
+    assert W.dtype == torch.bfloat16 and st["momentum_buffer"].dtype == torch.float32
+    assert st["left0"].dtype == torch.bfloat16 and st["left_root0"].dtype == torch.bfloat16
+    # each of the 8 steps rounds W (|W| < 4) to bf16, half an ulp = 2^-7: at most 8 * 2^-7 = 0.0625 apart
+    ref = ref_shampoo(W0.bfloat16(), [g.bfloat16() for g in grads], **HP)
+    assert (W.double() - ref).abs().max() < 0.0625
+
+
+def test_build_optimizer_routes_and_tensor_lr():
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+    opt = matrixopt.build_optimizer(model, "shampoo", lr=torch.tensor(0.01))
+    flags = [g["use_shampoo"] for g in opt.param_groups]
+    assert flags.count(True) == 1 and opt.param_groups[flags.index(True)]["params"][0] is model[1].weight
+    model(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert "soap" in matrixopt.OPTIMIZERS and "shampoo" in matrixopt.OPTIMIZERS
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(lr=-1.0), "learning rate"), (dict(betas=(1.0, 0.9)), "beta parameter at index 0"),
+    (dict(betas=(0.9, float("nan"))), "beta parameter at index 1"), (dict(shampoo_beta=1.5), "shampoo_beta"),
+    (dict(eps=-1.0), "eps"), (dict(weight_decay=-0.1), "weight_decay"), (dict(damping=1.0), "damping"),
+    (dict(precondition_frequency=0), "precondition_frequency"), (dict(max_preconditioner_dim=2.5),
+                                                                "max_preconditioner_dim"),
+    (dict(start_preconditioning_step=0), "start_preconditioning_step"), (dict(inverse_root=3), "inverse_root"),
+    (dict(grafting="sgd"), "grafting"), (dict(one_sided_ratio=0.5), "one_sided_ratio"),
+    (dict(factor_dtype=torch.float16), "factor_dtype"), (dict(root_config={"max_iters": 3}), "root_config"),
+    (dict(side_stream="yes"), "side_stream"),
+])
+def test_bad_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Shampoo([nn.Parameter(torch.zeros(3, 3))], **kwargs)
+
+
+def test_bad_parameters():
+    with pytest.raises(ValueError, match=r"1-D.*use_shampoo=False"):
+        Shampoo([nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ValueError, match="real dense floating-point"):
+        Shampoo([nn.Parameter(torch.zeros(3, 3, dtype=torch.complex64))])
+
+
+def test_side_stream_on_cpu_is_synchronous():
+    W0, grads = data((6, 5))
+    a, _ = run(W0, grads, **kwargs(HP), side_stream=True)
+    b, _ = run(W0, grads, **kwargs(HP))
+    assert torch.equal(a, b)
