@@ -1,0 +1,225 @@
+"""SOAP against a float64 reference written here; eigenbasis schedule, moment rotation, blocks, state_dict."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import matrixopt
+from matrixopt import SOAP
+from matrixopt.optim.shampoo import split_dim
+
+# fp32 optimizer vs float64 reference over 9 steps (measured max |W - W_ref| about 5e-7; with
+# factor_update="kl" and damping 1e-2 about 8e-7). Allowed with margin:
+ATOL = 2e-5
+
+
+def ref_soap(W, grads, Q0, *, lr, betas, eps, wd, freq, kl=False, damping=1e-2, sides=("left", "right")):
+    """SOAP on one matrix in float64: the first call builds the factors, whose eigenbases ``Q0`` (``{"left": (m, m),
+    "right": (n, n)}``, as the optimizer took them) are checked; Adam in the eigenbasis; factors after the step;
+    every ``freq`` Adam steps one QR power step, V' permuted, M' rotated."""
+    W = W.double().clone()
+    b1, b2 = betas
+    m, n = W.shape
+    eye = {"left": torch.eye(m, dtype=torch.float64), "right": torch.eye(n, dtype=torch.float64)}
+    Q = dict(eye)
+    M, V = torch.zeros_like(W), torch.zeros_like(W)
+    for t, G in enumerate(grads):
+        G = G.double()
+        Gp = Q["left"].T @ G @ Q["right"]
+        if t == 0:
+            F = {"left": (1 - b2) * G @ G.T / (n if kl else 1), "right": (1 - b2) * G.T @ G / (m if kl else 1)}
+            for s in sides:  # the eigenbasis Q0 chose (eigh picks any basis of a factor's null space): check it
+                Q[s] = Q0[s].double()
+                D = Q[s].T @ F[s] @ Q[s]
+                off = D - torch.diag(torch.diag(D))
+                assert off.norm() < 1e-5 * F[s].norm() and (torch.diag(D)[:-1] >= torch.diag(D)[1:] - 1e-6).all()
+            d = {s: torch.diag(Q[s].T @ F[s] @ Q[s]) for s in sides}
+            continue
+        M = b1 * M + (1 - b1) * Gp
+        V = b2 * V + (1 - b2) * Gp**2
+        N = (M / (1 - b1**t)) / ((V / (1 - b2**t)).sqrt() + eps)
+        W = (1 - lr * wd) * W - lr * Q["left"] @ N @ Q["right"].T
+        if kl:
+            inv = {s: (1 / (d[s] + damping * d[s].max()) if s in sides else torch.ones(len(eye[s]), dtype=W.dtype))
+                   for s in ("left", "right")}
+            Rinv = Q["right"] @ torch.diag(inv["right"]) @ Q["right"].T
+            Linv = Q["left"] @ torch.diag(inv["left"]) @ Q["left"].T
+            F = {"left": b2 * F["left"] + (1 - b2) / n * G @ Rinv @ G.T,
+                 "right": b2 * F["right"] + (1 - b2) / m * G.T @ Linv @ G}
+            d = {"left": b2 * d.get("left", 0) + (1 - b2) / n * (Gp**2 * inv["right"][None, :]).sum(1),
+                 "right": b2 * d.get("right", 0) + (1 - b2) / m * (Gp**2 * inv["left"][:, None]).sum(0)}
+        else:
+            F = {"left": b2 * F["left"] + (1 - b2) * G @ G.T, "right": b2 * F["right"] + (1 - b2) * G.T @ G}
+        if t % freq == 0:
+            old = dict(Q)
+            for s in sides:
+                o = torch.argsort(torch.diag(Q[s].T @ F[s] @ Q[s]), descending=True)
+                Qn, R = torch.linalg.qr(F[s] @ Q[s][:, o])
+                Q[s] = Qn * torch.sign(torch.diag(R))[None, :]
+                V = V[o] if s == "left" else V[:, o]
+                d[s] = torch.diag(Q[s].T @ F[s] @ Q[s])
+            M = Q["left"].T @ old["left"] @ M @ old["right"].T @ Q["right"]
+    return W
+
+
+HP = dict(lr=0.05, betas=(0.9, 0.95), eps=1e-8, wd=0.1, freq=3)
+
+
+def kwargs(hp):
+    return dict(lr=hp["lr"], betas=hp["betas"], eps=hp["eps"], weight_decay=hp["wd"],
+                precondition_frequency=hp["freq"], factor_update="kl" if hp.get("kl") else "shampoo",
+                damping=hp.get("damping", 1e-2))
+
+
+def data(shape, steps=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g), [torch.randn(shape, generator=g) for _ in range(steps)]
+
+
+def run(W0, grads, **kw):
+    """The optimizer's weights after ``grads``, the optimizer, and the eigenbases it took at the first call."""
+    W = nn.Parameter(W0.clone())
+    opt = SOAP([W], **kw)
+    for t, g in enumerate(grads):
+        W.grad = g.clone()
+        opt.step()
+        if t == 0:
+            st = opt.state[W]
+            Q0 = {s: st[f"{s}_basis0"].clone() for s in ("left", "right") if f"{s}_basis0" in st}
+    return W.detach(), opt, Q0
+
+
+@pytest.mark.parametrize("shape", [(7, 5), (6, 6), (4, 9)])
+@pytest.mark.parametrize("variant", [{}, dict(freq=1), dict(kl=True), dict(kl=True, freq=2)])
+def test_matches_float64_reference(shape, variant):
+    hp = HP | variant
+    W0, grads = data(shape)
+    W, opt, Q0 = run(W0, grads, **kwargs(hp))
+    assert (W.double() - ref_soap(W0, grads, Q0, **hp)).abs().max() < ATOL
+    assert opt.root_failures == 0
+
+
+def test_first_call_only_initializes():
+    W0, grads = data((5, 4), steps=1)
+    W, opt, _ = run(W0, grads, **kwargs(HP))
+    assert torch.equal(W, W0)
+    st = opt.state[next(iter(opt.state))]
+    assert st["step"] == 1 and not torch.equal(st["left_basis0"], torch.eye(5))
+
+
+def test_blocks_and_one_sided():
+    W0, grads = data((10, 7))
+    W, opt, _ = run(W0, grads, **kwargs(HP), max_preconditioner_dim=4)
+    _, opt1, _ = run(W0, grads[:1], **kwargs(HP), max_preconditioner_dim=4)
+    st = opt1.state[next(iter(opt1.state))]  # the bases of every block after the first call
+    blocks = [(r, c) for r in split_dim(10, 4) for c in split_dim(7, 4)]
+    for k, ((r0, r1), (c0, c1)) in enumerate(blocks):
+        Q0 = {s: st[f"{s}_basis{k}"] for s in ("left", "right")}
+        ref = ref_soap(W0[r0:r1, c0:c1], [g[r0:r1, c0:c1] for g in grads], Q0, **HP)
+        assert (W[r0:r1, c0:c1].double() - ref).abs().max() < ATOL
+    W0, grads = data((3, 12))
+    for kl in (False, True):
+        W, opt, Q0 = run(W0, grads, **kwargs(HP | dict(kl=kl)), one_sided_ratio=2.0)
+        assert "right0" not in opt.state[next(iter(opt.state))]
+        assert (W.double() - ref_soap(W0, grads, Q0, **HP, kl=kl, sides=("left",))).abs().max() < ATOL
+
+
+def test_bases_refresh_schedule_and_first_moment_rotation():
+    """Bases change at the first call and every ``precondition_frequency`` Adam steps; the first moment, stored
+    in eigen-coordinates, always equals the plain EMA of the gradients once rotated back."""
+    W0, grads = data((6, 5), steps=11)
+    W = nn.Parameter(W0.clone())
+    opt = SOAP([W], lr=0.01, betas=(0.9, 0.95), precondition_frequency=4)
+    ema = torch.zeros(6, 5, dtype=torch.float64)
+    changed = []
+    for call, g in enumerate(grads, 1):
+        before = opt.state[W]["right_basis0"].clone() if opt.state else torch.eye(5)
+        W.grad = g.clone()
+        opt.step()
+        st = opt.state[W]
+        if not torch.equal(before, st["right_basis0"]):
+            changed.append(call)
+        if call > 1:
+            ema = 0.9 * ema + 0.1 * g.double()
+        back = st["left_basis0"].double() @ st["exp_avg"].double() @ st["right_basis0"].double().T
+        torch.testing.assert_close(back, ema, atol=1e-5, rtol=0)
+    assert changed == [1, 5, 9]  # Adam steps 0 (eigh), 4 and 8
+
+
+def test_state_dict_round_trip_is_bit_identical():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+    x, y = torch.randn(32, 6), torch.randn(32, 3)
+
+    def train(m, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+
+    hp = dict(lr=0.01, precondition_frequency=2, factor_update="kl")
+    opt = matrixopt.build_optimizer(model, "soap", **hp)
+    train(model, opt, 5)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    train(model, opt, 4)
+    model2 = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+    model2.load_state_dict(saved_model)
+    opt2 = matrixopt.build_optimizer(model2, "soap", **hp)
+    opt2.load_state_dict(saved_opt)
+    train(model2, opt2, 4)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="Muon"):
+        matrixopt.build_optimizer(model2, "muon").load_state_dict(saved_opt)
+
+
+def test_non_finite_factor_keeps_basis():
+    W0, grads = data((6, 5), steps=6)
+    W = nn.Parameter(W0.clone())
+    opt = SOAP([W], lr=0.01, precondition_frequency=2)
+    for g in grads[:2]:
+        W.grad = g.clone()
+        opt.step()
+    st = opt.state[W]
+    basis = st["left_basis0"].clone()
+    st["left0"][1, 1] = float("inf")
+    for g in grads[2:4]:
+        W.grad = g.clone()
+        opt.step()
+    assert opt.root_failures == 1 and torch.equal(st["left_basis0"], basis)
+    assert torch.isfinite(W).all() and torch.isfinite(st["exp_avg"]).all() and torch.isfinite(st["exp_avg_sq"]).all()
+
+
+def test_bf16_params_keep_fp32_state():
+    W0, grads = data((8, 6))
+    W = nn.Parameter(W0.bfloat16())
+    opt = SOAP([W], **kwargs(HP), factor_dtype=torch.bfloat16)
+    for g in grads:
+        W.grad = g.bfloat16()
+        opt.step()
+    st = opt.state[W]
+    assert st["exp_avg"].dtype == torch.float32 and st["left_basis0"].dtype == torch.bfloat16
+    _, _, Q0 = run(W0.bfloat16().float(), [g.bfloat16().float() for g in grads[:1]], **kwargs(HP))
+    ref = ref_soap(W0.bfloat16(), [g.bfloat16() for g in grads], Q0, **HP)
+    assert (W.double() - ref).abs().max() < 0.2  # bf16 bases are orthogonal to ~1e-2 only
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(lr=float("inf")), "learning rate"), (dict(betas=(0.9, 1.0)), "beta parameter at index 1"),
+    (dict(factor_update="adafactor"), "factor_update"), (dict(precondition_frequency=-1), "precondition_frequency"),
+    (dict(shampoo_beta=-0.5), "shampoo_beta"), (dict(damping=-1e-3), "damping"),
+    (dict(factor_dtype=torch.float64), "factor_dtype"),
+])
+def test_bad_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SOAP([nn.Parameter(torch.zeros(3, 3))], **kwargs)
+
+
+def test_build_optimizer_routes():
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+    opt = matrixopt.build_optimizer(model, "soap", lr=1e-3)
+    assert [g["use_soap"] for g in opt.param_groups].count(True) == 1
+    with pytest.raises(ValueError, match=r"1-D.*use_soap=False"):
+        SOAP([nn.Parameter(torch.zeros(3))])
