@@ -79,9 +79,10 @@ def time_ms(fn: Callable[[], Any], device: torch.device, *, reps: int = 10, inne
     for _ in range(warmup):
         fn()
     sync(device)
+    calls, per_block = fn, inner
     if graph and device.type == "cuda":
-        fn, inner = _graphed(fn, inner), 1
-        fn()
+        calls, inner = _graphed(fn, inner), 1  # one replay runs per_block calls
+        calls()
         sync(device)
     times = []
     for _ in range(reps):
@@ -89,16 +90,16 @@ def time_ms(fn: Callable[[], Any], device: torch.device, *, reps: int = 10, inne
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(inner):
-                fn()
+                calls()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) / inner)
+            times.append(start.elapsed_time(end) / per_block)
         else:
             t0 = time.perf_counter()
             for _ in range(inner):
-                fn()
+                calls()
             sync(device)
-            times.append((time.perf_counter() - t0) * 1e3 / inner)
+            times.append((time.perf_counter() - t0) * 1e3 / per_block)
     q = statistics.quantiles(times, n=5, method="inclusive") if len(times) > 1 else [times[0]] * 4
     return {"median": statistics.median(times), "p20": q[0], "p80": q[3], "min": min(times)}
 
