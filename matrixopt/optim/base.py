@@ -182,7 +182,8 @@ class MatrixOptimizer(Optimizer):
     # ----------------------------------------------------------------------------------- AdamW
     def _adamw_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
         """Decoupled-weight-decay Adam. Float32 state for every parameter dtype; PyTorch's fused kernel when the
-        parameters are float32, a foreach path otherwise."""
+        parameters are float32 (outside torch.compile, whose functionalization can't trace it), a foreach path
+        otherwise."""
         exp_avgs, exp_avg_sqs, steps = [], [], []
         for p in params:
             st = self.state[p]
@@ -196,7 +197,8 @@ class MatrixOptimizer(Optimizer):
         beta1, beta2 = group["betas"]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         torch._foreach_add_(steps, 1.0)
-        if all(p.dtype == torch.float32 and g.dtype == torch.float32 for p, g in zip(params, grads)):
+        fused_ok = not torch.compiler.is_compiling()  # traced graphs can't functionalize _fused_adamw_
+        if fused_ok and all(p.dtype == torch.float32 and g.dtype == torch.float32 for p, g in zip(params, grads)):
             if isinstance(lr, Tensor):
                 lr = lr.to(params[0].device)
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
