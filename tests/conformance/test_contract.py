@@ -102,7 +102,7 @@ def test_state_dict_from_a_different_optimizer_is_refused(name, source):
     train(src, src_model, 1)
     model = tiny_net()
     opt = build(name, model)
-    with pytest.raises(ValueError, match=r"(?i)different|saved by|doesn't match|does not match"):
+    with pytest.raises(ValueError, match=r"(?i)different|saved by|n't match|not match"):
         opt.load_state_dict(src.state_dict())
 
 
