@@ -1,0 +1,198 @@
+"""Muon for sharded parameters: FSDP2 ``fully_shard``, tensor parallelism, or both on a 2-D mesh.
+
+:class:`ShardedMuon` is :class:`matrixopt.optim.muon.Muon` with one thing changed: how the matrices of a step
+are orthogonalized. Muon's own ``_matrix_update`` (momentum, Nesterov, update scale, weight decay, learning
+rate) runs on the local shards, one call per group of same-shape, same-placement parameters; momentum buffers
+stay DTensors in ``self.state`` (so ``state_dict`` and DCP see ordinary sharded state). Only
+``_orthogonalize`` knows about the mesh.
+
+Placements of an ``(m, n)`` matrix, one per mesh dim:
+
+- ``Replicate()``: data parallel (DDP, or HSDP's replicate dim); every replica computes the same update.
+- ``Shard(0)`` on a mesh dim other than the TP one: FSDP. Each matrix goes to one owner rank of that mesh dim
+  (:mod:`matrixopt.distributed.fsdp`), is orthogonalized there and comes back.
+- ``Shard(0)`` or ``Shard(1)`` on the mesh dim named ``tp_mesh_dim``: tensor-parallel Newton–Schulz
+  (:mod:`matrixopt.distributed.tp`); on a 2-D mesh it runs among the owners of the FSDP gather.
+
+Fused weights marked with :func:`matrixopt.mark_split` are split into their pieces after the FSDP gather, so
+Q, K and V are orthogonalized separately, as in single-process Muon.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from matrixopt.distributed import tp_comm
+from matrixopt.distributed.balance import lpt, muon_cost
+from matrixopt.distributed.fsdp import gather_to_owners, scatter_from_owners
+from matrixopt.distributed.tp import MODES, CostModel, tp_newton_schulz
+from matrixopt.optim.layout import _SPLIT
+from matrixopt.optim.muon import Muon, update_scale
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How an ``(m, n)`` DTensor matrix is laid out: the FSDP mesh dim (rows), the TP mesh dim and which matrix
+    dim it shards, and the ``mark_split`` pieces ``(dim, sizes)`` if any."""
+
+    shape: tuple[int, int]
+    fsdp_group: ProcessGroup | None
+    fsdp_rows: tuple[int, ...]  # rows held by each rank of the FSDP group
+    tp_group: ProcessGroup | None
+    tp_dim: int  # the matrix dim TP shards (0 or 1); unused without TP
+    tp_sizes: tuple[int, ...]
+    split: tuple[int, tuple[int, ...]] | None
+
+
+class ShardedMuon(Muon):
+    """Muon over DTensor parameters (FSDP2, TP, FSDP x TP, HSDP). Takes Muon's arguments plus:
+
+    Args:
+        tp_mode: TP Newton–Schulz mode, one of ``"auto"`` (default), ``"duplicated"``, ``"distributed"``,
+            ``"blockwise"`` (see :mod:`matrixopt.distributed.tp`).
+        tp_mesh_dim: name of the tensor-parallel mesh dim (default ``"tp"``); shards on other mesh dims are FSDP.
+        tp_chunks: Gram row blocks whose all-reduce overlaps compute in distributed mode (default 4).
+        tp_cost_model: a fixed :class:`CostModel` for ``auto``; None measures one at the first TP step.
+
+    Every rank must call ``step()``: the updates are collective. Plain-tensor parameters are updated exactly as
+    by Muon, so a model can mix sharded and unsharded matrices. DTensor matrices must be 2-D.
+    """
+
+    def __init__(self, params: Iterable[Any], *args: Any, tp_mode: str = "auto", tp_mesh_dim: str = "tp",
+                 tp_chunks: int = 4, tp_cost_model: CostModel | None = None, **kwargs: Any) -> None:
+        if tp_mode not in MODES:
+            raise ValueError(f"Unknown tp_mode {tp_mode!r}; use one of {MODES}")
+        if not isinstance(tp_chunks, int) or tp_chunks < 1:
+            raise ValueError(f"Invalid tp_chunks: {tp_chunks!r} (must be an int >= 1)")
+        self.tp_mode, self.tp_mesh_dim = tp_mode, tp_mesh_dim
+        self.tp_chunks, self.tp_cost_model = tp_chunks, tp_cost_model
+        self._load: dict[Any, list[float]] = {}  # per FSDP group: matrix cost owned by each rank this step
+        self._sharding: Sharding | None = None  # layout of the matrices being orthogonalized, during a step
+        super().__init__(params, *args, **kwargs)
+
+    def _finite_mask(self, grads: list[Tensor]) -> list[bool]:
+        """Muon's non-finite check on local shards, agreed over all ranks (a NaN in one shard skips or stops
+        the whole matrix everywhere)."""
+        if not any(isinstance(g, DTensor) for g in grads):
+            return super()._finite_mask(grads)
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        bad = torch.stack([(~torch.isfinite(g)).any() for g in local]).float()
+        return (tp_comm.all_reduce_max(bad, None) == 0).tolist()
+
+    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+        """Muon's update, once for the plain tensors and once per (shape, placements) bucket of DTensors, on
+        local shards. ``self.state`` is swapped for a view holding the local shards of the DTensor momentum
+        buffers for the duration of each call."""
+        self._load.clear()
+        plain = [i for i, p in enumerate(params) if not isinstance(p, DTensor)]
+        if plain:
+            super()._matrix_update(group, [params[i] for i in plain], [grads[i] for i in plain])
+        buckets: dict[tuple, list[int]] = {}
+        for i, p in enumerate(params):
+            if isinstance(p, DTensor):
+                key = (tuple(p.shape), p.dtype, p.device_mesh, p.placements, getattr(p, _SPLIT, None))
+                buckets.setdefault(key, []).append(i)
+        state = self.state
+        for idx in buckets.values():
+            ps = [params[i] for i in idx]
+            for p in ps:
+                if not state[p]:
+                    state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+            local = [p.to_local() for p in ps]
+            self.state = {lp: {"momentum_buffer": state[p]["momentum_buffer"].to_local()} for lp, p in zip(local, ps)}
+            self._sharding = self._layout(ps[0])
+            try:
+                if local[0].numel():
+                    super()._matrix_update(group, local, [grads[i].to_local() for i in idx])
+                else:  # an empty shard (e.g. 5 rows over 8 ranks) has nothing to update but serves the collectives
+                    self._orthogonalize(group, torch.stack(local))
+            finally:
+                self.state, self._sharding = state, None
+
+    def _orthogonalize(self, group: dict[str, Any], X: Tensor) -> Tensor:
+        """``(b, m_p, n_q)`` local shards of b same-layout matrices -> their shards of the orthogonalized
+        matrices, pre-divided by the update scale Muon applies next (that of the local shape), times the scale
+        of each whole matrix or split piece."""
+        sh = self._sharding
+        if sh is None:
+            return super()._orthogonalize(group, X)
+        if sh.fsdp_group is None:
+            Y = self._orthogonalize_whole_rows(group, X, sh)
+        else:
+            m, n = sh.shape
+            owners, self._load[sh.fsdp_group] = lpt([muon_cost(m, n)] * X.size(0), len(sh.fsdp_rows),
+                                                     self._load.get(sh.fsdp_group))
+            owned = gather_to_owners(X, owners, sh.fsdp_rows, sh.fsdp_group)  # (k, m, n_q)
+            if owned.size(0):  # every rank of a TP group has the same k, so TP collectives stay matched
+                owned = self._orthogonalize_whole_rows(group, owned, sh)
+            Y = scatter_from_owners(owned, owners, sh.fsdp_rows, sh.fsdp_group)
+        if Y.numel() == 0:
+            return Y
+        return Y / update_scale(group["scaling"], X.size(-2), X.size(-1))
+
+    def _orthogonalize_whole_rows(self, group: dict[str, Any], W: Tensor, sh: Sharding) -> Tensor:
+        """W: ``(k, m_p, n_q)``, whole matrices except for the TP split. Orthogonalizes each split piece and
+        multiplies it by its update scale."""
+        if sh.split is None:
+            return self._orthogonalize_piece(group, W, sh) * update_scale(group["scaling"], *sh.shape)
+        dim, sizes = sh.split
+        pieces = W.split(list(sizes), dim=1 + dim)
+        out = []
+        for piece, size in zip(pieces, sizes):
+            pm, pn = (size, sh.shape[1]) if dim == 0 else (sh.shape[0], size)
+            out.append(self._orthogonalize_piece(group, piece, sh) * update_scale(group["scaling"], pm, pn))
+        return torch.cat(out, dim=1 + dim)
+
+    def _orthogonalize_piece(self, group: dict[str, Any], Y: Tensor, sh: Sharding) -> Tensor:
+        if sh.tp_group is None:
+            return super()._orthogonalize(group, Y)
+        return tp_newton_schulz(Y, sh.tp_dim, sh.tp_group, steps=group["ns_steps"],
+                                coefficients=group["ns_coefficients"], dtype=group["ns_dtype"], mode=self.tp_mode,
+                                chunks=self.tp_chunks, sizes=sh.tp_sizes, cost_model=self.tp_cost_model)
+
+    def _layout(self, p: DTensor) -> Sharding:
+        """Check a DTensor matrix's placements and describe them; raise ValueError naming what is unsupported."""
+        mesh, names = p.device_mesh, p.device_mesh.mesh_dim_names or ()
+        if p.ndim != 2:
+            raise ValueError(f"{type(self).__name__} handles 2-D DTensor matrices; got shape {tuple(p.shape)} with "
+                             f"placements {p.placements}. Reshape it to 2-D or put it in an AdamW group.")
+        fsdp_dim = tp_dim = None
+        for i, pl in enumerate(p.placements):
+            if isinstance(pl, Replicate):
+                continue
+            is_tp = i < len(names) and names[i] == self.tp_mesh_dim
+            if type(pl) is Shard and is_tp:
+                tp_dim = i
+            elif type(pl) is Shard and pl.dim == 0 and fsdp_dim is None:
+                fsdp_dim = i
+            else:
+                raise ValueError(
+                    f"{type(self).__name__} supports matrices that are replicated, FSDP-sharded along dim 0 on one "
+                    f"mesh dim, and/or TP-sharded along dim 0 or 1 on the mesh dim named {self.tp_mesh_dim!r}; "
+                    f"got placements {p.placements} on mesh dims {names or '(unnamed)'} for shape "
+                    f"{tuple(p.shape)}. Name the TP mesh dim with tp_mesh_dim, or put FSDP on top of row-wise "
+                    f"(Shard(1)) TP.")
+        tp_mat_dim = p.placements[tp_dim].dim if tp_dim is not None else -1
+        if fsdp_dim is not None and tp_mat_dim == 0:
+            raise ValueError(f"FSDP and TP both shard the rows of a {tuple(p.shape)} matrix (placements "
+                             f"{p.placements}); {type(self).__name__} needs TP to shard the columns (row-wise "
+                             f"parallel) when FSDP shards the rows")
+        split = getattr(p, _SPLIT, None)
+        if split is not None and split[0] == tp_mat_dim:
+            raise ValueError(f"a {tuple(p.shape)} matrix is split into pieces along dim {split[0]}, which TP "
+                             f"shards (placements {p.placements}); split along the other dim or do not split it")
+        return Sharding(
+            shape=(p.shape[0], p.shape[1]),
+            fsdp_group=mesh.get_group(fsdp_dim) if fsdp_dim is not None else None,
+            fsdp_rows=tuple(tp_comm.chunk_sizes(p.shape[0], mesh.size(fsdp_dim))) if fsdp_dim is not None else (),
+            tp_group=mesh.get_group(tp_dim) if tp_dim is not None else None,
+            tp_dim=max(tp_mat_dim, 0),
+            tp_sizes=tuple(tp_comm.chunk_sizes(p.shape[tp_mat_dim], mesh.size(tp_dim))) if tp_dim is not None else (),
+            split=split)
