@@ -42,20 +42,31 @@ def _buffers(model: nn.Module, opt: LayerwiseOptimizer) -> dict[str, torch.Tenso
     return {k: t for k, t in model.state_dict(keep_vars=True).items() if id(t) not in opt.names}
 
 
+def _pickled(obj: Any) -> bytes:
+    """A non-tensor value as one opaque blob (DCP would otherwise flatten containers into many keys)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpickled(value: Any) -> Any:
+    return value if isinstance(value, torch.Tensor) else torch.load(io.BytesIO(value), weights_only=False)
+
+
 def save(path: str | os.PathLike, model: nn.Module, opt: LayerwiseOptimizer, extra: Any = None) -> None:
     """Write a checkpoint of ``model`` and ``opt`` to the directory ``path``. Collective: call on every rank.
     ``extra``: any picklable object (step count, scheduler and RNG state, ...) saved from rank 0."""
     opt.wait_params()
     sd: dict[str, Any] = {}
     if opt.rank == 0:
-        sd["meta"] = {"optimizer": opt.name, "param_groups": opt.state_dict()["param_groups"],
-                      "aliases": _aliases(model, opt), "world_size": opt.world_size, "extra": extra}
+        sd["meta"] = _pickled({"optimizer": opt.name, "param_groups": opt.state_dict()["param_groups"],
+                               "aliases": _aliases(model, opt), "world_size": opt.world_size, "extra": extra})
         sd.update({f"buffer/{k}": t.detach() for k, t in _buffers(model, opt).items()})
     state = opt.state_dict()["state"]
     for name in opt.owned_names():
         sd[f"model/{name}"] = opt._inner_param(opt.param_by_name(name)).detach()
         for k, v in state.get(name, {}).items():
-            sd[f"optim/{name}/{k}"] = v
+            sd[f"optim/{name}/{k}"] = v if isinstance(v, torch.Tensor) else _pickled(v)
     dcp.save(sd, checkpoint_id=path, process_group=opt.group,
              planner=DefaultSavePlanner(flatten_state_dict=False))
 
@@ -92,13 +103,14 @@ def load(path: str | os.PathLike, model: nn.Module, opt: LayerwiseOptimizer) -> 
             target[k] = torch.empty(entry.size, dtype=entry.properties.dtype, device=device)
 
     opt.mark_stale()
-    dcp.load(target, checkpoint_id=path, process_group=opt.group, planner=DefaultLoadPlanner(flatten_state_dict=False))
-    meta = target["meta"]
+    dcp.load(target, checkpoint_id=path, process_group=opt.group,
+             planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    meta = _unpickled(target["meta"])
     state: dict[str, dict[str, Any]] = {}
     for k, v in target.items():
         if k.startswith("optim/"):
             name, key = k[len("optim/"):].split("/", 1)
-            state.setdefault(name, {})[key] = v
+            state.setdefault(name, {})[key] = _unpickled(v)
     opt.load_state_dict({"optimizer": meta["optimizer"], "state": state, "param_groups": meta["param_groups"]})
     for name in opt.owned_names():
         opt.load_master_(name, target[f"model/{name}"])
@@ -123,7 +135,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike | None = None) -> dic
     dcp_to_torch_save(path, buf)
     buf.seek(0)
     flat = torch.load(buf, weights_only=False)
-    meta = flat["meta"]
+    meta = _unpickled(flat["meta"])
     model = {k[len("model/"):]: v for k, v in flat.items() if k.startswith("model/")}
     model.update({k[len("buffer/"):]: v for k, v in flat.items() if k.startswith("buffer/")})
     model.update({alias: model[name] for alias, name in meta["aliases"].items()})
@@ -131,7 +143,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike | None = None) -> dic
     for k, v in flat.items():
         if k.startswith("optim/"):
             name, key = k[len("optim/"):].split("/", 1)
-            state.setdefault(name, {})[key] = v
+            state.setdefault(name, {})[key] = _unpickled(v)
     sd = {"model": model, "optimizer": {"optimizer": meta["optimizer"], "state": state,
                                         "param_groups": meta["param_groups"]}, "extra": meta["extra"]}
     if out is not None:
