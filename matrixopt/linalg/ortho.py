@@ -189,13 +189,34 @@ class NewtonSchulzConfig:
             raise ValueError(f"Newton–Schulz dtype must be a floating dtype, got {self.dtype}")
 
 
+def newton_schulz_short_side(X: Tensor, schedule: Sequence[Coefficients], dtype: torch.dtype,
+                             scale: float = 1.0) -> Tensor:
+    """The iteration proper, on a batch already laid out short side first.
+
+    X: ``(b, m, n)`` with ``m <= n``, any float dtype. Returns ``scale * NS(X)`` as ``(b, m, n)`` in ``dtype`` (the
+    iteration dtype; no cast back). Each matrix is divided by its Frobenius norm, accumulated in float64 so that
+    gradients of any finite scale (1e-30 to 1e30) neither overflow nor underflow, and cast to ``dtype`` in the
+    same pass. ``scale`` is folded into the last step's coefficients, so it costs nothing.
+    """
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)  # (b, 1, 1)
+    inv = torch.where(norm > 0, norm.reciprocal(), 0.0).clamp(max=torch.finfo(torch.float32).max).float()
+    Y = torch.empty(X.shape, dtype=dtype, device=X.device)
+    torch.mul(X, inv, out=Y)  # every singular value in [0, 1]; a zero matrix stays zero
+    last = len(schedule) - 1
+    for i, (a, b, c) in enumerate(schedule):
+        if i == last:
+            a, b, c = scale * a, scale * b, scale * c
+        Y = ns_step(Y, a, b, c)
+    return Y
+
+
 def newton_schulz(G: Tensor, steps: int = 5, coefficients: str | Sequence[Sequence[float]] = "quintic", *,
                   dtype: torch.dtype | None = None) -> Tensor:
     """Approximate polar factor ``U V^T`` of G by a Newton–Schulz iteration.
 
     G: ``(m, n)`` or a batch ``(b, m, n)``, floating point. Returns the same shape and dtype as G.
-    Iterates on the short side (transposes when m > n, so the Gram matrix is min(m, n) square), normalizes each
-    matrix by its Frobenius norm in float32, and runs in ``dtype`` (default bfloat16 on CUDA, float32 elsewhere).
+    Iterates on the short side (transposes when m > n, so the Gram matrix is min(m, n) square), normalizes
+    each matrix by its Frobenius norm, and runs in ``dtype`` (default bfloat16 on CUDA, float32 elsewhere).
     A zero matrix maps to zero. ``coefficients``: "simple", "quintic" (default), "polar_express", "cans", or a
     list of (a, b, c); a list shorter than ``steps`` repeats its last entry.
     """
@@ -208,17 +229,8 @@ def newton_schulz(G: Tensor, steps: int = 5, coefficients: str | Sequence[Sequen
         dtype = torch.bfloat16 if G.is_cuda else torch.float32
     X = G.unsqueeze(0) if G.ndim == 2 else G  # (b, m, n)
     transposed = X.size(-2) > X.size(-1)
-    if transposed:
-        X = X.mT  # (b, n, m): short side first
-    X = X.float()
-    # divide by the max-abs first so the float32 sum of squares can neither overflow (|g| ~ 1e30) nor underflow
-    X = X / X.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    X = (X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp_min(1e-30)).to(dtype)  # svs in [0, 1]
-    for a, b, c in schedule:
-        X = ns_step(X, a, b, c)
-    if transposed:
-        X = X.mT
-    X = X.to(G.dtype)
+    X = newton_schulz_short_side(X.mT if transposed else X, schedule, dtype)  # (b, short, long)
+    X = (X.mT if transposed else X).to(G.dtype)
     return X.squeeze(0) if G.ndim == 2 else X
 
 

@@ -72,27 +72,26 @@ def matrix_pieces(param: Tensor, t: Tensor) -> list[Tensor]:
     return list(M.split(sizes, dim=dim + (1 if experts else 0)))
 
 
-def orthogonalize_batched(params: list[Tensor], updates: list[Tensor], fn: Callable[[Tensor], Tensor],
-                          scale: Callable[[int, int], float]) -> list[Tensor]:
-    """Apply ``fn`` (``(b, m, n) -> (b, m, n)``) to every matrix piece of every update, batching pieces of equal
-    shape, and multiply each result by ``scale(m, n)``.
+def apply_orthogonalized(params: list[Tensor], updates: list[Tensor], fn: Callable[[Tensor, int, int], Tensor],
+                         alpha: float) -> None:
+    """``param += alpha * fn(piece)`` for every matrix piece of every update, batching pieces of equal shape.
 
-    params/updates: parallel lists, ``updates[i]`` with the shape of ``params[i]``. Returns new tensors shaped
-    like the updates, in the dtype ``fn`` returns."""
-    outs = [u.new_empty(u.shape) for u in updates]
+    params/updates: parallel lists, ``updates[i]`` shaped like ``params[i]``. ``fn(X, m, n)`` maps a stack
+    ``(b, s, l)`` of pieces laid out short side first (``s = min(m, n)``; tall ``(m, n)`` pieces are transposed
+    views) to its scaled orthogonalization, same shape, any float dtype; ``(m, n)`` is the pieces' own
+    ``(out, in)`` shape, for the update scale. A tall and a wide matrix with the same short side share a batch."""
     buckets: dict[tuple, list[tuple[Tensor, Tensor]]] = defaultdict(list)
-    for p, u, o in zip(params, updates, outs):
-        if u.stride() != o.stride():
-            u = u.contiguous()
-        for src, dst in zip(matrix_pieces(p, u), matrix_pieces(p, o)):
-            buckets[(tuple(src.shape[-2:]), src.dtype, src.device)].append((src, dst))
-    for key, pairs in buckets.items():
-        m, n = key[0]
-        stack = [s.reshape(-1, m, n) for s, _ in pairs]
-        counts = [x.shape[0] for x in stack]
-        X = stack[0] if len(stack) == 1 else torch.cat(stack, dim=0)
-        Y = fn(X) * scale(m, n)  # (b, m, n)
+    for p, u in zip(params, updates):
+        for src, dst in zip(matrix_pieces(p, u), matrix_pieces(p, p)):
+            m, n = src.shape[-2:]
+            if m > n:
+                src, dst = src.mT, dst.mT  # (..., n, m): short side first
+            buckets[(m, n, src.dtype, src.device)].append((src, dst))
+    for (m, n, _, _), pairs in buckets.items():
+        s, l_ = min(m, n), max(m, n)
+        stack = [src.reshape(-1, s, l_) for src, _ in pairs]
+        X = stack[0] if len(stack) == 1 else torch.cat(stack, dim=0)  # (b, s, l)
+        Y = fn(X, m, n)
         dsts = [dst for _, dst in pairs]
-        torch._foreach_copy_(dsts, [y.view(d.shape) for y, d in zip(Y.split(counts), dsts)])
-    return outs
-
+        ys = [y.view(d.shape) for y, d in zip(Y.split([x.shape[0] for x in stack]), dsts)]
+        torch._foreach_add_(dsts, ys, alpha=alpha)

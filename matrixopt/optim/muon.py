@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from matrixopt.linalg.ortho import newton_schulz, polar, resolve_schedule
+from matrixopt.linalg.ortho import newton_schulz_short_side, polar, resolve_schedule
 from matrixopt.optim.base import MatrixOptimizer, _check_finite, check_lr, param_label
-from matrixopt.optim.layout import orthogonalize_batched
+from matrixopt.optim.layout import apply_orthogonalized
 
 SCALINGS = ("match_adamw", "original", "spectral")
 
@@ -111,9 +111,11 @@ class Muon(MatrixOptimizer):
             raise ValueError(f"Invalid ns_steps: {group['ns_steps']!r} (must be an int >= 1)")
         resolve_schedule(group["ns_coefficients"], group["ns_steps"])
 
-    def _orthogonalize(self, group: dict[str, Any], X: Tensor) -> Tensor:
-        """``(b, m, n)`` float32 -> ``(b, m, n)``."""
-        return newton_schulz(X, group["ns_steps"], group["ns_coefficients"], dtype=group["ns_dtype"])
+    def _orthogonalize(self, group: dict[str, Any], X: Tensor, scale: float = 1.0) -> Tensor:
+        """``scale * polar(X)`` approximated: ``(b, s, l)`` short side first -> same shape, iteration dtype."""
+        dtype = group["ns_dtype"] or (torch.bfloat16 if X.is_cuda else torch.float32)
+        schedule = resolve_schedule(group["ns_coefficients"], group["ns_steps"])
+        return newton_schulz_short_side(X, schedule, dtype, scale)
 
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
@@ -127,19 +129,16 @@ class Muon(MatrixOptimizer):
         g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
         torch._foreach_lerp_(bufs, g32, 1 - mu)  # B = mu B + (1 - mu) G
         updates = torch._foreach_lerp(g32, bufs, mu) if group["nesterov"] else bufs
-        ortho = orthogonalize_batched(params, updates, lambda X: self._orthogonalize(group, X),
-                                      lambda m, n: update_scale(group["scaling"], m, n))
-        if isinstance(lr, Tensor):
+        if isinstance(lr, Tensor):  # no host sync: the lr tensor multiplies the orthogonalized update
             lr = lr.to(params[0].device)
-            torch._foreach_mul_(ortho, lr)
-            step_alpha = -1.0
+            fn = lambda X, m, n: self._orthogonalize(group, X, update_scale(group["scaling"], m, n)).mul_(lr)  # noqa: E731
+            alpha = -1.0
         else:
-            step_alpha = -lr
+            fn = lambda X, m, n: self._orthogonalize(group, X, update_scale(group["scaling"], m, n))  # noqa: E731
+            alpha = -lr
         if wd != 0:
             torch._foreach_mul_(params, 1 - lr * wd)
-        same = all(o.dtype == p.dtype for o, p in zip(ortho, params))
-        torch._foreach_add_(params, ortho if same else [o.to(p.dtype) for o, p in zip(ortho, params)],
-                            alpha=step_alpha)
+        apply_orthogonalized(params, updates, fn, alpha)
 
 
 class MOP(Muon):
@@ -161,5 +160,5 @@ class MOP(Muon):
     def _validate_orthogonalizer(self, group: dict[str, Any]) -> None:
         pass
 
-    def _orthogonalize(self, group: dict[str, Any], X: Tensor) -> Tensor:
-        return polar(X)
+    def _orthogonalize(self, group: dict[str, Any], X: Tensor, scale: float = 1.0) -> Tensor:
+        return polar(X).mul_(scale)
