@@ -226,13 +226,10 @@ class KroneckerOptimizer(MatrixOptimizer):
         return group["betas"][1] if group["shampoo_beta"] is None else group["shampoo_beta"]
 
     def _update_factors(self, group: dict[str, Any], layout: Layout, states: list[dict[str, Any]],
-                        gviews: list[list[Tensor]], only: set[int] | None = None) -> None:
-        """``L = EMA(G G^T)``, ``R = EMA(G^T G)`` for every block (of the parameters in ``only``), batched by shape."""
+                        gviews: list[list[Tensor]]) -> None:
+        """``L = EMA(G G^T)``, ``R = EMA(G^T G)`` for every block, batched by shape."""
         beta = self._shampoo_beta(group)
         for (_, _, left, right), idx in layout.buckets.items():
-            idx = [j for j in idx if only is None or layout.entries[j][0] in only]
-            if not idx:
-                continue
             G = torch.stack([gviews[i][k] for i, k, _ in (layout.entries[j] for j in idx)])  # (b, m, n)
             if left:
                 accumulate([states[i][f"left{k}"] for i, k, _ in (layout.entries[j] for j in idx)], G @ G.mT, beta)

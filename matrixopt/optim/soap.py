@@ -13,8 +13,11 @@ For each matrix block G (``(m, n)``; blocks as in :mod:`matrixopt.optim.shampoo`
 and then, after the update, :math:`L \leftarrow \beta_L L + (1 - \beta_L) G G^\top`,
 :math:`R \leftarrow \beta_L R + (1 - \beta_L) G^\top G`. The moments live in the rotated coordinates.
 
-Eigenbases: at step 1 the factors are built from G and their eigenvectors taken by float64 ``eigh``; every
-``precondition_frequency`` steps after that, one QR power-iteration step refreshes them
+The first call of ``step()`` for a parameter only builds the factors from G and takes their eigenvectors by
+float64 ``eigh``; it does not move the parameter (as in the authors' code): in the eigenbasis of its own
+gradient, G' is diagonal up to round-off, and Adam would blow that round-off up to steps of size ~lr. Adam's
+step count t starts at the next call. Every ``precondition_frequency`` Adam steps, one QR power-iteration step
+refreshes them
 (:func:`matrixopt.linalg.roots.refresh_eigenbasis`): the second moment V' is permuted with the basis columns
 (sorted by estimated eigenvalue), and the first moment M' is rotated exactly into the new basis,
 :math:`M' \leftarrow (Q_L^{\text{new}\top} Q_L)\, M'\, (Q_R^\top Q_R^{\text{new}})`.
@@ -134,20 +137,28 @@ class SOAP(KroneckerOptimizer):
         beta1, beta2 = group["betas"]
         kl = group["factor_update"] == "kl"
         states = [self._state(group, p) for p in params]
-        layout = self._layout(group, params)
-        plans = [self._plan(group, p) for p in params]
         for st in states:
             st["step"] += 1
+        first = [i for i, st in enumerate(states) if st["step"] == 1]
+        if first:  # factors from this gradient and their eigenbases; no update (see the module docstring)
+            params1, grads1 = [params[i] for i in first], [grads[i].float() for i in first]
+            plans1, states1 = [self._plan(group, p) for p in params1], [states[i] for i in first]
+            gviews1 = [block_views(p, plan, g) for p, plan, g in zip(params1, plans1, grads1)]
+            layout1 = self._layout(group, params1)
+            if kl:
+                self._update_factors_kl(group, layout1, states1, gviews1, {})
+            else:
+                self._update_factors(group, layout1, states1, gviews1)
+            self._first_bases(group, list(zip(params1, plans1, states1)))
+            keep = [i for i in range(len(params)) if i not in set(first)]
+            params, grads, states = [params[i] for i in keep], [grads[i] for i in keep], [states[i] for i in keep]
+            if not params:
+                return
+        layout = self._layout(group, params)
+        plans = [self._plan(group, p) for p in params]
+        steps = [st["step"] - 1 for st in states]  # Adam steps: the first call only initializes
         g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
         gviews = [block_views(p, plan, g) for p, plan, g in zip(params, plans, g32)]
-
-        first = {i for i, st in enumerate(states) if st["step"] == 1}
-        if first:  # factors from this gradient, eigenbases by eigh
-            if kl:
-                self._update_factors_kl(group, layout, states, gviews, {}, only=first)
-            else:
-                self._update_factors(group, layout, states, gviews, only=first)
-            self._first_bases(group, [(params[i], plans[i], states[i]) for i in first])
 
         # Adam in the eigenbasis: project, update the moments, precondition, project back
         gp = [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]
@@ -163,11 +174,11 @@ class SOAP(KroneckerOptimizer):
         torch._foreach_lerp_(M, gp, 1 - beta1)
         torch._foreach_mul_(V, beta2)
         torch._foreach_addcmul_(V, gp, gp, 1 - beta2)
-        denom = torch._foreach_div(V, [1 - beta2 ** st["step"] for st in states])
+        denom = torch._foreach_div(V, [1 - beta2**t for t in steps])
         torch._foreach_sqrt_(denom)
         torch._foreach_add_(denom, group["eps"])
         N = torch._foreach_div(M, denom)
-        torch._foreach_div_(N, [1 - beta1 ** st["step"] for st in states])
+        torch._foreach_div_(N, [1 - beta1**t for t in steps])
         nviews = [block_views(p, plan, t) for p, plan, t in zip(params, plans, N)]
         updates = [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]
         uviews = [block_views(p, plan, t) for p, plan, t in zip(params, plans, updates)]
@@ -177,14 +188,13 @@ class SOAP(KroneckerOptimizer):
             torch._foreach_copy_([uviews[i][k] for i, k, _ in ents], list(U.unbind(0)))
         self._apply(group, params, updates)
 
-        rest = set(range(len(params))) - first
-        if rest:  # factors after the step: the projection never used the current gradient (but at step 1)
-            if kl:
-                self._update_factors_kl(group, layout, states, gviews, projected, only=rest)
-            else:
-                self._update_factors(group, layout, states, gviews, only=rest)
+        # factors after the step, so the projection never uses the current gradient
+        if kl:
+            self._update_factors_kl(group, layout, states, gviews, projected)
+        else:
+            self._update_factors(group, layout, states, gviews)
         freq = group["precondition_frequency"]
-        due = [i for i, st in enumerate(states) if st["step"] % freq == 0]
+        due = [i for i, t in enumerate(steps) if t % freq == 0]
         if due:
             gi = next(j for j, g in enumerate(self.param_groups) if g is group)
             items = [(params[i], plans[i], states[i]) for i in due]
@@ -207,16 +217,13 @@ class SOAP(KroneckerOptimizer):
 
     # ----------------------------------------------------------------------------------- factors (KL)
     def _update_factors_kl(self, group: dict[str, Any], layout: Layout, states: list[dict[str, Any]],
-                           gviews: list[list[Tensor]], projected: dict[tuple, Tensor], only: set[int]) -> None:
+                           gviews: list[list[Tensor]], projected: dict[tuple, Tensor]) -> None:
         """KL-Shampoo factor updates (module docstring). ``projected[key]``: the blocks' ``G' = Q_L^T G Q_R`` from
-        this step, absent at step 1 (then the other factor is taken as the identity)."""
+        this step, absent at the first call (then the other factor is taken as the identity)."""
         beta = self._shampoo_beta(group)
         for key, idx in layout.buckets.items():
             m, n, left, right = key
-            sel = [pos for pos, j in enumerate(idx) if layout.entries[j][0] in only]
-            if not sel:
-                continue
-            ents = [layout.entries[idx[pos]] for pos in sel]
+            ents = [layout.entries[j] for j in idx]
             G = torch.stack([gviews[i][k] for i, k, _ in ents])  # (b, m, n)
             init = key not in projected
             ones_m, ones_n = G.new_ones(len(ents), m), G.new_ones(len(ents), n)
@@ -235,7 +242,7 @@ class SOAP(KroneckerOptimizer):
                 H = H * inv_l.sqrt()[:, :, None]
                 accumulate([states[i][f"right{k}"] for i, k, _ in ents], H.mT @ H / m, beta)
             if not init:  # eigenvalue estimates, from this step's G' = Q_L^T G Q_R
-                P2 = projected[key][sel].square()  # (b, m, n)
+                P2 = projected[key].square()  # (b, m, n)
                 if left:
                     d = [states[i][f"left_eig{k}"] for i, k, _ in ents]
                     torch._foreach_lerp_(d, list(((P2 * inv_r[:, None, :]).sum(-1) / n).unbind(0)), 1 - beta)
