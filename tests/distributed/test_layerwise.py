@@ -160,14 +160,19 @@ def _equivalence_worker(rank: int, world: int) -> None:
             others = [p for p in opt.params if p is not model.big and p.ndim >= 2 and opt.owner[id(p)] == big_owner
                       and opt.names[id(p)] in ("fc1.weight", "fc2.weight")]
             assert world == 1 or not others, f"{what}: LPT should leave the big matrix's owner no other matrix"
+    if world <= 2:
+        _bf16_checks(rank, world)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_matches_single_process(world):
+    """Every registered optimizer, accumulation, clipping, a big matrix, fewer parameters than ranks; and at 1 and
+    2 ranks bf16 parameters with fp32 masters on owners."""
     run(_equivalence_worker, world, timeout=200)
 
 
-def _bf16_worker(rank: int, world: int) -> None:
+def _bf16_checks(rank: int, world: int) -> None:
+    """bf16 parameters: fp32 masters and fp32 state on the owner only, every rank's bf16 copy the master's cast."""
     # reference: one process with fp32 master weights of a bf16 model
     ref = make("net").to(torch.bfloat16)
     master = make("net")
@@ -197,11 +202,6 @@ def _bf16_worker(rank: int, world: int) -> None:
     for p, q in zip(model.parameters(), ref.parameters()):
         # bf16 local gradients of a half batch vs of the whole batch: bf16 rounding, then 3 steps
         torch.testing.assert_close(p.float(), q.float(), rtol=0, atol=2e-2)
-
-
-@pytest.mark.parametrize("world", [1, 2])
-def test_bf16_master_weights_only_on_owner(world):
-    run(_bf16_worker, world)
 
 
 def _faults_worker(rank: int, world: int) -> None:
