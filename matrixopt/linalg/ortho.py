@@ -189,23 +189,18 @@ class NewtonSchulzConfig:
             raise ValueError(f"Newton–Schulz dtype must be a floating dtype, got {self.dtype}")
 
 
-def newton_schulz_short_side(X: Tensor, schedule: Sequence[Coefficients], dtype: torch.dtype,
-                             scale: float = 1.0) -> Tensor:
+def newton_schulz_short_side(X: Tensor, schedule: Sequence[Coefficients], dtype: torch.dtype) -> Tensor:
     """The iteration proper, on a batch already laid out short side first.
 
-    X: ``(b, m, n)`` with ``m <= n``, any float dtype. Returns ``scale * NS(X)`` as ``(b, m, n)`` in ``dtype`` (the
-    iteration dtype; no cast back). Each matrix is divided by its Frobenius norm, accumulated in float64 so that
-    gradients of any finite scale (1e-30 to 1e30) neither overflow nor underflow, and cast to ``dtype`` in the
-    same pass. ``scale`` is folded into the last step's coefficients, so it costs nothing.
+    X: ``(b, m, n)`` with ``m <= n``, any float dtype. Returns ``(b, m, n)`` in ``dtype`` (the iteration dtype; no
+    cast back). Each matrix is divided by its Frobenius norm, accumulated in float64 so that gradients of any
+    finite scale (1e-30 to 1e30) neither overflow nor underflow, and cast to ``dtype`` in the same pass.
     """
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)  # (b, 1, 1)
     inv = torch.where(norm > 0, norm.reciprocal(), 0.0).clamp(max=torch.finfo(torch.float32).max).float()
     Y = torch.empty(X.shape, dtype=dtype, device=X.device)
     torch.mul(X, inv, out=Y)  # every singular value in [0, 1]; a zero matrix stays zero
-    last = len(schedule) - 1
-    for i, (a, b, c) in enumerate(schedule):
-        if i == last:
-            a, b, c = scale * a, scale * b, scale * c
+    for a, b, c in schedule:
         Y = ns_step(Y, a, b, c)
     return Y
 

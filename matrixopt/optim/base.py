@@ -9,6 +9,7 @@ parameters and refuses state from another optimizer or model.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Iterable
 from itertools import chain
 from typing import Any
@@ -127,11 +128,15 @@ class MatrixOptimizer(Optimizer):
         return params, grads
 
     def _finite_mask(self, grads: list[Tensor]) -> list[bool]:
-        """One host sync for the whole step: the max-abs of every gradient, checked for NaN/Inf."""
-        if not grads:
-            return []
-        maxabs = torch._foreach_norm(grads, ord=math.inf)
-        return torch.isfinite(torch.stack([m.float().to(grads[0].device) for m in maxabs])).tolist()
+        """The max-abs of every gradient checked for NaN/Inf: one host sync per (device, dtype) present."""
+        flags = torch.ones(len(grads), dtype=torch.bool)
+        by_kind: dict[tuple, list[int]] = defaultdict(list)
+        for i, g in enumerate(grads):
+            by_kind[(g.device, g.dtype)].append(i)
+        for idx in by_kind.values():
+            maxabs = torch._foreach_norm([grads[i] for i in idx], ord=math.inf)
+            flags[idx] = torch.isfinite(torch.stack(maxabs)).cpu()
+        return flags.tolist()
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:

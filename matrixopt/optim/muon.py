@@ -111,11 +111,10 @@ class Muon(MatrixOptimizer):
             raise ValueError(f"Invalid ns_steps: {group['ns_steps']!r} (must be an int >= 1)")
         resolve_schedule(group["ns_coefficients"], group["ns_steps"])
 
-    def _orthogonalize(self, group: dict[str, Any], X: Tensor, scale: float = 1.0) -> Tensor:
-        """``scale * polar(X)`` approximated: ``(b, s, l)`` short side first -> same shape, iteration dtype."""
+    def _orthogonalize(self, group: dict[str, Any], X: Tensor) -> Tensor:
+        """``polar(X)`` approximated: ``(b, s, l)`` short side first -> same shape, in the iteration dtype."""
         dtype = group["ns_dtype"] or (torch.bfloat16 if X.is_cuda else torch.float32)
-        schedule = resolve_schedule(group["ns_coefficients"], group["ns_steps"])
-        return newton_schulz_short_side(X, schedule, dtype, scale)
+        return newton_schulz_short_side(X, resolve_schedule(group["ns_coefficients"], group["ns_steps"]), dtype)
 
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
@@ -129,16 +128,12 @@ class Muon(MatrixOptimizer):
         g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
         torch._foreach_lerp_(bufs, g32, 1 - mu)  # B = mu B + (1 - mu) G
         updates = torch._foreach_lerp(g32, bufs, mu) if group["nesterov"] else bufs
-        if isinstance(lr, Tensor):  # no host sync: the lr tensor multiplies the orthogonalized update
+        if isinstance(lr, Tensor):
             lr = lr.to(params[0].device)
-            fn = lambda X, m, n: self._orthogonalize(group, X, update_scale(group["scaling"], m, n)).mul_(lr)  # noqa: E731
-            alpha = -1.0
-        else:
-            fn = lambda X, m, n: self._orthogonalize(group, X, update_scale(group["scaling"], m, n))  # noqa: E731
-            alpha = -lr
         if wd != 0:
             torch._foreach_mul_(params, 1 - lr * wd)
-        apply_orthogonalized(params, updates, fn, alpha)
+        apply_orthogonalized(params, updates, lambda X: self._orthogonalize(group, X),
+                             lambda m, n: update_scale(group["scaling"], m, n), -lr)
 
 
 class MOP(Muon):
@@ -160,5 +155,5 @@ class MOP(Muon):
     def _validate_orthogonalizer(self, group: dict[str, Any]) -> None:
         pass
 
-    def _orthogonalize(self, group: dict[str, Any], X: Tensor, scale: float = 1.0) -> Tensor:
-        return polar(X).mul_(scale)
+    def _orthogonalize(self, group: dict[str, Any], X: Tensor) -> Tensor:
+        return polar(X)
