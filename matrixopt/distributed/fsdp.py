@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from matrixopt.distributed import tp_comm
 
@@ -66,12 +66,16 @@ def scatter_from_owners(owned: Tensor, owners: Sequence[int], sizes: Sequence[in
     return out
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None,
+               reshard_after_forward: bool = True) -> nn.Module:
     """``fully_shard`` every module held in an ``nn.ModuleList`` (transformer blocks), then the root, as
-    torchtitan does. Parameters become DTensors with ``Shard(0)`` on ``mesh``. Returns ``model``."""
+    torchtitan does. Parameters become DTensors with ``Shard(0)`` on ``mesh``. mp_policy: FSDP2's mixed
+    precision (e.g. bf16 parameters in forward/backward, fp32 gradient reduction); None keeps fp32. Returns
+    ``model``."""
+    kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy or MixedPrecisionPolicy())
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):
             for block in module:
-                fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+                fully_shard(block, **kw)
+    fully_shard(model, **kw)
     return model

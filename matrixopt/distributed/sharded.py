@@ -43,6 +43,7 @@ class Sharding:
     dim it shards, and the ``mark_split`` pieces ``(dim, sizes)`` if any."""
 
     shape: tuple[int, int]
+    local_shape: tuple[int, int]  # this rank's shard
     fsdp_group: ProcessGroup | None
     fsdp_rows: tuple[int, ...]  # rows held by each rank of the FSDP group
     tp_group: ProcessGroup | None
@@ -112,50 +113,56 @@ class ShardedMuon(Muon):
                 if local[0].numel():
                     super()._matrix_update(group, local, [grads[i].to_local() for i in idx])
                 else:  # an empty shard (e.g. 5 rows over 8 ranks) has nothing to update but serves the collectives
-                    self._orthogonalize(group, torch.stack(local))
+                    empty = torch.stack(local).float()  # (b, 0, n) or (b, m, 0): short side first already
+                    self._orthogonalize(group, empty)
             finally:
                 self.state, self._sharding = state, None
 
-    def _orthogonalize(self, group: dict[str, Any], X: Tensor) -> Tensor:
-        """``(b, m_p, n_q)`` local shards of b same-layout matrices -> their shards of the orthogonalized
-        matrices, pre-divided by the update scale Muon applies next (that of the local shape), times the scale
-        of each whole matrix or split piece."""
+    def _orthogonalize(self, group: dict[str, Any], X: Tensor, scale: float = 1.0) -> Tensor:
+        """Muon's hook: ``(b, s, l)`` pieces laid out short side first -> ``scale * polar``, same layout.
+
+        During a DTensor bucket, X stacks this rank's local shards of b same-layout matrices (transposed when a
+        shard is tall, as Muon lays them out). ``scale`` is then that of the local shard's shape, so it is
+        ignored: each whole matrix (or split piece) gets the scale of its own full shape."""
         sh = self._sharding
         if sh is None:
-            return super()._orthogonalize(group, X)
+            return super()._orthogonalize(group, X, scale)
+        transposed = tuple(X.shape[-2:]) != sh.local_shape
+        L = X.mT if transposed else X  # (b, m_p, n_q)
         if sh.fsdp_group is None:
-            Y = self._orthogonalize_whole_rows(group, X, sh)
+            Y = self._orthogonalize_whole_rows(group, L, sh)
         else:
             m, n = sh.shape
-            owners, self._load[sh.fsdp_group] = lpt([muon_cost(m, n)] * X.size(0), len(sh.fsdp_rows),
+            owners, self._load[sh.fsdp_group] = lpt([muon_cost(m, n)] * L.size(0), len(sh.fsdp_rows),
                                                      self._load.get(sh.fsdp_group))
-            owned = gather_to_owners(X, owners, sh.fsdp_rows, sh.fsdp_group)  # (k, m, n_q)
+            owned = gather_to_owners(L.contiguous(), owners, sh.fsdp_rows, sh.fsdp_group)  # (k, m, n_q)
             if owned.size(0):  # every rank of a TP group has the same k, so TP collectives stay matched
                 owned = self._orthogonalize_whole_rows(group, owned, sh)
             Y = scatter_from_owners(owned, owners, sh.fsdp_rows, sh.fsdp_group)
-        if Y.numel() == 0:
-            return Y
-        return Y / update_scale(group["scaling"], X.size(-2), X.size(-1))
+        return Y.mT if transposed else Y
 
     def _orthogonalize_whole_rows(self, group: dict[str, Any], W: Tensor, sh: Sharding) -> Tensor:
-        """W: ``(k, m_p, n_q)``, whole matrices except for the TP split. Orthogonalizes each split piece and
-        multiplies it by its update scale."""
+        """W: ``(k, m_p, n_q)``, whole matrices except for the TP split. Orthogonalizes each split piece, times
+        the update scale of its full shape."""
         if sh.split is None:
-            return self._orthogonalize_piece(group, W, sh) * update_scale(group["scaling"], *sh.shape)
+            return self._orthogonalize_piece(group, W, sh, update_scale(group["scaling"], *sh.shape))
         dim, sizes = sh.split
-        pieces = W.split(list(sizes), dim=1 + dim)
         out = []
-        for piece, size in zip(pieces, sizes):
+        for piece, size in zip(W.split(list(sizes), dim=1 + dim), sizes):
             pm, pn = (size, sh.shape[1]) if dim == 0 else (sh.shape[0], size)
-            out.append(self._orthogonalize_piece(group, piece, sh) * update_scale(group["scaling"], pm, pn))
+            out.append(self._orthogonalize_piece(group, piece, sh, update_scale(group["scaling"], pm, pn)))
         return torch.cat(out, dim=1 + dim)
 
-    def _orthogonalize_piece(self, group: dict[str, Any], Y: Tensor, sh: Sharding) -> Tensor:
-        if sh.tp_group is None:
-            return super()._orthogonalize(group, Y)
-        return tp_newton_schulz(Y, sh.tp_dim, sh.tp_group, steps=group["ns_steps"],
-                                coefficients=group["ns_coefficients"], dtype=group["ns_dtype"], mode=self.tp_mode,
-                                chunks=self.tp_chunks, sizes=sh.tp_sizes, cost_model=self.tp_cost_model)
+    def _orthogonalize_piece(self, group: dict[str, Any], Y: Tensor, sh: Sharding, scale: float) -> Tensor:
+        """``(k, m', n')`` pieces (column- or row-sharded over TP if any) -> ``scale * polar``, same shape."""
+        if sh.tp_group is not None:
+            return scale * tp_newton_schulz(Y, sh.tp_dim, sh.tp_group, steps=group["ns_steps"],
+                                            coefficients=group["ns_coefficients"], dtype=group["ns_dtype"],
+                                            mode=self.tp_mode, chunks=self.tp_chunks, sizes=sh.tp_sizes,
+                                            cost_model=self.tp_cost_model)
+        if Y.size(-2) > Y.size(-1):
+            return super()._orthogonalize(group, Y.mT, scale).mT  # short side first, as Muon iterates
+        return super()._orthogonalize(group, Y, scale)
 
     def _layout(self, p: DTensor) -> Sharding:
         """Check a DTensor matrix's placements and describe them; raise ValueError naming what is unsupported."""
@@ -190,6 +197,7 @@ class ShardedMuon(Muon):
                              f"shards (placements {p.placements}); split along the other dim or do not split it")
         return Sharding(
             shape=(p.shape[0], p.shape[1]),
+            local_shape=tuple(p.to_local().shape),
             fsdp_group=mesh.get_group(fsdp_dim) if fsdp_dim is not None else None,
             fsdp_rows=tuple(tp_comm.chunk_sizes(p.shape[0], mesh.size(fsdp_dim))) if fsdp_dim is not None else (),
             tp_group=mesh.get_group(tp_dim) if tp_dim is not None else None,

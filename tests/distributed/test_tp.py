@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import logging
-import socket
-import traceback
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _mp import run
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -29,28 +26,6 @@ SHAPES = [(6, 10), (10, 6), (7, 5), (3, 9), (2, 5, 7)]
 
 LATENCY_BOUND = CostModel(latency=1.0, bandwidth=1e12, flops=1e12)  # every collective is very expensive
 COMPUTE_BOUND = CostModel(latency=0.0, bandwidth=1e15, flops=1e3)  # free network, slow matmuls
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, fn, world: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        fn(rank, world)
-    except BaseException:
-        traceback.print_exc()  # mp.spawn reports only the first rank to fail, often a peer of the culprit
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(fn, world: int) -> None:
-    mp.spawn(_entry, args=(fn, world, _free_port()), nprocs=world)
 
 
 def _shard(G: torch.Tensor, partition_dim: int, world: int) -> list[torch.Tensor]:
@@ -152,7 +127,7 @@ def _all_checks(rank: int, world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_tp_newton_schulz_matches_unsharded(world):
-    spawn(_all_checks, world)
+    run(_all_checks, world)
 
 
 # ----------------------------------------------------------------------------------------------------------
