@@ -118,15 +118,16 @@ class ShardedMuon(Muon):
             finally:
                 self.state, self._sharding = state, None
 
-    def _orthogonalize(self, group: dict[str, Any], X: Tensor, scale: float = 1.0) -> Tensor:
-        """Muon's hook: ``(b, s, l)`` pieces laid out short side first -> ``scale * polar``, same layout.
+    def _orthogonalize(self, group: dict[str, Any], X: Tensor) -> Tensor:
+        """Muon's hook: ``(b, s, l)`` pieces laid out short side first -> ``polar``, same layout; Muon multiplies
+        the result by the update scale of the pieces' shape.
 
         During a DTensor bucket, X stacks this rank's local shards of b same-layout matrices (transposed when a
-        shard is tall, as Muon lays them out). ``scale`` is then that of the local shard's shape, so it is
-        ignored: each whole matrix (or split piece) gets the scale of its own full shape."""
+        shard is tall). Muon's scale is then that of the local shard, so the result is each whole matrix's (or
+        split piece's) scaled polar factor divided by the local shard's scale."""
         sh = self._sharding
         if sh is None:
-            return super()._orthogonalize(group, X, scale)
+            return super()._orthogonalize(group, X)
         transposed = tuple(X.shape[-2:]) != sh.local_shape
         L = X.mT if transposed else X  # (b, m_p, n_q)
         if sh.fsdp_group is None:
@@ -139,7 +140,8 @@ class ShardedMuon(Muon):
             if owned.size(0):  # every rank of a TP group has the same k, so TP collectives stay matched
                 owned = self._orthogonalize_whole_rows(group, owned, sh)
             Y = scatter_from_owners(owned, owners, sh.fsdp_rows, sh.fsdp_group)
-        return Y.mT if transposed else Y
+        Y = Y.mT if transposed else Y
+        return Y / update_scale(group["scaling"], *sh.local_shape) if Y.numel() else Y
 
     def _orthogonalize_whole_rows(self, group: dict[str, Any], W: Tensor, sh: Sharding) -> Tensor:
         """W: ``(k, m_p, n_q)``, whole matrices except for the TP split. Orthogonalizes each split piece, times
@@ -161,8 +163,8 @@ class ShardedMuon(Muon):
                                             mode=self.tp_mode, chunks=self.tp_chunks, sizes=sh.tp_sizes,
                                             cost_model=self.tp_cost_model)
         if Y.size(-2) > Y.size(-1):
-            return super()._orthogonalize(group, Y.mT, scale).mT  # short side first, as Muon iterates
-        return super()._orthogonalize(group, Y, scale)
+            return super()._orthogonalize(group, Y.mT).mT * scale  # short side first, as Muon iterates
+        return super()._orthogonalize(group, Y) * scale
 
     def _layout(self, p: DTensor) -> Sharding:
         """Check a DTensor matrix's placements and describe them; raise ValueError naming what is unsupported."""
