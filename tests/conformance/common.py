@@ -21,7 +21,10 @@ from matrixopt.optim.base import MatrixOptimizer
 
 NAMES = sorted(matrixopt.OPTIMIZERS)
 LR = 1e-2
-HPARAMS: dict[str, dict[str, Any]] = {}  # name -> extra build_optimizer kwargs for tiny, fast tests
+HPARAMS: dict[str, dict[str, Any]] = {  # name -> build_optimizer kwargs: precondition from the first step
+    "shampoo": {"precondition_frequency": 1},
+    "soap": {"precondition_frequency": 1},
+}
 
 
 def is_plain_torch(name: str) -> bool:

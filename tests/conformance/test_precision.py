@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+import matrixopt
+
 from .common import (
     LR,
     NAMES,
@@ -129,7 +131,7 @@ def test_compiled_training_step_matches_eager(name):
     def make():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 3, bias=False))
-        return model, build(name, model)
+        return model, matrixopt.build_optimizer(model, name, lr=LR)  # registry defaults: tracing stays short
 
     def step(model, opt):
         loss = model(x).square().mean()
