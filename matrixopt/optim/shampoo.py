@@ -154,6 +154,14 @@ class KroneckerOptimizer(MatrixOptimizer):
         self._side_streams: dict[torch.device, Any] = {}
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return super().__getstate__() | {"root_fallbacks": self.root_fallbacks, "root_failures": self.root_failures}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Caches keyed by parameter identity, streams and refreshes in flight do not survive a pickle."""
+        super().__setstate__(state)
+        self._plans, self._layouts, self._pending, self._side_streams = {}, {}, {}, {}
+
     # ----------------------------------------------------------------------------------- validation
     def _validate_matrix_group(self, group: dict[str, Any]) -> None:
         check_lr(group["lr"])
@@ -338,7 +346,8 @@ class Shampoo(KroneckerOptimizer):
         max_preconditioner_dim: dims above this are cut into blocks (default 1024).
         one_sided_ratio: precondition only the short side of matrices longer than this ratio (default None).
         factor_dtype: storage of factors and roots, torch.float32 (default) or torch.bfloat16.
-        root_config: :class:`matrixopt.linalg.roots.InverseRootConfig` (Newton steps and tolerance).
+        root_config: :class:`matrixopt.linalg.roots.InverseRootConfig` (Newton steps and tolerance); groups hold it
+            as ``root_max_iters`` and ``root_tolerance``.
         side_stream: on CUDA, compute roots on a side stream, used one refresh later (default False).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults of the AdamW groups (lr and weight decay
             default to ``lr`` and ``weight_decay``).
@@ -365,7 +374,11 @@ class Shampoo(KroneckerOptimizer):
                                         else start_preconditioning_step),
             inverse_root=inverse_root, damping=damping, grafting=grafting,
             max_preconditioner_dim=max_preconditioner_dim, one_sided_ratio=one_sided_ratio,
-            factor_dtype=factor_dtype, root_config=root_config or InverseRootConfig(), side_stream=side_stream)
+            factor_dtype=factor_dtype, side_stream=side_stream)
+        if root_config is not None and not isinstance(root_config, InverseRootConfig):
+            raise ValueError(f"Invalid root_config: {root_config!r} (must be an InverseRootConfig)")
+        root_config = root_config or InverseRootConfig()  # stored as plain numbers: torch.load(weights_only=True)
+        matrix_defaults.update(root_max_iters=root_config.max_iters, root_tolerance=root_config.tolerance)
         adamw_defaults = _kronecker_defaults(lr, weight_decay, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay)
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite)
 
@@ -380,8 +393,11 @@ class Shampoo(KroneckerOptimizer):
                              f"L^(-1/r) G R^(-1/r), and one-sided blocks use L^(-2/r))")
         if group["grafting"] not in GRAFTINGS:
             raise ValueError(f"Unknown grafting {group['grafting']!r}; use one of {GRAFTINGS}")
-        if not isinstance(group["root_config"], InverseRootConfig):
-            raise ValueError(f"Invalid root_config: {group['root_config']!r} (must be an InverseRootConfig)")
+        self._root_config(group)  # validates root_max_iters, root_tolerance
+
+    @staticmethod
+    def _root_config(group: dict[str, Any]) -> InverseRootConfig:
+        return InverseRootConfig(max_iters=group["root_max_iters"], tolerance=group["root_tolerance"])
 
     def _init_state(self, group: dict[str, Any], st: dict[str, Any], p: Tensor) -> None:
         st["momentum_buffer"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
@@ -467,9 +483,9 @@ class Shampoo(KroneckerOptimizer):
             A = torch.stack([st[f"{side}{k}"] for st, k, side in jobs]).float()  # (b, d, d) snapshot
             dsts = [st[f"{side}_root{k}"] for st, k, side in jobs]
             if sync:
-                out.append((dsts, A, inverse_root(A, p, group["damping"], group["root_config"]), p))
+                out.append((dsts, A, inverse_root(A, p, group["damping"], self._root_config(group)), p))
             else:
-                X, conv = newton_inverse_root(A, p, group["damping"], group["root_config"], early_exit=False)
+                X, conv = newton_inverse_root(A, p, group["damping"], self._root_config(group), early_exit=False)
                 out.append((dsts, A, (X, conv), p))
         return out
 
