@@ -40,8 +40,15 @@ _decisions: dict[tuple, dict[str, float | str]] = {}
 def ns_step_reference(X: Tensor, a: float, b: float, c: float) -> Tensor:
     """Reference step on a batch of short-side-first matrices.
 
-    X: ``(batch, m, n)`` with ``m <= n``, any float dtype; returns the same shape and dtype.
+    X: ``(batch, m, n)`` with ``m <= n``, any float dtype; returns the same shape and dtype. A transposed view
+    of a contiguous ``(batch, n, m)`` stack (tall matrices seen short side first) keeps that layout: the step
+    is computed as ``a X^T + X^T B`` on the stack itself, so no transposed copy is ever made.
     """
+    if X.stride(-1) != 1 and X.mT.is_contiguous():
+        Xt = X.mT  # (batch, n, m) contiguous
+        A = torch.bmm(Xt.mT, Xt)  # (batch, m, m) = X X^T
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        return torch.baddbmm(Xt, Xt, B, beta=a, alpha=1.0).mT  # (a X + B X)^T = a X^T + X^T B, B symmetric
     A = torch.bmm(X, X.mT)  # (batch, m, m), symmetric
     B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A @ A
     return torch.baddbmm(X, B, X, beta=a, alpha=1.0)  # a X + B @ X
@@ -72,7 +79,7 @@ def triton_available() -> bool:
 
 
 def _key(X: Tensor) -> tuple:
-    return (*X.shape, X.dtype, X.device)
+    return (*X.shape, X.dtype, X.device, X.stride(-1) == 1)
 
 
 def _measure(X: Tensor, a: float, b: float, c: float) -> dict[str, float | str]:
@@ -133,5 +140,5 @@ def ns_backend(name: str) -> Iterator[None]:
 
 def dispatch_table() -> dict[str, dict[str, float | str]]:
     """The measured decisions so far, ``{"batch x m x n dtype device": {"triton_ms", "torch_ms", "backend"}}``."""
-    return {f"{b}x{m}x{n} {str(dt).removeprefix('torch.')} {dev}": dict(d)
-            for (b, m, n, dt, dev), d in _decisions.items()}
+    return {f"{b}x{m}x{n} {str(dt).removeprefix('torch.')} {dev}{'' if row_major else ' (transposed)'}": dict(d)
+            for (b, m, n, dt, dev, row_major), d in _decisions.items()}

@@ -198,7 +198,7 @@ def newton_schulz_short_side(X: Tensor, schedule: Sequence[Coefficients], dtype:
     """
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)  # (b, 1, 1)
     inv = torch.where(norm > 0, norm.reciprocal(), 0.0).clamp(max=torch.finfo(torch.float32).max).float()
-    Y = torch.empty(X.shape, dtype=dtype, device=X.device)
+    Y = torch.empty_like(X, dtype=dtype)  # keeps X's layout (a transposed view stays one: see ns_step)
     torch.mul(X, inv, out=Y)  # every singular value in [0, 1]; a zero matrix stays zero
     for a, b, c in schedule:
         Y = ns_step(Y, a, b, c)

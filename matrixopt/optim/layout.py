@@ -73,41 +73,41 @@ def matrix_pieces(param: Tensor, t: Tensor) -> list[Tensor]:
 
 
 def apply_orthogonalized(params: list[Tensor], updates: list[Tensor], fn: Callable[[Tensor], Tensor],
-                         scale: Callable[[int, int], float], alpha: float | Tensor) -> None:
-    """``param += alpha * scale(m, n) * fn(piece)`` for every ``(m, n)`` matrix piece of every update, batching
-    pieces of equal shape.
+                         scale: Callable[[int, int], float], lr: float | Tensor, weight_decay: float) -> None:
+    """``param = (1 - lr * weight_decay) * param - lr * scale(m, n) * fn(piece)`` for every ``(m, n)`` matrix piece
+    of every update, batching pieces of equal shape.
 
     params/updates: parallel lists, ``updates[i]`` shaped like ``params[i]``. ``fn`` maps a stack ``(b, s, l)`` of
-    pieces laid out short side first (``s = min(m, n)``; tall pieces enter as transposed views, so a tall and a
-    wide matrix with the same short side share one batch) to its orthogonalization, same shape, any float dtype.
-    ``alpha``: a float, or a 0-d tensor (a tensor learning rate; no host sync).
+    pieces seen short side first (``s = min(m, n)``) to its orthogonalization, same shape, any float dtype. Tall
+    pieces are stacked as they lie, ``(b, l, s)``, and reach ``fn`` as a transposed view, so no transposed copy is
+    made on the way in or out. ``lr``: a float, or a 0-d tensor on the parameters' device (no host sync).
 
-    Cost: one ``cat`` and one ``fn`` call per shape; one fused scale/cast/transpose per shape and orientation into
-    the parameter's layout; a single ``_foreach_add_`` over every piece (its fast path)."""
-    buckets: dict[tuple, list[tuple[Tensor, Tensor, bool]]] = defaultdict(list)
+    Per shape: one ``cat``, one ``fn`` call and one fused scale/cast pass into the parameter dtype; then one
+    foreach update over every piece: ``lerp`` towards ``-scale * Y / weight_decay`` folds the decay into the same
+    pass (``add`` without decay, or with a tensor lr after a separate decay)."""
+    decay = isinstance(lr, float | int) and weight_decay != 0
+    if weight_decay != 0 and not decay:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    buckets: dict[tuple, list[tuple[Tensor, Tensor]]] = defaultdict(list)
     for p, u in zip(params, updates):
         for src, dst in zip(matrix_pieces(p, u), matrix_pieces(p, p)):
             m, n = src.shape[-2:]
-            buckets[(min(m, n), max(m, n), src.dtype, dst.dtype, src.device)].append((src, dst, m > n))
+            buckets[(m, n, src.dtype, dst.dtype, src.device)].append((src, dst))
     dsts, results = [], []
-    for (s, l_, _, dtype, _), items in buckets.items():
-        items.sort(key=lambda it: it[2])  # wide pieces first, then tall ones
-        stack = [(src.mT if tall else src).reshape(-1, s, l_) for src, _, tall in items]
-        Y = fn(stack[0] if len(stack) == 1 else torch.cat(stack, dim=0))  # (b, s, l)
-        start = 0
-        for tall in (False, True):
-            part = [(x.shape[0], dst) for x, (_, dst, t) in zip(stack, items) if t == tall]
-            count = sum(c for c, _ in part)
-            if count == 0:
-                continue
-            Yp = Y[start:start + count]
-            start += count
-            factor = scale(l_, s) if tall else scale(s, l_)
-            if isinstance(alpha, Tensor):
-                factor = alpha * factor
-            out = torch.empty((count, l_, s) if tall else (count, s, l_), dtype=dtype, device=Y.device)
-            torch.mul(Yp.mT if tall else Yp, factor, out=out)  # scale, cast and lay out like the parameter
-            for y, (_, dst) in zip(out.split([c for c, _ in part]), part):
-                dsts.append(dst)
-                results.append(y.view(dst.shape))
-    torch._foreach_add_(dsts, results, alpha=1.0 if isinstance(alpha, Tensor) else alpha)
+    for (m, n, _, dtype, _), pairs in buckets.items():
+        stack = [src.reshape(-1, m, n) for src, _ in pairs]
+        X = stack[0] if len(stack) == 1 else torch.cat(stack, dim=0)  # (b, m, n)
+        Y = fn(X.mT).mT if m > n else fn(X)  # (b, m, n); tall stacks iterate short side first as a view
+        if decay:
+            factor = -scale(m, n) / weight_decay  # lerp(p, factor * Y, lr * wd) = (1 - lr wd) p - lr s Y
+        else:
+            factor = -scale(m, n) * lr
+        out = torch.empty((X.shape[0], m, n), dtype=dtype, device=Y.device)
+        torch.mul(Y, factor, out=out)  # scale and cast, in the parameter's layout
+        for y, (_, dst) in zip(out.split([x.shape[0] for x in stack]), pairs):
+            dsts.append(dst)
+            results.append(y.view(dst.shape))
+    if decay:
+        torch._foreach_lerp_(dsts, results, lr * weight_decay)
+    else:
+        torch._foreach_add_(dsts, results)

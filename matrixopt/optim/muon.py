@@ -130,10 +130,8 @@ class Muon(MatrixOptimizer):
         updates = torch._foreach_lerp(g32, bufs, mu) if group["nesterov"] else bufs
         if isinstance(lr, Tensor):
             lr = lr.to(params[0].device)
-        if wd != 0:
-            torch._foreach_mul_(params, 1 - lr * wd)
         apply_orthogonalized(params, updates, lambda X: self._orthogonalize(group, X),
-                             lambda m, n: update_scale(group["scaling"], m, n), -lr)
+                             lambda m, n: update_scale(group["scaling"], m, n), lr, wd)
 
 
 class MOP(Muon):
