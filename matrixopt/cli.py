@@ -271,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         print(f"matrixopt: {e}", file=sys.stderr)
         return 130
+    except KeyboardInterrupt:
+        print("matrixopt: interrupted", file=sys.stderr)
+        return 130
     except (ValueError, OSError) as e:
         print(f"matrixopt: error: {e}", file=sys.stderr)
         return 2

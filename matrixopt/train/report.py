@@ -97,8 +97,8 @@ def plot(root: Path, summary: dict) -> list[str]:
             ax.plot(*zip(*val), color=color, marker="o", markersize=3, linewidth=1.8, label=f"{name} val")
         ax.axhline(summary["target_val_loss"], color="gray", linestyle="--", linewidth=1,
                    label=f"target {summary['target_val_loss']:.3f}")
-        lo = summary["target_val_loss"]
-        ax.set_ylim(lo - 0.25, lo + 1.5)
+        best = min(r["final_val_loss"] for r in summary["optimizers"].values())
+        ax.set_ylim(min(best, summary["target_val_loss"]) - 0.1, summary["target_val_loss"] + 1.5)
         ax.set_xlabel(x_label)
         ax.set_ylabel("loss")
         ax.set_title(f"{summary['data']}: loss vs {x_label}")

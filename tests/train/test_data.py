@@ -48,6 +48,15 @@ def test_gpt2_bpe_known_ids():
     assert tok.vocab_size == 50257
 
 
+def test_text_file_with_gpt2_tokens(tmp_path):
+    pytest.importorskip("tiktoken")
+    if not GPT2_RANKS.is_file():
+        pytest.skip(f"{GPT2_RANKS} is absent")
+    (tmp_path / "t.txt").write_text("Hello world" * 10)
+    ds = load_dataset(DataConfig(data=str(tmp_path / "t.txt"), tokenizer="gpt2", tokenizer_file=str(GPT2_RANKS)))
+    assert ds.vocab_size == 50257 and ds.train[:2].tolist() == [15496, 995]
+
+
 def test_gpt2_missing_ranks_file_is_named(tmp_path):
     pytest.importorskip("tiktoken")
     with pytest.raises(FileNotFoundError, match="nope.tiktoken does not exist"):
