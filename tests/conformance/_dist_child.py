@@ -1,4 +1,4 @@
-"""One rank of the distributed fault tests: argv = scenario rank world_size port.
+"""One rank of the distributed fault tests: argv = scenario rank world_size port optimizer.
 
 Scenarios: "ok" (both ranks agree), "extra" (rank 1's model has one more layer), "shape" (a layer of another
 shape on rank 1), "kill" (rank 1 SIGKILLs itself between its backward and its optimizer step). A ValueError at
@@ -18,7 +18,7 @@ from matrixopt.distributed.layerwise import LayerwiseOptimizer
 
 STEP_TIMEOUT_S = 10  # the process group timeout: a dead rank must make the others fail after about this
 
-scenario, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+scenario, rank, world, port, name = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                         timeout=timedelta(seconds=60))
@@ -30,7 +30,7 @@ if rank == 1 and scenario == "shape":
     model[2] = nn.Linear(8, 6)
     model[4] = nn.Linear(6, 4)
 try:
-    opt = LayerwiseOptimizer(model, "muon", timeout=timedelta(seconds=STEP_TIMEOUT_S), lr=1e-2)
+    opt = LayerwiseOptimizer(model, name, timeout=timedelta(seconds=STEP_TIMEOUT_S), lr=1e-2)
 except ValueError as e:
     print(f"VALUE_ERROR: {e}", flush=True)
     os._exit(3)

@@ -12,6 +12,8 @@ import pytest
 
 pytest.importorskip("matrixopt.distributed.layerwise")
 
+from .common import NAMES  # noqa: E402
+
 CHILD = Path(__file__).with_name("_dist_child.py")
 STEP_TIMEOUT_S = 10  # as in _dist_child.py
 HANG_S = 120  # a rank still running after this is hung (start-up of two torch processes on 2 busy cores included)
@@ -23,11 +25,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(scenario: str, world: int = 2) -> list[tuple[int, str, float]]:
+def run_ranks(scenario: str, name: str, world: int = 2) -> list[tuple[int, str, float]]:
     """(exit code, output, seconds) of each rank; a rank that hangs is killed and fails the test."""
     port = str(_free_port())
     t0 = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, str(CHILD), scenario, str(r), str(world), port],
+    procs = [subprocess.Popen([sys.executable, str(CHILD), scenario, str(r), str(world), port, name],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     results = []
     try:
@@ -45,20 +47,23 @@ def run_ranks(scenario: str, world: int = 2) -> list[tuple[int, str, float]]:
     return results
 
 
-def test_agreeing_ranks_train():
-    for code, out, _ in run_ranks("ok"):
+@pytest.mark.parametrize("name", NAMES)
+def test_agreeing_ranks_train(name):
+    for code, out, _ in run_ranks("ok", name):
         assert code == 0 and "DONE" in out, out[-2000:]
 
 
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("scenario, named", [("extra", "`5.weight`"), ("shape", "`2.weight`")])
-def test_ranks_disagreeing_on_parameters_fail_at_construction_naming_it(scenario, named):
-    for r, (code, out, _) in enumerate(run_ranks(scenario)):
+def test_ranks_disagreeing_on_parameters_fail_at_construction_naming_it(scenario, named, name):
+    for r, (code, out, _) in enumerate(run_ranks(scenario, name)):
         assert code == 3, f"rank {r}: {out[-2000:]}"
         assert "VALUE_ERROR" in out and named in out, f"rank {r}: {out[-2000:]}"
 
 
-def test_a_rank_killed_mid_step_makes_the_other_fail_in_bounded_time():
-    (code0, out0, secs0), (code1, _, _) = run_ranks("kill")
+@pytest.mark.parametrize("name", NAMES)
+def test_a_rank_killed_mid_step_makes_the_other_fail_in_bounded_time(name):
+    (code0, out0, _), (code1, _, _) = run_ranks("kill", name)
     assert code1 == -9
     assert code0 == 4 and "STEP_FAILED" in out0, out0[-2000:]
     failed_after = float(out0.split("STEP_FAILED after ")[1].split("s:")[0])
