@@ -115,6 +115,22 @@ def build_parser() -> Parser:
     p.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
     p.set_defaults(func=cmd_compare)
 
+    p = sub.add_parser("sweep", help="train one optimizer over a learning-rate grid (and weight decays)")
+    add_run_flags(p)
+    p.add_argument("--optimizer", required=True, help="optimizer name")
+    p.add_argument("--lrs", required=True, help="comma-separated peak learning rates, e.g. 1e-3,2e-3,4e-3,8e-3")
+    p.add_argument("--weight-decays", default=None, help="comma-separated weight decays (default: --weight-decay)")
+    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra optimizer hyperparameter (repeatable)")
+    p.add_argument("--out", required=True, help="output folder: one run folder per point, sweep.json, sweep.png")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("compare-sweeps", help="compare the best run of each sweep (report, sweep curves)")
+    p.add_argument("sweeps", nargs="+", help="the --out folders of `matrixopt sweep`, one per optimizer")
+    p.add_argument("--out", required=True, help="output folder for the comparison")
+    p.add_argument("--overwrite", action="store_true", help="replace run folders already in --out")
+    p.set_defaults(func=cmd_compare_sweeps)
+
     p = sub.add_parser("report", help="rebuild summary.json, plots and report of a compare folder")
     p.add_argument("dir", help="the --out folder of `matrixopt compare`")
     p.set_defaults(func=cmd_report)
@@ -224,6 +240,43 @@ def cmd_compare(args: argparse.Namespace) -> int:
         hparams.setdefault(name, {})[field] = value
     configs = run_configs(base, names, {k: float(v) for k, v in lrs.items()}, hparams)
     summary = compare(configs, args.out, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
+    header, rows = table(summary)
+    print(" | ".join(header))
+    for row in rows:
+        print(" | ".join(row))
+    print(f"report: {Path(args.out) / 'report.md'}")
+    return 0
+
+
+def parse_floats(text: str, flag: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from matrixopt.train.compare import check_optimizers
+    from matrixopt.train.sweep import sweep
+
+    base = run_config(args)
+    check_optimizers([args.optimizer])
+    base.optim.hparams |= parse_pairs(args.opt, "--opt")
+    wds = parse_floats(args.weight_decays, "--weight-decays") if args.weight_decays else None
+    s = sweep(base, args.optimizer, parse_floats(args.lrs, "--lrs"), args.out, weight_decays=wds,
+              resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
+    for p in s["points"]:
+        print(f"{s['optimizer']} lr={p['lr']:g} wd={p['weight_decay']:g}: final val loss {p['final_val_loss']:.4f}")
+    edge = " (on the grid's edge: widen the grid)" if s["best_lr_at_edge"] else ""
+    print(f"best: lr={s['best']['lr']:g}{edge} -> {Path(args.out) / 'sweep.json'}")
+    return 0
+
+
+def cmd_compare_sweeps(args: argparse.Namespace) -> int:
+    from matrixopt.train.report import table
+    from matrixopt.train.sweep import compare_best
+
+    summary = compare_best(args.sweeps, args.out, overwrite=args.overwrite)
     header, rows = table(summary)
     print(" | ".join(header))
     for row in rows:

@@ -65,8 +65,9 @@ def timed(fn, device: torch.device, warmup: int, reps: int) -> list[float]:
 
 def quantiles(ms: list[float]) -> dict[str, float]:
     """p20 / median / p80 in ms, slowest rank (a collective step is as slow as its slowest rank)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     q = torch.tensor(statistics.quantiles(ms, n=5, method="inclusive")[::3] + [statistics.median(ms)],
-                     dtype=torch.float64)
+                     dtype=torch.float64, device=device)  # NCCL reduces CUDA tensors only
     dist.all_reduce(q, op=dist.ReduceOp.MAX)
     p20, p80, p50 = q.tolist()
     return {"p20_ms": p20, "median_ms": p50, "p80_ms": p80}

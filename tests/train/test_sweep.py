@@ -1,0 +1,35 @@
+"""`matrixopt sweep` and `matrixopt compare-sweeps` end to end at toy size."""
+
+import json
+
+from matrixopt.cli import main
+
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
+        "--steps", "6", "--eval-every", "3", "--eval-iters", "2", "--log-every", "3", "--no-progress"]
+
+
+def test_sweep_then_compare_best(tmp_path):
+    for opt, lrs in (("adamw", "1e-4,3e-3,1e-2"), ("muon", "3e-3,1e-2")):
+        assert main(["sweep", "--optimizer", opt, "--lrs", lrs, "--out", str(tmp_path / opt), *TINY]) == 0
+    s = json.loads((tmp_path / "adamw" / "sweep.json").read_text())
+    assert [p["lr"] for p in s["points"]] == [1e-4, 3e-3, 1e-2]
+    best = min(s["points"], key=lambda p: p["final_val_loss"])
+    assert s["best"] == best
+    assert s["best_lr_at_edge"] == (best["lr"] in (1e-4, 1e-2))
+    for p in s["points"]:  # each point is a real run whose metrics end with its final val loss
+        lines = (tmp_path / "adamw" / p["dir"] / "metrics.jsonl").read_text().splitlines()
+        assert json.loads(lines[-1])["val_loss"] == p["final_val_loss"]
+    assert (tmp_path / "adamw" / "sweep.png").stat().st_size > 0
+
+    assert main(["compare-sweeps", str(tmp_path / "adamw"), str(tmp_path / "muon"), "--out", str(tmp_path / "cmp")]) == 0
+    summary = json.loads((tmp_path / "cmp" / "summary.json").read_text())
+    assert summary["optimizers"]["adamw"]["lr"] == best["lr"]
+    assert summary["target_val_loss"] == best["final_val_loss"]
+    assert set(summary["sweeps"]) == {"adamw", "muon"}
+    assert "Learning-rate sweeps" in (tmp_path / "cmp" / "report.md").read_text()
+
+
+def test_sweep_bad_grid(tmp_path, capsys):
+    assert main(["sweep", "--optimizer", "muon", "--lrs", "1e-3", "--out", str(tmp_path / "s"), *TINY]) == 2
+    assert "at least 2 learning rates" in capsys.readouterr().err
+    assert main(["sweep", "--optimizer", "muon", "--lrs", "1e-3,abc", "--out", str(tmp_path / "s"), *TINY]) == 2
