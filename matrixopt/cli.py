@@ -8,6 +8,7 @@ overrides the defaults (nanoGPT's CPU quick-start on TinyShakespeare). Bad input
     matrixopt train --optimizer muon --steps 500 --out runs/muon
     matrixopt compare --optimizers adamw,muon --lr adamw=1e-3,muon=4e-3 --model shakespeare-char --out runs/sc
     matrixopt report runs/compare
+    torchrun --nproc-per-node 2 -m matrixopt train --optimizer muon --parallel layerwise --out runs/muon-2
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ RUN_FLAGS = [
     ("--device", "device", str, "auto (default), cpu or cuda"),
     ("--dtype", "dtype", str, "auto (bf16 autocast on CUDA), bf16 or fp32"),
     ("--threads", "threads", int, "CPU threads (default: torch's)"),
+    ("--parallel", "parallel", str, "none (default), ddp, layerwise or fsdp: data parallel over torchrun's ranks"),
+    ("--tp", "tp", int, "tensor-parallel degree (only 1 is supported so far)"),
 ]
 SWITCHES = [
     ("--bias", "model.bias", "biases in Linear layers and norms"),
@@ -212,14 +215,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg.optim.hparams |= parse_pairs(args.opt, "--opt")
     out = Path(args.out or f"runs/train-{cfg.optim.name}")
     run = train(cfg, out, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
-    print(f"{run['optimizer']}: val loss {run['final_val_loss']:.4f} after {run['steps']} steps, "
-          f"{run['elapsed_s']:.1f} s, {run['tokens_per_s']:.0f} tokens/s -> {out}")
+    if is_rank_zero():
+        print(f"{run['optimizer']}: val loss {run['final_val_loss']:.4f} after {run['steps']} steps, "
+              f"{run['elapsed_s']:.1f} s, {run['tokens_per_s']:.0f} tokens/s -> {out}")
     return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from matrixopt.train.compare import compare, run_configs
-    from matrixopt.train.report import table
+    from matrixopt.train.report import table, write_report
+    from matrixopt.train.trainer import train
 
     base = run_config(args)
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
@@ -239,7 +244,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
             raise ValueError(f"--opt {key}=... needs an optimizer prefix, e.g. --opt muon.{key}=...")
         hparams.setdefault(name, {})[field] = value
     configs = run_configs(base, names, {k: float(v) for k, v in lrs.items()}, hparams)
-    summary = compare(configs, args.out, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
+    if base.parallel == "none":
+        summary = compare(configs, args.out, resume=args.resume, overwrite=args.overwrite,
+                          progress=not args.no_progress)
+    else:  # every rank trains each run; rank 0 alone writes the report
+        for name, cfg in configs.items():
+            train(cfg, Path(args.out) / name, resume=args.resume, overwrite=args.overwrite,
+                  progress=not args.no_progress)
+        if not is_rank_zero():
+            return 0
+        summary = write_report(args.out)
     header, rows = table(summary)
     print(" | ".join(header))
     for row in rows:
@@ -308,6 +322,13 @@ def cmd_bench(argv: list[str]) -> int:
     return bench_cli.run(args)
 
 
+def is_rank_zero() -> bool:
+    """Whether this process prints: the only one, or rank 0 of a parallel run."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``matrixopt`` console script; returns the exit status."""
     from matrixopt.train.trainer import Interrupted
@@ -330,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"matrixopt: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # joined by a parallel run (train() leaves the group to its caller)
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

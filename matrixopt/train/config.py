@@ -22,6 +22,7 @@ from matrixopt.train.model import PRESETS, GPTConfig
 SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp32")
+PARALLEL = ("none", "ddp", "layerwise", "fsdp")
 
 
 @dataclass(kw_only=True)
@@ -144,6 +145,13 @@ class TrainConfig:
     """torch.compile the model."""
     threads: int = 0
     """CPU threads for torch (0: torch's default)."""
+    parallel: str = "none"
+    """Data parallelism over the ranks torchrun starts: 'none' (one process), 'ddp' (DistributedDataParallel,
+    the whole optimizer on every rank), 'layerwise' (matrixopt.distributed: each rank owns whole parameters) or
+    'fsdp' (FSDP2 fully_shard; Muon as ShardedMuon, or AdamW). batch_size stays global: each rank takes its
+    slice of every micro-batch, so N ranks log the losses of one process."""
+    tp: int = 1
+    """Tensor-parallel degree; only 1 is supported so far."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_iters", "log_every"):
@@ -158,6 +166,11 @@ class TrainConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.parallel not in PARALLEL:
+            raise ValueError(f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+        if self.tp != 1:
+            raise ValueError(f"tp={self.tp}: tensor parallelism is not supported by the trainer yet; use --tp 1 "
+                             f"with --parallel fsdp, layerwise or ddp")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

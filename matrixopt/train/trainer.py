@@ -15,6 +15,15 @@
 
 The loop per step: set each group's lr to its initial lr times the schedule, accumulate ``grad_accum``
 micro-batch gradients (bf16 autocast on CUDA), clip, step, log, evaluate, checkpoint.
+
+Data parallel (``cfg.parallel`` other than "none", launched by torchrun, one process per rank): ``train``
+initializes the default process group if it is not yet (NCCL on CUDA, device ``cuda:LOCAL_RANK``; gloo on
+CPU) and leaves it to the caller. Every rank draws the same global micro-batch from the seed and takes its
+rows (``batch_slice``), so the data order depends only on the seed and N ranks log the losses one process
+would (within fp32 reduction order). The logged loss and val loss are means over ranks; rank 0 alone writes
+config.json, metrics.jsonl and run.json and shows progress. Checkpoints: 'ddp' writes ``ckpt.pt`` from
+rank 0 (every rank loads it); 'layerwise' and 'fsdp' write the folder ``ckpt/`` with
+torch.distributed.checkpoint on every rank (layerwise: resumable at any number of ranks).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import math
 import os
 import platform
 import resource
+import shutil
 import signal
 import threading
 import time
@@ -35,7 +45,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from matrixopt.train.config import TrainConfig, lr_multiplier
 from matrixopt.train.data import Dataset, load_dataset, train_batch, val_offsets, windows
@@ -97,7 +109,9 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def prepare_out_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) -> bool:
     """Check ``out`` against ``cfg`` and write config.json. Returns whether to resume from a checkpoint."""
     out.mkdir(parents=True, exist_ok=True)
-    config_path, ckpt = out / "config.json", out / "ckpt.pt"
+    config_path, ckpt = out / "config.json", out / checkpoint_name(cfg)
+    if not ckpt.exists() and (out / "ckpt.old").is_dir():  # a crash between save_sharded's two renames
+        (out / "ckpt.old").rename(ckpt)
     new = json.loads(json.dumps(cfg.to_dict()))
     if config_path.exists() and not overwrite:
         try:
@@ -120,6 +134,8 @@ def prepare_out_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) 
     if overwrite or not config_path.exists():
         for name in ("metrics.jsonl", "run.json", "ckpt.pt", "ckpt.pt.tmp"):
             (out / name).unlink(missing_ok=True)
+        for name in ("ckpt", "ckpt.tmp", "ckpt.old"):
+            shutil.rmtree(out / name, ignore_errors=True)
     config_path.write_text(json.dumps(new, indent=2) + "\n")
     return resume and ckpt.exists()
 
@@ -151,10 +167,12 @@ def peak_mem_mb(device: torch.device) -> float:
 
 
 def state_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
-    """Parameters and optimizer state, in MiB (shared tensors counted once)."""
+    """Parameters and optimizer state held by this process, in MiB (shared tensors counted once). Under
+    layerwise that is this rank's share of the state, under fsdp also its parameter shards."""
     seen, total = set(), 0
-    tensors = list(model.parameters()) + [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    for t in tensors:
+    state = [v for s in optimizer.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)]
+    for t in [*model.parameters(), *state]:
+        t = t.to_local() if isinstance(t, DTensor) else t
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
@@ -193,41 +211,224 @@ class Interrupted(Exception):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, tokens: np.ndarray, offsets: np.ndarray, cfg: TrainConfig, device, autocast) -> float:
-    """Mean loss over the fixed val windows, in batches of ``cfg.batch_size``."""
+def evaluate(model: nn.Module, tokens: np.ndarray, offsets: np.ndarray, cfg: TrainConfig, block_size: int, device,
+             autocast, rows: slice) -> float:
+    """Mean loss over the fixed val windows, in batches of ``cfg.batch_size``. Under data parallelism each rank
+    evaluates its ``rows`` of every batch and the result is the mean over ranks (collective)."""
     model.eval()
     losses = []
     for i in range(0, len(offsets), cfg.batch_size):
-        x, y = windows(tokens, offsets[i : i + cfg.batch_size], model_block_size(model))
+        x, y = windows(tokens, offsets[i : i + cfg.batch_size][rows], block_size)
         with autocast():
             _, loss = model(x.to(device), y.to(device))
         losses.append(loss.item())
     model.train()
-    return float(np.mean(losses))
+    if cfg.parallel == "none":
+        return float(np.mean(losses))
+    from matrixopt.distributed import mean_over_ranks
+
+    return mean_over_ranks(torch.tensor(np.mean(losses), device=device)).item()
 
 
-def model_block_size(model: nn.Module) -> int:
-    return getattr(model, "_orig_mod", model).config.block_size
-
-
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """``matrixopt.build_optimizer`` with the config's hyperparameters. ``betas`` go to the optimizer's AdamW:
-    as ``betas`` where it takes them, else as ``adamw_betas`` (Muon, MOP)."""
-    from matrixopt.optim.registry import OPTIMIZERS, build_optimizer  # late: train/ sits above optim/
+def optimizer_kwargs(cfg: TrainConfig) -> dict:
+    """The config's hyperparameters for the registered optimizer. ``betas`` go to its AdamW: as ``betas`` where
+    it takes them, else as ``adamw_betas`` (Muon, MOP)."""
+    from matrixopt.optim.registry import OPTIMIZERS  # late: train/ sits above optim/
 
     o = cfg.optim
     if o.name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {o.name!r}; choose from {', '.join(sorted(OPTIMIZERS))}")
     accepts = inspect.signature(OPTIMIZERS[o.name]).parameters
     betas_key = "adamw_betas" if "adamw_betas" in accepts else "betas"
-    kwargs = {"lr": o.lr, "weight_decay": o.weight_decay, betas_key: o.betas} | o.hparams
+    return {"lr": o.lr, "weight_decay": o.weight_decay, betas_key: o.betas} | o.hparams
+
+
+# ----------------------------------------------------------------------------------------------------------
+# data parallelism
+
+
+def init_parallel(cfg: TrainConfig) -> tuple[torch.device, int, int]:
+    """This process's device, rank and world size. A parallel run joins the default process group (created here
+    from torchrun's environment unless the caller already did: NCCL on CUDA, gloo on CPU)."""
+    device = resolve_device(cfg.device)
+    if cfg.parallel == "none":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1:
+            raise ValueError(f"this process is one of {world} ranks (WORLD_SIZE={world}) but --parallel is none, so "
+                             f"every rank would train the whole run into the same folder; pass --parallel ddp, "
+                             f"layerwise or fsdp")
+        return device, 0, 1
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise ValueError(f"--parallel {cfg.parallel} runs one process per rank: launch it with `torchrun "
+                             f"--nproc-per-node N -m matrixopt train ...` (or `python -m torch.distributed.run`)")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def parallelize(model: GPT, cfg: TrainConfig, device: torch.device,
+                use_bf16: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``(module to call, optimizer)`` for ``cfg.parallel``: the model itself (none; layerwise adds hooks; fsdp
+    shards it in place) or its DDP wrapper, and the optimizer with each group's ``initial_lr`` set."""
+    from matrixopt.distributed import setup  # late: train/ sits above distributed/
+    from matrixopt.optim.registry import build_optimizer
+
+    name, kwargs = cfg.optim.name, optimizer_kwargs(cfg)
     try:
-        optimizer = build_optimizer(model, o.name, splits=QKV_SPLITS, **kwargs)
+        match cfg.parallel:
+            case "none":
+                module, optimizer = model, build_optimizer(model, name, splits=QKV_SPLITS, **kwargs)
+            case "ddp" | "layerwise":
+                module, optimizer = setup(model, name, cfg.parallel, splits=QKV_SPLITS, **kwargs)
+            case "fsdp":
+                module, optimizer = model, fsdp_optimizer(model, name, kwargs, device, use_bf16)
+            case _:
+                raise NotImplementedError(f"parallel mode {cfg.parallel!r}")
     except TypeError as e:
-        raise ValueError(f"optimizer {o.name!r} rejected its hyperparameters ({e}); check --opt") from None
+        raise ValueError(f"optimizer {name!r} rejected its hyperparameters ({e}); check --opt") from None
     for group in optimizer.param_groups:
         group.setdefault("initial_lr", group["lr"])  # the schedule multiplies each group's own base lr
-    return optimizer
+    return module, optimizer
+
+
+def fsdp_optimizer(model: GPT, name: str, kwargs: dict, device: torch.device, use_bf16: bool) -> torch.optim.Optimizer:
+    """Shard ``model`` with FSDP2 over all ranks (bf16 parameters and fp32 gradient reduction when ``use_bf16``)
+    and build its optimizer: Muon as ShardedMuon, AdamW as torch AdamW over the DTensor parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from matrixopt.distributed.fsdp import apply_fsdp
+    from matrixopt.distributed.sharded import ShardedMuon
+    from matrixopt.optim.registry import OPTIMIZERS
+    from matrixopt.optim.routing import param_groups
+
+    if name not in ("muon", "adamw"):
+        raise ValueError(f"--parallel fsdp supports the optimizers muon and adamw, not {name!r}; use --parallel "
+                         f"layerwise for {name}")
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16 else None
+    apply_fsdp(model, mesh, mp_policy=policy)
+    if name == "muon":
+        return ShardedMuon(param_groups(model, splits=QKV_SPLITS), **kwargs)
+    groups = param_groups(model, matrix_flag=None, splits=QKV_SPLITS)
+    for g in groups:
+        g.pop("names")
+    return OPTIMIZERS["adamw"](groups, **kwargs)
+
+
+def no_sync(parallel: str, module: nn.Module, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
+    """Context for the forward and backward of every micro-batch but the last: accumulate local gradients
+    without communicating; the last backward reduces the sums."""
+    match parallel:
+        case "layerwise":
+            return optimizer.no_sync()
+        case "ddp":
+            return module.no_sync()
+        case "fsdp":
+            return _fsdp_no_sync(module)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(module: nn.Module):
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def clip_gradients(parallel: str, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> None:
+    """Clip the global gradient norm (over all ranks' parameters) to ``max_norm``."""
+    match parallel:
+        case "layerwise":  # the owners hold the reduced gradients; model parameters have none
+            optimizer.clip_grad_norm_(max_norm)
+        case "fsdp":  # the norm of DTensor gradient shards is a partial sum: finish it across ranks
+            params = [p for p in model.parameters() if p.grad is not None]
+            total = nn.utils.get_total_norm([p.grad for p in params])
+            total = total.full_tensor() if isinstance(total, DTensor) else total
+            nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        case _:
+            nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def from_rank_zero(fn, cfg: TrainConfig, rank: int):
+    """``fn()`` run on rank 0 only (e.g. file-system work), its result or ValueError/OSError given to every rank."""
+    if cfg.parallel == "none":
+        return fn()
+    box = [None]
+    if rank == 0:
+        try:
+            box[0] = (True, fn())
+        except (ValueError, OSError) as e:
+            box[0] = (False, e)
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------------
+# checkpoints of a parallel run
+
+
+def checkpoint_name(cfg: TrainConfig) -> str:
+    """The checkpoint in the output folder: one file, or a torch.distributed.checkpoint folder when every rank
+    holds only part of the state."""
+    return "ckpt" if cfg.parallel in ("layerwise", "fsdp") else "ckpt.pt"
+
+
+def save_sharded(out: Path, cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
+                 rank: int) -> None:
+    """Write ``out/ckpt`` on every rank (collective): into ``ckpt.tmp``, then rank 0 swaps it in, so a crash
+    during the write leaves the previous checkpoint (``ckpt``, or ``ckpt.old`` during the swap) whole."""
+    tmp, final, old = out / "ckpt.tmp", out / "ckpt", out / "ckpt.old"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    if cfg.parallel == "layerwise":
+        from matrixopt.distributed import checkpoint
+
+        checkpoint.save(tmp, model, optimizer, extra=trainer_state)
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd, "trainer": _pickled(trainer_state)}, checkpoint_id=tmp)
+    if rank == 0:
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def load_sharded(path: Path, cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Load ``out/ckpt`` into ``model`` and ``optimizer`` on every rank (collective); returns the trainer state."""
+    if cfg.parallel == "layerwise":
+        from matrixopt.distributed import checkpoint
+
+        return checkpoint.load(path, model, optimizer)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    sd = {"model": model_sd, "optim": optim_sd, "trainer": b""}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    return torch.load(io.BytesIO(sd["trainer"]), weights_only=True)
+
+
+def _pickled(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 def check_lengths(ds: Dataset, block_size: int, data: str) -> None:
@@ -239,6 +440,7 @@ def check_lengths(ds: Dataset, block_size: int, data: str) -> None:
             )
 
 
+
 def train(
     cfg: TrainConfig, out: str | Path, *, resume: bool = False, overwrite: bool = False, progress: bool = True
 ) -> dict:
@@ -247,7 +449,12 @@ def train(
     ds = load_dataset(cfg.data)
     gpt_config = cfg.model.gpt_config(ds.vocab_size)
     check_lengths(ds, gpt_config.block_size, cfg.data.data)
-    device = resolve_device(cfg.device)
+    device, rank, world = init_parallel(cfg)
+    rows = slice(None)  # this rank's rows of every global micro-batch
+    if cfg.parallel != "none":
+        from matrixopt.distributed import batch_slice, mean_over_ranks
+
+        rows = batch_slice(cfg.batch_size)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if device.type == "cuda":
@@ -257,60 +464,72 @@ def train(
     use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
 
     def autocast():
-        if use_bf16:
+        if use_bf16 and cfg.parallel != "fsdp":  # FSDP2 casts the parameters itself (its mixed precision policy)
             return torch.autocast(device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     torch.manual_seed(cfg.seed)
     model = GPT(gpt_config).to(device)
-    optimizer = build_optimizer(model, cfg)  # before resuming, so bad optimizer settings fail fast
-    resuming = prepare_out_dir(out, cfg, resume, overwrite)
-    metrics_path, ckpt_path = out / "metrics.jsonl", out / "ckpt.pt"
+    module, optimizer = parallelize(model, cfg, device, use_bf16)  # before resuming: bad settings fail fast
+    resuming = from_rank_zero(lambda: prepare_out_dir(out, cfg, resume, overwrite), cfg, rank)
+    metrics_path, ckpt_path = out / "metrics.jsonl", out / checkpoint_name(cfg)
 
     step, elapsed, opt_s, loss_sum, loss_count, val_loss = 0, 0.0, 0.0, 0.0, 0, float("nan")
     if resuming:
-        ck = load_checkpoint(ckpt_path)
+        if cfg.parallel in ("layerwise", "fsdp"):
+            ck = load_sharded(ckpt_path, cfg, model, optimizer)
+        else:
+            ck = load_checkpoint(ckpt_path)
+            model.load_state_dict(ck["model"])
+            optimizer.load_state_dict(ck["optimizer"])
         if ck["step"] == cfg.steps and (out / "run.json").is_file():
             return json.loads((out / "run.json").read_text())  # finished already
-        model.load_state_dict(ck["model"])
-        optimizer.load_state_dict(ck["optimizer"])
         step, elapsed, opt_s = ck["step"], ck["elapsed_s"], ck["opt_s"]
         loss_sum, loss_count = ck["loss_sum"], ck["loss_count"]
-        torch.set_rng_state(ck["rng_cpu"])
+        torch.set_rng_state(ck["rng_cpu"])  # rank 0's; every rank draws the same random numbers
         if device.type == "cuda" and ck["rng_cuda"]:
             torch.cuda.set_rng_state_all(ck["rng_cuda"])
-        kept = [m for m in read_metrics(metrics_path) if m["step"] <= step]  # drop lines past the checkpoint
-        metrics_path.write_text("".join(json.dumps(m) + "\n" for m in kept))
-        val_loss = next((m["val_loss"] for m in reversed(kept) if "val_loss" in m), float("nan"))
-    else:
+        if rank == 0:
+            kept = [m for m in read_metrics(metrics_path) if m["step"] <= step]  # drop lines past the checkpoint
+            metrics_path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+            val_loss = next((m["val_loss"] for m in reversed(kept) if "val_loss" in m), float("nan"))
+    elif rank == 0:
         metrics_path.write_text("")
 
     def checkpoint():
-        save_checkpoint(
-            ckpt_path,
-            dict(
-                step=step, elapsed_s=elapsed, opt_s=opt_s, loss_sum=loss_sum, loss_count=loss_count,
-                model=model.state_dict(), optimizer=optimizer.state_dict(), rng_cpu=torch.get_rng_state(),
-                rng_cuda=torch.cuda.get_rng_state_all() if device.type == "cuda" else [],
-            ),
+        state = dict(
+            step=step, elapsed_s=elapsed, opt_s=opt_s, loss_sum=loss_sum, loss_count=loss_count,
+            rng_cpu=torch.get_rng_state(), rng_cuda=torch.cuda.get_rng_state_all() if device.type == "cuda" else [],
         )  # fmt: skip
+        match cfg.parallel:
+            case "layerwise" | "fsdp":
+                save_sharded(out, cfg, model, optimizer, state, rank)
+            case _:
+                if rank == 0:  # under DDP every rank holds the same model and optimizer state
+                    save_checkpoint(ckpt_path, state | dict(model=model.state_dict(), optimizer=optimizer.state_dict()))
+                if cfg.parallel == "ddp":
+                    dist.barrier()
 
-    fwd = torch.compile(model) if cfg.compile else model
+    fwd = torch.compile(module) if cfg.compile else module
     offsets = val_offsets(ds.val, cfg.eval_iters * cfg.batch_size, gpt_config.block_size, cfg.seed)
     tokens_per_step = cfg.batch_size * cfg.grad_accum * gpt_config.block_size
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    metrics_file = open(metrics_path, "a")
+    metrics_file = open(metrics_path, "a") if rank == 0 else contextlib.nullcontext()
+
+    def evaluate_now() -> float:
+        return evaluate(fwd, ds.val, offsets, cfg, gpt_config.block_size, device, autocast, rows)
 
     def log(record: dict) -> None:
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
+        if rank == 0:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
 
     if step == 0:
-        val_loss = evaluate(fwd, ds.val, offsets, cfg, device, autocast)
+        val_loss = evaluate_now()
         log(dict(step=0, loss=None, lr=0.0, tokens_per_s=0.0, elapsed_s=0.0, opt_s=0.0,
                  peak_mem_mb=round(peak_mem_mb(device), 1), val_loss=val_loss))  # fmt: skip
 
-    bar = _progress(cfg.steps, step, progress, cfg.optim.name)
+    bar = _progress(cfg.steps, step, progress and rank == 0, cfg.optim.name)
     window_t0, window_step = time.perf_counter(), step
     with StopRequest() as stop, metrics_file:
         while step < cfg.steps:
@@ -321,18 +540,25 @@ def train(
             step_loss = torch.zeros((), device=device)
             for micro in range(cfg.grad_accum):
                 x, y = train_batch(ds.train, cfg.batch_size, gpt_config.block_size, cfg.seed, step, micro)
-                with autocast():
-                    _, loss = fwd(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-                (loss / cfg.grad_accum).backward()
+                x, y = x[rows], y[rows]  # the global batch depends on the seed only; each rank takes its rows
+                last = micro == cfg.grad_accum - 1
+                with contextlib.nullcontext() if last else no_sync(cfg.parallel, module, optimizer):
+                    with autocast():
+                        _, loss = fwd(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                    (loss / cfg.grad_accum).backward()
                 step_loss += loss.detach() / cfg.grad_accum
             if cfg.grad_clip > 0:
-                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                clip_gradients(cfg.parallel, model, optimizer, cfg.grad_clip)
             sync()
             t_opt = time.perf_counter()
             optimizer.step()
             sync()
             opt_s += time.perf_counter() - t_opt
             optimizer.zero_grad(set_to_none=True)
+            stopping = stop.requested
+            if cfg.parallel != "none":  # one collective: the mean loss, and whether any rank got Ctrl-C
+                agreed = mean_over_ranks(torch.stack([step_loss, torch.tensor(float(stopping), device=device)]))
+                step_loss, stopping = agreed[0], bool(agreed[1] > 0)
             step += 1
             loss_sum += step_loss.item()
             loss_count += 1
@@ -350,7 +576,7 @@ def train(
                 )  # fmt: skip
                 loss_sum, loss_count = 0.0, 0
                 if is_eval:
-                    val_loss = record["val_loss"] = evaluate(fwd, ds.val, offsets, cfg, device, autocast)
+                    val_loss = record["val_loss"] = evaluate_now()
                 log(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", val=f"{val_loss:.3f}",
                                 tok_s=f"{record['tokens_per_s']:.0f}")
@@ -359,7 +585,7 @@ def train(
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
                 checkpoint()
                 window_t0 = time.perf_counter()
-            if stop.requested:
+            if stopping:
                 checkpoint()
                 bar.close()
                 raise Interrupted(step, ckpt_path)
@@ -370,10 +596,11 @@ def train(
         opt_s=opt_s, opt_share=opt_s / max(elapsed, 1e-9), tokens_per_s=tokens_per_step * step / max(elapsed, 1e-9),
         peak_mem_mb=round(peak_mem_mb(device), 1), state_mb=round(state_mb(model, optimizer), 2),
         num_params=model.num_params(), tokens_per_step=tokens_per_step, data=ds.description,
-        device=describe(device),
+        device=describe(device), parallel=cfg.parallel, world_size=world,
         torch=torch.__version__,
     )  # fmt: skip
-    (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+    if rank == 0:
+        (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
     return run
 
 
