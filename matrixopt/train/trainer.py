@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from matrixopt.train.config import TrainConfig, lr_multiplier
+from matrixopt.train.config import TrainConfig, from_dict, lr_multiplier
 from matrixopt.train.data import Dataset, load_dataset, train_batch, val_offsets, windows
 from matrixopt.train.model import GPT
 
@@ -118,6 +118,10 @@ def prepare_out_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) 
             old = json.loads(config_path.read_text())
         except json.JSONDecodeError:
             raise ValueError(f"{config_path} is not valid JSON; pass --overwrite to start a new run in {out}") from None
+        try:  # a run saved before a config field existed holds that field's default
+            old = json.loads(json.dumps(from_dict(TrainConfig, old, where=str(config_path)).to_dict()))
+        except (ValueError, TypeError):
+            pass  # not a config this version can read: compare it as it is
         a, b = _flat(old), _flat(new)
         changed = [k for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k) and k not in FREE_TO_CHANGE]
         if changed:

@@ -21,7 +21,8 @@ def test_sweep_then_compare_best(tmp_path):
         assert json.loads(lines[-1])["val_loss"] == p["final_val_loss"]
     assert (tmp_path / "adamw" / "sweep.png").stat().st_size > 0
 
-    assert main(["compare-sweeps", str(tmp_path / "adamw"), str(tmp_path / "muon"), "--out", str(tmp_path / "cmp")]) == 0
+    sweeps = [str(tmp_path / "adamw"), str(tmp_path / "muon")]
+    assert main(["compare-sweeps", *sweeps, "--out", str(tmp_path / "cmp")]) == 0
     summary = json.loads((tmp_path / "cmp" / "summary.json").read_text())
     assert summary["optimizers"]["adamw"]["lr"] == best["lr"]
     assert summary["target_val_loss"] == best["final_val_loss"]
@@ -33,3 +34,16 @@ def test_sweep_bad_grid(tmp_path, capsys):
     assert main(["sweep", "--optimizer", "muon", "--lrs", "1e-3", "--out", str(tmp_path / "s"), *TINY]) == 2
     assert "at least 2 learning rates" in capsys.readouterr().err
     assert main(["sweep", "--optimizer", "muon", "--lrs", "1e-3,abc", "--out", str(tmp_path / "s"), *TINY]) == 2
+
+
+def test_resume_of_a_run_saved_before_a_config_field_existed(tmp_path):
+    """A field added to TrainConfig later (with a default) must not make an older run folder 'a different run'."""
+    out = tmp_path / "run"
+    assert main(["train", "--optimizer", "muon", "--out", str(out), *TINY]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.pop("parallel")  # as written before `parallel` existed
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert main(["train", "--optimizer", "muon", "--out", str(out), "--resume", *TINY]) == 0
+    cfg["steps"] = 7  # a real difference is still refused
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert main(["train", "--optimizer", "muon", "--out", str(out), "--resume", *TINY]) == 2
