@@ -37,13 +37,18 @@ def check_lr(value: Any) -> None:
         raise ValueError(f"Invalid learning rate: {float(value)} (must be >= 0)")
 
 
-def check_adamw_group(group: dict[str, Any]) -> None:
-    check_lr(group["lr"])
-    b1, b2 = group["betas"]
-    for i, b in enumerate((b1, b2)):
+def check_betas(betas: Any) -> None:
+    if len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r} (need two values, (beta1, beta2))")
+    for i, b in enumerate(betas):
         _check_finite(f"beta parameter at index {i}", b)
         if not 0.0 <= b < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be in [0, 1))")
+
+
+def check_adamw_group(group: dict[str, Any]) -> None:
+    check_lr(group["lr"])
+    check_betas(group["betas"])
     _check_finite("epsilon", group["eps"])
     if group["eps"] < 0:
         raise ValueError(f"Invalid epsilon value: {group['eps']} (must be >= 0)")

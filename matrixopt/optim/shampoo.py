@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from matrixopt.linalg.roots import InverseRootConfig, fall_back, inverse_root, newton_inverse_root
-from matrixopt.optim.base import MatrixOptimizer, _check_finite, check_lr, param_label
+from matrixopt.optim.base import MatrixOptimizer, _check_finite, check_betas, check_lr, param_label
 from matrixopt.optim.layout import matrix_pieces
 
 GRAFTINGS = ("adam", "none")
@@ -165,11 +165,7 @@ class KroneckerOptimizer(MatrixOptimizer):
     # ----------------------------------------------------------------------------------- validation
     def _validate_matrix_group(self, group: dict[str, Any]) -> None:
         check_lr(group["lr"])
-        b1, b2 = group["betas"]
-        for i, b in enumerate((b1, b2)):
-            _check_finite(f"beta parameter at index {i}", b)
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be in [0, 1))")
+        check_betas(group["betas"])
         sb = group["shampoo_beta"]
         if sb is not None:
             _check_finite("shampoo_beta", sb)
