@@ -11,7 +11,7 @@ Public API:
     OPTIMIZERS, register_optimizer(name, factory)                     the registry
 """
 
-from matrixopt.linalg.ortho import SCHEDULES, NewtonSchulzConfig, newton_schulz, polar
+from matrixopt.linalg.ortho import SCHEDULES, newton_schulz, polar
 from matrixopt.optim.base import NonFiniteGradientError
 from matrixopt.optim.layout import mark_experts, mark_split
 from matrixopt.optim.muon import MOP, Muon
@@ -26,7 +26,6 @@ __all__ = [
     "SCHEDULES",
     "SOAP",
     "Muon",
-    "NewtonSchulzConfig",
     "NonFiniteGradientError",
     "Shampoo",
     "build_optimizer",

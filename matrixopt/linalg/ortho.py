@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -169,24 +168,6 @@ def schedule_band(coefficients: str | Sequence[Sequence[float]], steps: int, lo:
     for abc in resolve_schedule(coefficients, steps):
         x = _poly(abc, x)
     return x.min().item(), x.max().item()
-
-
-@dataclass(frozen=True, kw_only=True)
-class NewtonSchulzConfig:
-    """How a matrix is orthogonalized.
-
-    steps: iterations (>= 1). coefficients: a name in ``SCHEDULES`` or a list of (a, b, c).
-    dtype: iteration dtype; None means bfloat16 on CUDA and float32 elsewhere.
-    """
-
-    steps: int = 5
-    coefficients: str | tuple[Coefficients, ...] = "quintic"
-    dtype: torch.dtype | None = None
-
-    def __post_init__(self) -> None:
-        resolve_schedule(self.coefficients, self.steps)  # validates
-        if self.dtype is not None and not self.dtype.is_floating_point:
-            raise ValueError(f"Newton–Schulz dtype must be a floating dtype, got {self.dtype}")
 
 
 def newton_schulz_short_side(X: Tensor, schedule: Sequence[Coefficients], dtype: torch.dtype) -> Tensor:
