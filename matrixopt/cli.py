@@ -279,10 +279,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     wds = parse_floats(args.weight_decays, "--weight-decays") if args.weight_decays else None
     s = sweep(base, args.optimizer, parse_floats(args.lrs, "--lrs"), args.out, weight_decays=wds,
               resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
-    for p in s["points"]:
-        print(f"{s['optimizer']} lr={p['lr']:g} wd={p['weight_decay']:g}: final val loss {p['final_val_loss']:.4f}")
-    edge = " (on the grid's edge: widen the grid)" if s["best_lr_at_edge"] else ""
-    print(f"best: lr={s['best']['lr']:g}{edge} -> {Path(args.out) / 'sweep.json'}")
+    if is_rank_zero():
+        for p in s["points"]:
+            print(f"{s['optimizer']} lr={p['lr']:g} wd={p['weight_decay']:g}: final val loss {p['final_val_loss']:.4f}")
+        edge = " (on the grid's edge: widen the grid)" if s["best_lr_at_edge"] else ""
+        print(f"best: lr={s['best']['lr']:g}{edge} -> {Path(args.out) / 'sweep.json'}")
     return 0
 
 

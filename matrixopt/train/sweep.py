@@ -15,6 +15,8 @@ import json
 import shutil
 from pathlib import Path
 
+import torch.distributed as dist
+
 from matrixopt.train.config import TrainConfig
 from matrixopt.train.report import write_report
 from matrixopt.train.trainer import train
@@ -43,8 +45,9 @@ def sweep(base: TrainConfig, name: str, lrs: list[float], out: str | Path, *, we
     best = min(points, key=lambda p: p["final_val_loss"])
     result = dict(optimizer=name, seed=base.seed, lrs=sorted(lrs), weight_decays=wds, points=points, best=best,
                   best_lr_at_edge=best["lr"] in (min(lrs), max(lrs)))
-    (out / "sweep.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot_sweeps({name: result}, out / "sweep.png")
+    if not dist.is_initialized() or dist.get_rank() == 0:  # under torchrun every rank trains, rank 0 writes
+        (out / "sweep.json").write_text(json.dumps(result, indent=2) + "\n")
+        plot_sweeps({name: result}, out / "sweep.png")
     return result
 
 
