@@ -116,6 +116,8 @@ def build_parser() -> Parser:
     p.add_argument("--opt", action="append", default=[], metavar="NAME.KEY=VALUE",
                    help="extra hyperparameter of one optimizer, e.g. --opt muon.momentum=0.9 (repeatable)")
     p.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
+    p.add_argument("--target", default="final",
+                   help="the loss to reach: AdamW's final val loss (default) or its best (for runs that overfit)")
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("sweep", help="train one optimizer over a learning-rate grid (and weight decays)")
@@ -132,10 +134,14 @@ def build_parser() -> Parser:
     p.add_argument("sweeps", nargs="+", help="the --out folders of `matrixopt sweep`, one per optimizer")
     p.add_argument("--out", required=True, help="output folder for the comparison")
     p.add_argument("--overwrite", action="store_true", help="replace run folders already in --out")
+    p.add_argument("--target", default="final",
+                   help="the loss to reach: AdamW's final val loss (default) or its best (for runs that overfit)")
     p.set_defaults(func=cmd_compare_sweeps)
 
     p = sub.add_parser("report", help="rebuild summary.json, plots and report of a compare folder")
     p.add_argument("dir", help="the --out folder of `matrixopt compare`")
+    p.add_argument("--target", default="final",
+                   help="the loss to reach: AdamW's final val loss (default) or its best (for runs that overfit)")
     p.set_defaults(func=cmd_report)
 
     sub.add_parser("bench", help="benchmarks (see `matrixopt bench --help`)", add_help=False)
@@ -246,14 +252,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     configs = run_configs(base, names, {k: float(v) for k, v in lrs.items()}, hparams)
     if base.parallel == "none":
         summary = compare(configs, args.out, resume=args.resume, overwrite=args.overwrite,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, target=args.target)
     else:  # every rank trains each run; rank 0 alone writes the report
         for name, cfg in configs.items():
             train(cfg, Path(args.out) / name, resume=args.resume, overwrite=args.overwrite,
                   progress=not args.no_progress)
         if not is_rank_zero():
             return 0
-        summary = write_report(args.out)
+        summary = write_report(args.out, target=args.target)
     header, rows = table(summary)
     print(" | ".join(header))
     for row in rows:
@@ -291,7 +297,7 @@ def cmd_compare_sweeps(args: argparse.Namespace) -> int:
     from matrixopt.train.report import table
     from matrixopt.train.sweep import compare_best
 
-    summary = compare_best(args.sweeps, args.out, overwrite=args.overwrite)
+    summary = compare_best(args.sweeps, args.out, overwrite=args.overwrite, target=args.target)
     header, rows = table(summary)
     print(" | ".join(header))
     for row in rows:
@@ -303,7 +309,7 @@ def cmd_compare_sweeps(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from matrixopt.train.report import write_report
 
-    write_report(args.dir)
+    write_report(args.dir, target=args.target)
     print(f"report: {Path(args.dir) / 'report.md'}")
     return 0
 

@@ -50,9 +50,10 @@ def run_configs(base: TrainConfig, names: list[str], lrs: dict[str, float],
 
 
 def compare(configs: dict[str, TrainConfig], out: str | Path, *, resume: bool = False, overwrite: bool = False,
-            progress: bool = True) -> dict:
-    """Train each config into ``out/NAME`` and write the report; returns the summary."""
+            progress: bool = True, target: str = "final") -> dict:
+    """Train each config into ``out/NAME`` and write the report (``target``: see ``write_report``); returns the
+    summary."""
     out = Path(out)
     for name, cfg in configs.items():
         train(cfg, out / name, resume=resume, overwrite=overwrite, progress=progress)
-    return write_report(out)
+    return write_report(out, target=target)

@@ -3,9 +3,10 @@
 A comparison folder holds one run folder per optimizer (``DIR/adamw/``, ``DIR/muon/``, each with
 config.json, metrics.jsonl and run.json). ``write_report(DIR)`` writes
 
-* ``summary.json``: ``target_val_loss`` (the baseline's final val loss; the baseline is adamw when present) and
-  ``optimizers``: name -> ``final_val_loss``, ``steps_to_target`` and ``seconds_to_target`` (the first
-  evaluation at or below the target; null when never reached), ``tokens_per_s``, ``peak_mem_mb``, ``lr``,
+* ``summary.json``: ``target`` ("final" or "best"), ``target_val_loss`` (the baseline's final or lowest val
+  loss; the baseline is adamw when present) and ``optimizers``: name -> ``final_val_loss``,
+  ``steps_to_target`` and ``seconds_to_target`` (the first evaluation at or below the target; null when never
+  reached), ``tokens_per_s``, ``peak_mem_mb``, ``lr``,
   ``opt_share`` (share of training time inside ``optimizer.step()``), ``state_mb``;
 * ``loss_vs_steps.png`` and ``loss_vs_seconds.png``: train loss (thin) and val loss (markers) per optimizer,
   the target dashed;
@@ -21,6 +22,7 @@ from pathlib import Path
 from matrixopt.train.trainer import read_metrics
 
 BASELINE = "adamw"
+TARGETS = ("final", "best")
 PLOTS = {"loss_vs_steps.png": ("step", "optimizer steps"), "loss_vs_seconds.png": ("elapsed_s", "training seconds")}
 
 
@@ -41,15 +43,22 @@ def first_reaching(metrics: list[dict], target: float) -> dict | None:
     return next((m for m in metrics if m.get("val_loss") is not None and m["val_loss"] <= target), None)
 
 
-def summarize(root: Path) -> dict:
+def summarize(root: Path, target: str = "final") -> dict:
+    """The comparison. ``target``: "final" measures steps and seconds to the baseline's final val loss, "best" to
+    its lowest val loss (fairer when the runs overfit and the final loss is past the minimum)."""
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; use one of {TARGETS}")
     runs = find_runs(root)
     metrics = {name: read_metrics(path / "metrics.jsonl") for name, path in runs.items()}
     info = {name: json.loads((path / "run.json").read_text()) for name, path in runs.items()}
     baseline = next(iter(runs))
-    target = info[baseline]["final_val_loss"]
+    if target == "final":
+        target_loss = info[baseline]["final_val_loss"]
+    else:
+        target_loss = min(m["val_loss"] for m in metrics[baseline] if m.get("val_loss") is not None)
     optimizers = {}
     for name in runs:
-        hit = first_reaching(metrics[name], target)
+        hit = first_reaching(metrics[name], target_loss)
         run = info[name]
         optimizers[name] = dict(
             final_val_loss=run["final_val_loss"],
@@ -69,7 +78,8 @@ def summarize(root: Path) -> dict:
         row["steps_ratio"] = round(row["steps_to_target"] / base["steps_to_target"], 3) if reached else None
     return dict(
         baseline=baseline,
-        target_val_loss=target,
+        target=target,
+        target_val_loss=target_loss,
         eval_every=json.loads((runs[baseline] / "config.json").read_text())["eval_every"],
         device=info[baseline]["device"],
         data=info[baseline]["data"],
@@ -132,7 +142,8 @@ def table(summary: dict) -> tuple[list[str], list[list[str]]]:
 
 def notes(summary: dict) -> list[str]:
     return [
-        f"Target: {summary['baseline']}'s final val loss, {summary['target_val_loss']:.4f}. Steps and seconds to "
+        f"Target: {summary['baseline']}'s {summary.get('target', 'final')} val loss, {summary['target_val_loss']:.4f}. "
+        f"Steps and seconds to "
         f"target are those of the first evaluation at or below it (evaluations every {summary['eval_every']} steps; "
         f"seconds exclude evaluation and checkpointing).",
         f"Model: {summary['num_params']:,} parameters, {summary['tokens_per_step']:,} tokens per step, data "
@@ -141,12 +152,12 @@ def notes(summary: dict) -> list[str]:
     ]
 
 
-def write_report(root: str | Path) -> dict:
+def write_report(root: str | Path, target: str = "final") -> dict:
     """Rebuild summary.json, the plots, report.md and report.html in ``root``; returns the summary."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"report folder {root} does not exist; pass the --out folder of a compare run")
-    summary = summarize(root)
+    summary = summarize(root, target)
     (root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     images = plot(root, summary)
     header, rows = table(summary)

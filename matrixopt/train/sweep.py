@@ -82,7 +82,8 @@ def plot_sweeps(sweeps: dict[str, dict], dest: Path) -> None:
     plt.close(fig)
 
 
-def compare_best(sweep_dirs: list[str | Path], out: str | Path, *, overwrite: bool = False) -> dict:
+def compare_best(sweep_dirs: list[str | Path], out: str | Path, *, overwrite: bool = False,
+                 target: str = "final") -> dict:
     """Copy each sweep's best run into ``out/OPTIMIZER`` and write the compare report, ``sweeps.json`` and
     ``sweeps.png`` there. Returns the summary, with each optimizer's sweep (grid, best lr, edge flag) added."""
     out = Path(out)
@@ -101,7 +102,7 @@ def compare_best(sweep_dirs: list[str | Path], out: str | Path, *, overwrite: bo
         dest.mkdir(parents=True)
         for f in RUN_FILES:
             shutil.copy2(Path(s["path"]) / s["best"]["dir"] / f, dest / f)
-    summary = write_report(out)
+    summary = write_report(out, target=target)
     summary["sweeps"] = {name: {k: s[k] for k in ("lrs", "weight_decays", "best", "best_lr_at_edge", "points")}
                          for name, s in sweeps.items()}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

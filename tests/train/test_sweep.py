@@ -47,3 +47,16 @@ def test_resume_of_a_run_saved_before_a_config_field_existed(tmp_path):
     cfg["steps"] = 7  # a real difference is still refused
     (out / "config.json").write_text(json.dumps(cfg))
     assert main(["train", "--optimizer", "muon", "--out", str(out), "--resume", *TINY]) == 2
+
+
+def test_report_target_best_uses_the_baselines_lowest_val_loss(tmp_path):
+    out = tmp_path / "cmp"
+    assert main(["compare", "--optimizers", "adamw,muon", "--out", str(out), *TINY]) == 0
+    adamw = [json.loads(line) for line in (out / "adamw" / "metrics.jsonl").read_text().splitlines()]
+    vals = [m["val_loss"] for m in adamw if m.get("val_loss") is not None]
+    assert main(["report", str(out), "--target", "best"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["target"] == "best" and summary["target_val_loss"] == min(vals)
+    first = next(m["step"] for m in adamw if m.get("val_loss") is not None and m["val_loss"] <= min(vals))
+    assert summary["optimizers"]["adamw"]["steps_to_target"] == first
+    assert main(["report", str(out), "--target", "median"]) == 2
