@@ -33,6 +33,7 @@ from torch import nn
 
 import matrixopt.distributed as mdist
 from matrixopt import build_optimizer
+from matrixopt.bench.common import exposed_comm
 from matrixopt.train.model import GPT, GPTConfig
 
 SPLITS = {r"attn\.c_attn\.weight$": 3}  # Q, K, V orthogonalized separately, as the trainer does
@@ -118,37 +119,6 @@ def train_loop(model: nn.Module, opt, data, device: torch.device, autocast, step
         opt.zero_grad(set_to_none=True)
     sync(device)
     return time.perf_counter() - start
-
-
-def exposed_comm(prof) -> tuple[float, float]:
-    """(comm kernel time, comm time with no compute kernel running), in seconds, from a CUDA profiler trace."""
-    comm, compute = [], []
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        iv = (e.time_range.start, e.time_range.end)
-        (comm if "nccl" in e.name.lower() else compute).append(iv)
-
-    def union(ivs):
-        out = []
-        for s, t in sorted(ivs):
-            if out and s <= out[-1][1]:
-                out[-1][1] = max(out[-1][1], t)
-            else:
-                out.append([s, t])
-        return out
-
-    comm_u, comp_u = union(comm), union(compute)
-    total = sum(t - s for s, t in comm_u)
-    overlap, j = 0.0, 0
-    for s, t in comm_u:
-        while j < len(comp_u) and comp_u[j][1] <= s:
-            j += 1
-        k = j
-        while k < len(comp_u) and comp_u[k][0] < t:
-            overlap += min(t, comp_u[k][1]) - max(s, comp_u[k][0])
-            k += 1
-    return total * 1e-6, (total - overlap) * 1e-6
 
 
 def main() -> None:

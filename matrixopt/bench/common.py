@@ -136,3 +136,35 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} asked for, but CUDA is not available here; use --device cpu")
     return device
+
+
+def exposed_comm(prof) -> tuple[float, float]:
+    """``(communication, exposed communication)`` seconds in a ``torch.profiler`` trace with CUDA activity: the
+    union of NCCL kernel intervals, and the part of it during which no compute kernel runs on any stream."""
+    comm, compute = [], []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        iv = (e.time_range.start, e.time_range.end)
+        (comm if "nccl" in e.name.lower() else compute).append(iv)
+
+    def union(ivs):
+        out = []
+        for s, t in sorted(ivs):
+            if out and s <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], t)
+            else:
+                out.append([s, t])
+        return out
+
+    comm_u, comp_u = union(comm), union(compute)
+    total = sum(t - s for s, t in comm_u)
+    overlap, j = 0.0, 0
+    for s, t in comm_u:
+        while j < len(comp_u) and comp_u[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(comp_u) and comp_u[k][0] < t:
+            overlap += min(t, comp_u[k][1]) - max(s, comp_u[k][0])
+            k += 1
+    return total * 1e-6, (total - overlap) * 1e-6
