@@ -118,9 +118,7 @@ def run_config(spec: str, preset: str, args, device: torch.device, vocab: int) -
                opt_step_ms=statistics.median(opt_ms[args.warmup:args.warmup + args.iters]),
                peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
                **exposed)
-    del module, opt, model
-    free(device)
-    return out
+    return out  # the model and optimizer go with this frame; the caller frees the cache
 
 
 def single_gpu_muon_step(preset: str, args, device: torch.device, vocab: int) -> float:
@@ -191,6 +189,7 @@ def main() -> None:
             single[preset] = single_gpu_muon_step(preset, args, device, vocab)
         for spec in args.configs:
             mine = run_config(spec, preset, args, device, vocab)
+            free(device)
             everyone: list = [None] * world
             dist.all_gather_object(everyone, mine)
             rows.append(everyone)

@@ -144,6 +144,15 @@ def prepare_out_dir(out: Path, cfg: TrainConfig, resume: bool, overwrite: bool) 
     return resume and ckpt.exists()
 
 
+def finished_run(out: Path, cfg: TrainConfig) -> dict | None:
+    """run.json of ``out`` if it records all ``cfg.steps`` steps of this (already checked) config, else None."""
+    try:
+        run = json.loads((out / "run.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return run if isinstance(run, dict) and run.get("steps") == cfg.steps else None
+
+
 def read_metrics(path: Path) -> list[dict]:
     """The metrics lines of ``path`` (a metrics.jsonl), in order."""
     if not path.exists():
@@ -477,6 +486,8 @@ def train(
     module, optimizer = parallelize(model, cfg, device, use_bf16)  # before resuming: bad settings fail fast
     resuming = from_rank_zero(lambda: prepare_out_dir(out, cfg, resume, overwrite), cfg, rank)
     metrics_path, ckpt_path = out / "metrics.jsonl", out / checkpoint_name(cfg)
+    if resume and not resuming and (finished := finished_run(out, cfg)) is not None:
+        return finished  # e.g. a sweep point kept without its checkpoint
 
     step, elapsed, opt_s, loss_sum, loss_count, val_loss = 0, 0.0, 0.0, 0.0, 0, float("nan")
     if resuming:

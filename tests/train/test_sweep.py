@@ -60,3 +60,19 @@ def test_report_target_best_uses_the_baselines_lowest_val_loss(tmp_path):
     first = next(m["step"] for m in adamw if m.get("val_loss") is not None and m["val_loss"] <= min(vals))
     assert summary["optimizers"]["adamw"]["steps_to_target"] == first
     assert main(["report", str(out), "--target", "median"]) == 2
+
+
+def test_resumed_sweep_keeps_points_whose_checkpoints_are_gone(tmp_path):
+    """Results kept without checkpoints (as in docs/results): a resumed sweep reuses finished points, trains
+    only the new lr, and lists all of them."""
+    out = tmp_path / "s"
+    assert main(["sweep", "--optimizer", "adamw", "--lrs", "1e-3,3e-3", "--out", str(out), *TINY]) == 0
+    for ck in out.glob("*/ckpt.pt"):
+        ck.unlink()
+    kept = {p: (p / "metrics.jsonl").read_text() for p in out.glob("lr=*")}
+    assert main(["sweep", "--optimizer", "adamw", "--lrs", "1e-3,3e-3,1e-2", "--out", str(out), "--resume",
+                 *TINY]) == 0
+    assert {p: (p / "metrics.jsonl").read_text() for p in kept} == kept  # not retrained
+    s = json.loads((out / "sweep.json").read_text())
+    assert [p["lr"] for p in s["points"]] == [1e-3, 3e-3, 1e-2]
+    assert not (out / "lr=0.001,wd=0.1" / "ckpt.pt").exists()
