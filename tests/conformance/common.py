@@ -9,6 +9,8 @@ settings that keep a test tiny (e.g. precondition every step so the precondition
 from __future__ import annotations
 
 import copy
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -129,3 +131,10 @@ def state_tensors(opt: torch.optim.Optimizer) -> list[tuple[str, Tensor]]:
 
 def is_matrixopt(opt: torch.optim.Optimizer) -> bool:
     return isinstance(opt, MatrixOptimizer)
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a child Python process: this checkout's matrixopt first on its path, whatever is
+    installed."""
+    root = str(Path(__file__).resolve().parents[2])
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))

@@ -14,7 +14,7 @@ from matrixopt.train import trainer
 from matrixopt.train.config import ModelConfig, OptimConfig, ScheduleConfig, TrainConfig
 from matrixopt.train.trainer import CheckpointError, load_checkpoint, read_metrics, train
 
-from .common import NAMES
+from .common import NAMES, child_env
 
 CHILD = Path(__file__).with_name("_ckpt_child.py")
 
@@ -61,7 +61,7 @@ def test_sigkill_while_writing_a_checkpoint_leaves_the_previous_one(where, tmp_p
     cfg = tiny_cfg()
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(CHILD), json.dumps(cfg.to_dict()), str(out), "3", where],
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=240, env=child_env())
     assert proc.returncode == -9, proc.stderr[-2000:]  # SIGKILL, inside the third checkpoint write
     assert load_checkpoint(out / "ckpt.pt")["step"] == 4  # the second checkpoint, whole
     train(cfg, out, resume=True, progress=False)  # a leftover ckpt.pt.tmp does not get in the way

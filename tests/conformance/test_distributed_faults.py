@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("matrixopt.distributed.layerwise")
 
-from .common import NAMES  # noqa: E402
+from .common import NAMES, child_env  # noqa: E402
 
 CHILD = Path(__file__).with_name("_dist_child.py")
 STEP_TIMEOUT_S = 10  # as in _dist_child.py
@@ -30,7 +30,8 @@ def run_ranks(scenario: str, name: str, world: int = 2) -> list[tuple[int, str, 
     port = str(_free_port())
     t0 = time.monotonic()
     procs = [subprocess.Popen([sys.executable, str(CHILD), scenario, str(r), str(world), port, name],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=child_env()) for r in range(world)]
     results = []
     try:
         for r, p in enumerate(procs):
