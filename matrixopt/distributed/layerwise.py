@@ -360,13 +360,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def _agree_finite(self) -> None:
         """Raise NonFiniteGradientError on every rank if any rank's gradients hold NaN/Inf (checked before any
         parameter or state is written), so no rank steps while another raises."""
-        grads = self._owned_grads()
-        bad_local = [self.names[id(p)] for p in self.params if self.owner[id(p)] == self.rank
-                     and self._inner_param(p).grad is not None
-                     and not torch.isfinite(self._inner_param(p).grad).all()] if grads else []
-        flag = torch.tensor(float(len(bad_local)), device=comm.object_device(self.group))
-        if comm.all_reduce_sum(flag, self.group).item() == 0:
+        owned = [(self.names[id(p)], self._inner_param(p).grad) for p in self.params
+                 if self.owner[id(p)] == self.rank and self._inner_param(p).grad is not None]
+        dev = comm.object_device(self.group)
+        bad_mask = torch.stack([(~torch.isfinite(g)).any() for _, g in owned]) if owned else None
+        flag = torch.zeros((), device=dev) if bad_mask is None else bad_mask.sum().float().to(dev)
+        if comm.all_reduce_sum(flag, self.group).item() == 0:  # the step's one host sync
             return
+        bad_local = [n for (n, _), b in zip(owned, bad_mask.tolist()) if b] if bad_mask is not None else []
         bad = [n for names in comm.all_gather_object(bad_local, self.group) for n in names]
         self._drop_grads()
         raise NonFiniteGradientError(

@@ -42,6 +42,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -513,7 +514,7 @@ def train(
 
     def checkpoint():
         state = dict(
-            step=step, elapsed_s=elapsed, opt_s=opt_s, loss_sum=loss_sum, loss_count=loss_count,
+            step=step, elapsed_s=elapsed, opt_s=opt_timer.total(), loss_sum=loss_sum, loss_count=loss_count,
             rng_cpu=torch.get_rng_state(), rng_cuda=torch.cuda.get_rng_state_all() if device.type == "cuda" else [],
         )  # fmt: skip
         match cfg.parallel:
@@ -528,7 +529,7 @@ def train(
     fwd = torch.compile(module) if cfg.compile else module
     offsets = val_offsets(ds.val, cfg.eval_iters * cfg.batch_size, gpt_config.block_size, cfg.seed)
     tokens_per_step = cfg.batch_size * cfg.grad_accum * gpt_config.block_size
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    opt_timer = StreamTimer(device, opt_s)
     metrics_file = open(metrics_path, "a") if rank == 0 else contextlib.nullcontext()
 
     def evaluate_now() -> float:
@@ -564,11 +565,9 @@ def train(
                 step_loss += loss.detach() / cfg.grad_accum
             if cfg.grad_clip > 0:
                 clip_gradients(cfg.parallel, model, optimizer, cfg.grad_clip)
-            sync()
-            t_opt = time.perf_counter()
+            opt_timer.start()
             optimizer.step()
-            sync()
-            opt_s += time.perf_counter() - t_opt
+            opt_timer.stop()
             optimizer.zero_grad(set_to_none=True)
             stopping = stop.requested
             if cfg.parallel != "none":  # one collective: the mean loss, and whether any rank got Ctrl-C
@@ -587,7 +586,7 @@ def train(
                 record = dict(
                     step=step, loss=loss_sum / loss_count, lr=cfg.optim.lr * mult,
                     tokens_per_s=tokens_per_step * (step - window_step) / max(now - window_t0, 1e-9),
-                    elapsed_s=elapsed, opt_s=opt_s, peak_mem_mb=round(peak_mem_mb(device), 1),
+                    elapsed_s=elapsed, opt_s=opt_timer.total(), peak_mem_mb=round(peak_mem_mb(device), 1),
                 )  # fmt: skip
                 loss_sum, loss_count = 0.0, 0
                 if is_eval:
@@ -606,6 +605,7 @@ def train(
                 raise Interrupted(step, ckpt_path)
     bar.close()
 
+    opt_s = opt_timer.total()
     run = dict(
         optimizer=cfg.optim.name, lr=cfg.optim.lr, steps=step, final_val_loss=val_loss, elapsed_s=elapsed,
         opt_s=opt_s, opt_share=opt_s / max(elapsed, 1e-9), tokens_per_s=tokens_per_step * step / max(elapsed, 1e-9),
@@ -617,6 +617,46 @@ def train(
     if rank == 0:
         (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
     return run
+
+
+class StreamTimer:
+    """Seconds spent between ``start()`` and ``stop()``, plus ``offset``. On CUDA, events on the current stream:
+    no device-wide sync, so communication left running on other streams (e.g. the layer-wise parameter
+    broadcasts) keeps overlapping what follows; laps are read when asked for. Elsewhere ``perf_counter``."""
+
+    def __init__(self, device: torch.device, offset: float = 0.0) -> None:
+        self.cuda, self.offset = device.type == "cuda", offset
+        self.laps: list[float] = []
+        self._pending: list[tuple[Any, Any]] = []
+        self._t0: Any = None
+
+    def _now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self._t0 = self._now()
+
+    def stop(self) -> None:
+        end = self._now()
+        if self.cuda:
+            self._pending.append((self._t0, end))
+        else:
+            self.laps.append(end - self._t0)
+
+    def resolve(self) -> list[float]:
+        """Every finished lap in seconds (waits for the recorded events)."""
+        for start, end in self._pending:
+            end.synchronize()
+            self.laps.append(start.elapsed_time(end) / 1e3)
+        self._pending.clear()
+        return self.laps
+
+    def total(self) -> float:
+        return self.offset + sum(self.resolve())
 
 
 def describe(device: torch.device) -> str:

@@ -75,3 +75,40 @@ def test_bad_shape_is_explained(capsys):
 def test_module_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "matrixopt.bench", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "{ns,step,train}" in out.stdout
+
+
+def test_exposed_comm_counts_only_nccl_time_outside_compute():
+    from types import SimpleNamespace
+
+    import torch
+
+    from matrixopt.bench.common import exposed_comm
+
+    def ev(name, start, end, device=torch.autograd.DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [
+        ev("ampere_gemm", 0, 100), ev("elementwise", 250, 300),
+        ev("ncclKernel_AllReduce", 50, 150),   # 50 us under the gemm, 50 exposed
+        ev("ncclKernel_Broadcast", 140, 260),  # overlaps the previous NCCL kernel; 10 us under elementwise
+        ev("ncclKernel_cpu_side", 0, 1000, torch.autograd.DeviceType.CPU),  # host events are ignored
+    ]
+    comm, exposed = exposed_comm(SimpleNamespace(events=lambda: events))
+    assert comm == pytest.approx(210e-6)  # union of [50, 260]
+    assert exposed == pytest.approx(150e-6)  # [100, 250]
+
+
+def test_stream_timer_on_cpu_adds_laps_to_its_offset():
+    import time
+
+    import torch
+
+    from matrixopt.train.trainer import StreamTimer
+
+    timer = StreamTimer(torch.device("cpu"), offset=2.0)
+    for _ in range(2):
+        timer.start()
+        time.sleep(0.01)
+        timer.stop()
+    assert len(timer.resolve()) == 2 and all(lap >= 0.01 for lap in timer.laps)
+    assert timer.total() == pytest.approx(2.0 + sum(timer.laps))
