@@ -19,7 +19,8 @@ global-norm clipping at 1.0, ``optimizer.step()``. Per configuration it records
   kernel runs, as a share of the steps' wall time (slowest rank).
 
 For the layer-wise step it also times our single-GPU Muon over the whole model (on every GPU at once), so the
-step's scaling with N is the ratio of the two. Prints tables on rank 0 and writes ``scaling_gpu.json``.
+step's scaling with N is the ratio of the two; and, per rank, the owner's own compute (its chunks' inner
+``step()``) and its share of the matrix cost. Prints tables on rank 0 and writes ``scaling_gpu.json``.
 Shapes: the presets with an untied head and vocab 50304, as in ``matrixopt bench``.
 """
 
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from matrixopt.bench.common import environment, exposed_comm, table
+from matrixopt.distributed.layerwise import LayerwiseOptimizer
 from matrixopt.optim.registry import build_optimizer
 from matrixopt.train.config import ModelConfig, OptimConfig, TrainConfig
 from matrixopt.train.model import GPT
@@ -81,6 +83,7 @@ def run_config(spec: str, preset: str, args, device: torch.device, vocab: int) -
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 and parallel != "fsdp" \
         else nullcontext
     opt_timer = StreamTimer(device)
+    inner = instrument_chunks(opt, device)
 
     def step() -> None:
         with autocast():
@@ -118,8 +121,38 @@ def run_config(spec: str, preset: str, args, device: torch.device, vocab: int) -
     out = dict(config=spec, preset=preset, rank=dist.get_rank(), params=model.num_params(),
                tokens_per_rank=B * gpt.block_size, step_ms=step_ms, opt_step_ms=statistics.median(opt_ms),
                peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
-               **exposed)
+               **exposed, **inner_summary(opt, inner, args))
     return out  # the model and optimizer go with this frame; the caller frees the cache
+
+
+def instrument_chunks(opt, device: torch.device) -> list[StreamTimer]:
+    """For a layer-wise optimizer: a timer around each owner chunk's inner ``step()`` (its own compute)."""
+    if not isinstance(opt, LayerwiseOptimizer):
+        return []
+    timers = []
+    for chunk in opt.chunks:
+        timer, inner_step = StreamTimer(device), chunk.optimizer.step
+
+        def timed_step(*a, _timer=timer, _step=inner_step, **kw):
+            _timer.start()
+            out = _step(*a, **kw)
+            _timer.stop()
+            return out
+
+        chunk.optimizer.step = timed_step
+        timers.append(timer)
+    return timers
+
+
+def inner_summary(opt, timers: list[StreamTimer], args) -> dict:
+    """This rank's share of the layer-wise matrix cost and the median ms of its chunks' compute per step."""
+    if not isinstance(opt, LayerwiseOptimizer):
+        return {}
+    laps = [t.resolve()[args.warmup:args.warmup + args.iters] for t in timers]
+    per_step = [sum(chunk[i] for chunk in laps) * 1e3 for i in range(min(map(len, laps)))] if laps else [0.0]
+    compute = opt.assignment.compute
+    return dict(owned_cost_share=compute[opt.rank] / max(sum(compute), 1e-30),
+                owned_params=opt.assignment.owner.count(opt.rank), inner_step_ms=statistics.median(per_step))
 
 
 def single_gpu_muon_step(preset: str, args, device: torch.device, vocab: int) -> float:
@@ -154,7 +187,8 @@ def summarize(rows: list[list[dict]], world: int) -> list[dict]:
                         opt_step_ms_max=max(r["opt_step_ms"] for r in per_rank),
                         opt_step_ms_min=min(r["opt_step_ms"] for r in per_rank),
                         peak_mem_gb_max=max((r["peak_mem_gb"] or 0.0) for r in per_rank) or None,
-                        exposed_comm_share=max(shares) if shares else None))
+                        exposed_comm_share=max(shares) if shares else None,
+                        inner_step_ms_max=max((r.get("inner_step_ms", 0.0) for r in per_rank), default=0.0) or None))
     for line in out:  # throughput against AdamW with DDP at the same preset
         base = next((b for b in out if b["preset"] == line["preset"] and b["config"] == "ddp:adamw"), None)
         line["vs_ddp_adamw"] = line["tokens_per_s"] / base["tokens_per_s"] if base else None
@@ -210,8 +244,10 @@ def main() -> None:
                       tokens_per_gpu=args.tokens_per_gpu, iters=args.iters, warmup=args.warmup, toy=args.toy,
                       summary=lines, per_rank=rows)
         print(f"\n{world} x {result['env']['device']}, {args.tokens_per_gpu} tokens per GPU, torch {torch.__version__}")
-        print(table(lines, ["preset", "config", "tokens_per_s_per_gpu", "vs_ddp_adamw", "step_ms", "opt_step_ms_max",
-                            "opt_step_ms_min", "opt_step_vs_single_gpu", "peak_mem_gb_max", "exposed_comm_share"]))
+        columns = ["preset", "config", "tokens_per_s_per_gpu", "vs_ddp_adamw", "step_ms", "opt_step_ms_max",
+                   "opt_step_ms_min", "inner_step_ms_max", "opt_step_vs_single_gpu", "peak_mem_gb_max",
+                   "exposed_comm_share"]
+        print(table(lines, columns))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "scaling_gpu.json").write_text(json.dumps(result, indent=2, default=str))

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from _mp import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,3 +29,6 @@ def test_scaling_gpu_script_toy(tmp_path):
         assert len(result["per_rank"][0]) == 2
     assert lines["ddp:adamw"]["vs_ddp_adamw"] == 1.0
     assert lines["layerwise:muon"]["single_gpu_muon_step_ms"] > 0
+    layerwise = next(ranks for ranks in result["per_rank"] if ranks[0]["config"] == "layerwise:muon")
+    assert sum(r["owned_cost_share"] for r in layerwise) == pytest.approx(1.0)  # every matrix has one owner
+    assert all(r["inner_step_ms"] > 0 for r in layerwise)
