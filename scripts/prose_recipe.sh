@@ -17,8 +17,8 @@ SEED2=${SEED2:-1338}
 declare -A GRID=(
   [adamw]=${LRS_ADAMW:-5e-4,1e-3,2e-3,4e-3}
   [muon]=${LRS_MUON:-2e-3,4e-3,8e-3,1.6e-2}
-  [soap]=${LRS_SOAP:-1e-3,2e-3,4e-3,8e-3}
-  [shampoo]=${LRS_SHAMPOO:-1e-3,2e-3,4e-3,8e-3}
+  [soap]=${LRS_SOAP:-1e-3,2e-3,4e-3,8e-3,1.6e-2}
+  [shampoo]=${LRS_SHAMPOO:-5e-4,1e-3,2e-3,4e-3}
 )
 DATA=(--data "$DATA_DIR/prose_gpt2_train.u16.xz" --val-data "$DATA_DIR/prose_gpt2_val.u16.xz")
 COMMON=(--config docs/results/prose/recipe.json "${DATA[@]}" --device "${DEVICE:-cuda}" --no-progress --resume)
