@@ -158,7 +158,7 @@ class TrainConfig:
     and the world size. A checkpoint resumes at the same tp."""
     tp_mode: str = "auto"
     """Muon's tensor-parallel Newton–Schulz under tp > 1: 'auto' (by a measured cost model), 'duplicated',
-    'distributed' or 'blockwise' (matrixopt.distributed.tp)."""
+    'distributed' or 'blockwise' (matrixopt.distributed.tp). Other optimizers ignore it."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_iters", "log_every"):
@@ -186,10 +186,9 @@ class TrainConfig:
                              f"heads); pick a --tp that divides {n_head}")
         if self.tp_mode not in TP_MODES:
             raise ValueError(f"tp_mode must be one of {', '.join(TP_MODES)}, got {self.tp_mode!r}")
-        if self.tp_mode != "auto" and (self.tp == 1 or self.optim.name != "muon"):
+        if self.tp_mode != "auto" and self.tp == 1:
             raise ValueError(f"tp_mode={self.tp_mode!r} chooses Muon's tensor-parallel Newton–Schulz, but this run "
-                             f"has tp={self.tp} and optimizer {self.optim.name!r}; use it with --optimizer muon "
-                             f"--tp N (N > 1), or drop --tp-mode")
+                             f"has tp=1; use it with --tp N (N > 1), or drop --tp-mode")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

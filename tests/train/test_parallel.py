@@ -137,7 +137,7 @@ def test_interrupted_run_resumes_to_uninterrupted_losses(tmp_path, single, paral
     (["--tp", "2"], "tp=2 needs --parallel fsdp"),
     (["--tp", "2", "--parallel", "ddp"], "tp=2 needs --parallel fsdp (tensor parallelism runs under FSDP2"),
     (["--tp", "4", "--parallel", "fsdp"], "tp=4 must divide the model's n_head=2"),
-    (["--tp-mode", "distributed", "--parallel", "fsdp"], "use it with --optimizer muon --tp N (N > 1)"),
+    (["--tp-mode", "distributed", "--parallel", "fsdp"], "has tp=1; use it with --tp N (N > 1)"),
 ])  # fmt: skip
 def test_bad_tensor_parallel_settings_say_what_to_do(tmp_path, capsys, flags, message):
     assert main(train_args("muon", tmp_path, *flags)) == 2
