@@ -9,6 +9,7 @@ overrides the defaults (nanoGPT's CPU quick-start on TinyShakespeare). Bad input
     matrixopt compare --optimizers adamw,muon --lr adamw=1e-3,muon=4e-3 --model shakespeare-char --out runs/sc
     matrixopt report runs/compare
     torchrun --nproc-per-node 2 -m matrixopt train --optimizer muon --parallel layerwise --out runs/muon-2
+    torchrun --nproc-per-node 4 -m matrixopt train --optimizer muon --parallel fsdp --tp 2 --out runs/muon-tp2
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ RUN_FLAGS = [
     ("--dtype", "dtype", str, "auto (bf16 autocast on CUDA), bf16 or fp32"),
     ("--threads", "threads", int, "CPU threads (default: torch's)"),
     ("--parallel", "parallel", str, "none (default), ddp, layerwise or fsdp: data parallel over torchrun's ranks"),
-    ("--tp", "tp", int, "tensor-parallel degree (only 1 is supported so far)"),
+    ("--tp", "tp", int, "tensor-parallel degree (default 1): with --parallel fsdp, shard each block over groups of "
+                        "TP ranks (Megatron layout) and FSDP over world/TP; must divide n_head and the world size"),
+    ("--tp-mode", "tp_mode", str, "Muon's TP Newton-Schulz: auto (default), duplicated, distributed or blockwise"),
 ]
 SWITCHES = [
     ("--bias", "model.bias", "biases in Linear layers and norms"),

@@ -13,9 +13,15 @@ Placements of an ``(m, n)`` matrix, one per mesh dim:
   (:mod:`matrixopt.distributed.fsdp`), is orthogonalized there and comes back.
 - ``Shard(0)`` or ``Shard(1)`` on the mesh dim named ``tp_mesh_dim``: tensor-parallel Newton–Schulz
   (:mod:`matrixopt.distributed.tp`); on a 2-D mesh it runs among the owners of the FSDP gather.
+- ``_StridedShard(0)`` on the FSDP mesh dim with ``Shard(0)`` on the TP one: FSDP2 ``fully_shard`` on top of a
+  column-parallel (row-sharded) weight. FSDP splits the rows of each TP shard, so the FSDP gather yields exactly
+  the TP shard and TP Newton–Schulz runs on it.
 
 Fused weights marked with :func:`matrixopt.mark_split` are split into their pieces after the FSDP gather, so
-Q, K and V are orthogonalized separately, as in single-process Muon.
+Q, K and V are orthogonalized separately, as in single-process Muon. When TP shards the split dim the weight must
+be stored rank-major: each TP rank's shard holds its ``1/tp`` of every piece (rows ``[q_p; k_p; v_p]`` for a
+QKV weight, see :func:`matrixopt.train.parallelize.rank_major_qkv`), so the shard splits into pieces of
+``size / tp`` and each piece is a TP shard of the whole Q, K or V.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from matrixopt.distributed import tp_comm
 from matrixopt.distributed.balance import lpt, muon_cost
@@ -45,11 +52,16 @@ class Sharding:
     shape: tuple[int, int]
     local_shape: tuple[int, int]  # this rank's shard
     fsdp_group: ProcessGroup | None
-    fsdp_rows: tuple[int, ...]  # rows held by each rank of the FSDP group
+    fsdp_rows: tuple[int, ...]  # rows held by each rank of the FSDP group (of the TP shard, under FSDP x TP rows)
     tp_group: ProcessGroup | None
     tp_dim: int  # the matrix dim TP shards (0 or 1); unused without TP
     tp_sizes: tuple[int, ...]
-    split: tuple[int, tuple[int, ...]] | None
+    split: tuple[int, tuple[int, ...]] | None  # sizes per TP shard when TP shards the split dim (rank-major)
+
+    @property
+    def rank_major(self) -> bool:
+        """Whether TP shards the split dim, each TP shard holding ``1/tp`` of every piece."""
+        return self.tp_group is not None and self.split is not None and self.split[0] == self.tp_dim
 
 
 class ShardedMuon(Muon):
@@ -147,20 +159,24 @@ class ShardedMuon(Muon):
         """W: ``(k, m_p, n_q)``, whole matrices except for the TP split. Orthogonalizes each split piece, times
         the update scale of its full shape."""
         if sh.split is None:
-            return self._orthogonalize_piece(group, W, sh, update_scale(group["scaling"], *sh.shape))
+            return self._orthogonalize_piece(group, W, sh, update_scale(group["scaling"], *sh.shape), sh.tp_sizes)
         dim, sizes = sh.split
+        tp = len(sh.tp_sizes)
         out = []
         for piece, size in zip(W.split(list(sizes), dim=1 + dim), sizes):
-            pm, pn = (size, sh.shape[1]) if dim == 0 else (sh.shape[0], size)
-            out.append(self._orthogonalize_piece(group, piece, sh, update_scale(group["scaling"], pm, pn)))
+            whole, tp_sizes = (size * tp, (size,) * tp) if sh.rank_major else (size, sh.tp_sizes)
+            pm, pn = (whole, sh.shape[1]) if dim == 0 else (sh.shape[0], whole)
+            out.append(self._orthogonalize_piece(group, piece, sh, update_scale(group["scaling"], pm, pn), tp_sizes))
         return torch.cat(out, dim=1 + dim)
 
-    def _orthogonalize_piece(self, group: dict[str, Any], Y: Tensor, sh: Sharding, scale: float) -> Tensor:
-        """``(k, m', n')`` pieces (column- or row-sharded over TP if any) -> ``scale * polar``, same shape."""
+    def _orthogonalize_piece(self, group: dict[str, Any], Y: Tensor, sh: Sharding, scale: float,
+                             tp_sizes: tuple[int, ...]) -> Tensor:
+        """``(k, m', n')`` pieces (column- or row-sharded over TP if any, ``tp_sizes`` along the TP dim) ->
+        ``scale * polar``, same shape."""
         if sh.tp_group is not None:
             return scale * tp_newton_schulz(Y, sh.tp_dim, sh.tp_group, steps=group["ns_steps"],
                                             coefficients=group["ns_coefficients"], dtype=group["ns_dtype"],
-                                            mode=self.tp_mode, chunks=self.tp_chunks, sizes=sh.tp_sizes,
+                                            mode=self.tp_mode, chunks=self.tp_chunks, sizes=tp_sizes,
                                             cost_model=self.tp_cost_model)
         if Y.size(-2) > Y.size(-1):
             return super()._orthogonalize(group, Y.mT).mT * scale  # short side first, as Muon iterates
@@ -173,11 +189,14 @@ class ShardedMuon(Muon):
             raise ValueError(f"{type(self).__name__} handles 2-D DTensor matrices; got shape {tuple(p.shape)} with "
                              f"placements {p.placements}. Reshape it to 2-D or put it in an AdamW group.")
         fsdp_dim = tp_dim = None
+        strided = False  # FSDP over the rows of a TP row shard (fully_shard on top of column-parallel TP)
         for i, pl in enumerate(p.placements):
             if isinstance(pl, Replicate):
                 continue
             is_tp = i < len(names) and names[i] == self.tp_mesh_dim
-            if type(pl) is Shard and is_tp:
+            if isinstance(pl, _StridedShard) and not is_tp and pl.dim == 0 and fsdp_dim is None:
+                fsdp_dim, strided = i, True
+            elif type(pl) is Shard and is_tp:
                 tp_dim = i
             elif type(pl) is Shard and pl.dim == 0 and fsdp_dim is None:
                 fsdp_dim = i
@@ -189,19 +208,33 @@ class ShardedMuon(Muon):
                     f"{tuple(p.shape)}. Name the TP mesh dim with tp_mesh_dim, or put FSDP on top of row-wise "
                     f"(Shard(1)) TP.")
         tp_mat_dim = p.placements[tp_dim].dim if tp_dim is not None else -1
-        if fsdp_dim is not None and tp_mat_dim == 0:
+        if fsdp_dim is not None and tp_mat_dim == 0 and not strided:
             raise ValueError(f"FSDP and TP both shard the rows of a {tuple(p.shape)} matrix (placements "
-                             f"{p.placements}); {type(self).__name__} needs TP to shard the columns (row-wise "
-                             f"parallel) when FSDP shards the rows")
+                             f"{p.placements}), FSDP first, so gathering over FSDP does not give a TP shard; apply "
+                             f"TP first and FSDP2 fully_shard on top (placements (_StridedShard(0), Shard(0))), or "
+                             f"shard the columns with TP (row-wise parallel)")
+        if strided and (tp_mat_dim != 0 or fsdp_dim > tp_dim
+                        or p.placements[fsdp_dim].split_factor != mesh.size(tp_dim)):
+            raise ValueError(f"{type(self).__name__} handles _StridedShard(0) only as FSDP2 lays it over a TP row "
+                             f"shard: placements (_StridedShard(0, sf=tp), Shard(0) on {self.tp_mesh_dim!r}); got "
+                             f"{p.placements} on mesh dims {names or '(unnamed)'} for shape {tuple(p.shape)}")
+        rows = p.shape[0]  # the rows FSDP splits: the TP shard's under FSDP x TP rows
+        if strided:
+            rows = tp_comm.chunk_sizes(rows, mesh.size(tp_dim))[mesh.get_local_rank(tp_dim)]
         split = getattr(p, _SPLIT, None)
-        if split is not None and split[0] == tp_mat_dim:
-            raise ValueError(f"a {tuple(p.shape)} matrix is split into pieces along dim {split[0]}, which TP "
-                             f"shards (placements {p.placements}); split along the other dim or do not split it")
+        if split is not None and split[0] == tp_mat_dim:  # rank-major: each TP shard holds 1/tp of every piece
+            dim, sizes = split
+            tp = mesh.size(tp_dim)
+            if any(size % tp for size in sizes):
+                raise ValueError(f"a {tuple(p.shape)} matrix is split into pieces {sizes} along dim {dim}, which "
+                                 f"TP shards over {tp} ranks (placements {p.placements}); every piece must be "
+                                 f"divisible by {tp}: pick a TP size that divides them, or do not split it")
+            split = (dim, tuple(size // tp for size in sizes))
         return Sharding(
             shape=(p.shape[0], p.shape[1]),
             local_shape=tuple(p.to_local().shape),
             fsdp_group=mesh.get_group(fsdp_dim) if fsdp_dim is not None else None,
-            fsdp_rows=tuple(tp_comm.chunk_sizes(p.shape[0], mesh.size(fsdp_dim))) if fsdp_dim is not None else (),
+            fsdp_rows=tuple(tp_comm.chunk_sizes(rows, mesh.size(fsdp_dim))) if fsdp_dim is not None else (),
             tp_group=mesh.get_group(tp_dim) if tp_dim is not None else None,
             tp_dim=max(tp_mat_dim, 0),
             tp_sizes=tuple(tp_comm.chunk_sizes(p.shape[tp_mat_dim], mesh.size(tp_dim))) if tp_dim is not None else (),

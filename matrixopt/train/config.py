@@ -16,6 +16,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from matrixopt.distributed.tp import MODES as TP_MODES
 from matrixopt.train.data import DataConfig
 from matrixopt.train.model import PRESETS, GPTConfig
 
@@ -151,7 +152,13 @@ class TrainConfig:
     'fsdp' (FSDP2 fully_shard; Muon as ShardedMuon, or AdamW). batch_size stays global: each rank takes its
     slice of every micro-batch, so N ranks log the losses of one process."""
     tp: int = 1
-    """Tensor-parallel degree; only 1 is supported so far."""
+    """Tensor-parallel degree: each block's matrices are sharded over groups of tp ranks (Megatron's layout, see
+    matrixopt.train.parallelize) and FSDP2 shards over the world / tp data-parallel groups, which take the
+    batch slices. tp > 1 needs parallel 'fsdp' (tp equal to the world size is TP alone) and must divide n_head
+    and the world size. A checkpoint resumes at the same tp."""
+    tp_mode: str = "auto"
+    """Muon's tensor-parallel Newton–Schulz under tp > 1: 'auto' (by a measured cost model), 'duplicated',
+    'distributed' or 'blockwise' (matrixopt.distributed.tp). Other optimizers ignore it."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_iters", "log_every"):
@@ -168,9 +175,20 @@ class TrainConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.parallel not in PARALLEL:
             raise ValueError(f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
-        if self.tp != 1:
-            raise ValueError(f"tp={self.tp}: tensor parallelism is not supported by the trainer yet; use --tp 1 "
-                             f"with --parallel fsdp, layerwise or ddp")
+        if self.tp < 1:
+            raise ValueError(f"tp must be a positive integer (1: no tensor parallelism), got {self.tp}")
+        if self.tp > 1 and self.parallel != "fsdp":
+            raise ValueError(f"tp={self.tp} needs --parallel fsdp (tensor parallelism runs under FSDP2 on a dp x tp "
+                             f"mesh; dp may be 1), got --parallel {self.parallel}")
+        n_head = self.model.gpt_config(vocab_size=1).n_head
+        if n_head % self.tp:
+            raise ValueError(f"tp={self.tp} must divide the model's n_head={n_head} (each TP rank computes whole "
+                             f"heads); pick a --tp that divides {n_head}")
+        if self.tp_mode not in TP_MODES:
+            raise ValueError(f"tp_mode must be one of {', '.join(TP_MODES)}, got {self.tp_mode!r}")
+        if self.tp_mode != "auto" and self.tp == 1:
+            raise ValueError(f"tp_mode={self.tp_mode!r} chooses Muon's tensor-parallel Newton–Schulz, but this run "
+                             f"has tp=1; use it with --tp N (N > 1), or drop --tp-mode")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

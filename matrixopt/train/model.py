@@ -114,15 +114,18 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # fused q, k, v
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head = config.n_head
+        self.head_size = config.n_embd // config.n_head
         self.dropout = config.dropout
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)  # (B, T, C) each
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        B, T, _ = x.size()
+        # the head count comes from the tensor: under tensor parallelism c_attn yields this rank's heads only
+        q, k, v = self.c_attn(x).chunk(3, dim=2)  # (B, T, C) each, C = nh * hs (nh local under TP)
+        C = q.size(-1)
+        nh = C // self.head_size
+        q = q.view(B, T, nh, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, nh, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, nh, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         y = F.scaled_dot_product_attention(

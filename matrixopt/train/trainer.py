@@ -24,6 +24,11 @@ would (within fp32 reduction order). The logged loss and val loss are means over
 config.json, metrics.jsonl and run.json and shows progress. Checkpoints: 'ddp' writes ``ckpt.pt`` from
 rank 0 (every rank loads it); 'layerwise' and 'fsdp' write the folder ``ckpt/`` with
 torch.distributed.checkpoint on every rank (layerwise: resumable at any number of ranks).
+
+Tensor parallelism (``cfg.tp > 1``, with 'fsdp'): the ranks form a ``("dp", "tp")`` mesh of world / tp by tp.
+Every block is sharded over "tp" (:func:`matrixopt.train.parallelize.apply_tp`), then FSDP2 shards over "dp";
+the ranks of one TP group take the same batch rows (``batch_slice`` over the dp group). Muon runs as
+ShardedMuon with tensor-parallel Newton–Schulz in ``cfg.tp_mode``; AdamW as torch AdamW.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from matrixopt.train.config import TrainConfig, from_dict, lr_multiplier
@@ -283,10 +289,24 @@ def init_parallel(cfg: TrainConfig) -> tuple[torch.device, int, int]:
     return device, dist.get_rank(), dist.get_world_size()
 
 
-def parallelize(model: GPT, cfg: TrainConfig, device: torch.device,
+def device_mesh(cfg: TrainConfig, device: torch.device, world: int) -> DeviceMesh | None:
+    """The mesh of an 'fsdp' run: ``("dp",)`` over all ranks, or ``("dp", "tp")`` of world / tp by tp under
+    tensor parallelism (TP groups are consecutive ranks, within a node). None for the other modes."""
+    if cfg.parallel != "fsdp":
+        return None
+    if world % cfg.tp:
+        raise ValueError(f"--tp {cfg.tp} must divide the number of ranks, {world}; launch a multiple of {cfg.tp} "
+                         f"ranks (torchrun --nproc-per-node) or pick a --tp that divides {world}")
+    if cfg.tp == 1:
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    return init_device_mesh(device.type, (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
+
+
+def parallelize(model: GPT, cfg: TrainConfig, mesh: DeviceMesh | None,
                 use_bf16: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``(module to call, optimizer)`` for ``cfg.parallel``: the model itself (none; layerwise adds hooks; fsdp
-    shards it in place) or its DDP wrapper, and the optimizer with each group's ``initial_lr`` set."""
+    shards it in place over ``mesh``) or its DDP wrapper, and the optimizer with each group's ``initial_lr``
+    set."""
     from matrixopt.distributed import setup  # late: train/ sits above distributed/
     from matrixopt.optim.registry import build_optimizer
 
@@ -298,7 +318,7 @@ def parallelize(model: GPT, cfg: TrainConfig, device: torch.device,
             case "ddp" | "layerwise":
                 module, optimizer = setup(model, name, cfg.parallel, splits=QKV_SPLITS, **kwargs)
             case "fsdp":
-                module, optimizer = model, fsdp_optimizer(model, name, kwargs, device, use_bf16)
+                module, optimizer = model, fsdp_optimizer(model, name, kwargs, mesh, use_bf16, cfg.tp_mode)
             case _:
                 raise NotImplementedError(f"parallel mode {cfg.parallel!r}")
     except TypeError as e:
@@ -308,28 +328,36 @@ def parallelize(model: GPT, cfg: TrainConfig, device: torch.device,
     return module, optimizer
 
 
-def fsdp_optimizer(model: GPT, name: str, kwargs: dict, device: torch.device, use_bf16: bool) -> torch.optim.Optimizer:
-    """Shard ``model`` with FSDP2 over all ranks (bf16 parameters and fp32 gradient reduction when ``use_bf16``)
-    and build its optimizer: Muon as ShardedMuon, AdamW as torch AdamW over the DTensor parameters."""
-    from torch.distributed.device_mesh import init_device_mesh
+def fsdp_optimizer(model: GPT, name: str, kwargs: dict, mesh: DeviceMesh, use_bf16: bool,
+                   tp_mode: str) -> torch.optim.Optimizer:
+    """Shard ``model`` with tensor parallelism over ``mesh["tp"]`` if the mesh has that dim, then FSDP2 over
+    ``mesh["dp"]`` (bf16 parameters and fp32 gradient reduction when ``use_bf16``), and build its optimizer:
+    Muon as ShardedMuon (TP Newton–Schulz in ``tp_mode``), AdamW as torch AdamW over the DTensor parameters,
+    one param group per mesh (foreach kernels take DTensors of one mesh)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from matrixopt.distributed.fsdp import apply_fsdp
     from matrixopt.distributed.sharded import ShardedMuon
     from matrixopt.optim.registry import OPTIMIZERS
     from matrixopt.optim.routing import param_groups
+    from matrixopt.train.parallelize import apply_tp
 
     if name not in ("muon", "adamw"):
         raise ValueError(f"--parallel fsdp supports the optimizers muon and adamw, not {name!r}; use --parallel "
                          f"layerwise for {name}")
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    if "tp" in mesh.mesh_dim_names:
+        apply_tp(model, mesh["tp"])
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16 else None
-    apply_fsdp(model, mesh, mp_policy=policy)
+    apply_fsdp(model, mesh["dp"], mp_policy=policy)
     if name == "muon":
-        return ShardedMuon(param_groups(model, splits=QKV_SPLITS), **kwargs)
-    groups = param_groups(model, matrix_flag=None, splits=QKV_SPLITS)
-    for g in groups:
+        return ShardedMuon(param_groups(model, splits=QKV_SPLITS), tp_mode=tp_mode, **kwargs)
+    groups = []
+    for g in param_groups(model, matrix_flag=None, splits=QKV_SPLITS):
         g.pop("names")
+        by_mesh: dict[DeviceMesh, list[nn.Parameter]] = {}
+        for p in g["params"]:
+            by_mesh.setdefault(p.device_mesh, []).append(p)
+        groups += [g | {"params": ps} for ps in by_mesh.values()]
     return OPTIMIZERS["adamw"](groups, **kwargs)
 
 
@@ -360,11 +388,15 @@ def clip_gradients(parallel: str, model: nn.Module, optimizer: torch.optim.Optim
     match parallel:
         case "layerwise":  # the owners hold the reduced gradients; model parameters have none
             optimizer.clip_grad_norm_(max_norm)
-        case "fsdp":  # the norm of DTensor gradient shards is a partial sum: finish it across ranks
-            params = [p for p in model.parameters() if p.grad is not None]
-            total = nn.utils.get_total_norm([p.grad for p in params])
-            total = total.full_tensor() if isinstance(total, DTensor) else total
-            nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        case "fsdp":  # DTensor gradient norms are partial: finish each mesh's across its ranks, then combine
+            by_mesh: dict[DeviceMesh, list[nn.Parameter]] = {}
+            for p in model.parameters():  # under TP, block matrices live on the 2-D mesh and the rest on "dp";
+                if p.grad is not None:  # DTensor foreach kernels take one mesh per call
+                    by_mesh.setdefault(p.device_mesh, []).append(p)
+            norms = [nn.utils.get_total_norm([p.grad for p in ps]).full_tensor() for ps in by_mesh.values()]
+            total = torch.linalg.vector_norm(torch.stack(norms))
+            for ps in by_mesh.values():
+                nn.utils.clip_grads_with_norm_(ps, max_norm, total)
         case _:
             nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
@@ -464,11 +496,12 @@ def train(
     gpt_config = cfg.model.gpt_config(ds.vocab_size)
     check_lengths(ds, gpt_config.block_size, cfg.data.data)
     device, rank, world = init_parallel(cfg)
+    mesh = device_mesh(cfg, device, world)
     rows = slice(None)  # this rank's rows of every global micro-batch
     if cfg.parallel != "none":
         from matrixopt.distributed import batch_slice, mean_over_ranks
 
-        rows = batch_slice(cfg.batch_size)
+        rows = batch_slice(cfg.batch_size, mesh.get_group("dp") if mesh is not None else None)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if device.type == "cuda":
@@ -484,7 +517,7 @@ def train(
 
     torch.manual_seed(cfg.seed)
     model = GPT(gpt_config).to(device)
-    module, optimizer = parallelize(model, cfg, device, use_bf16)  # before resuming: bad settings fail fast
+    module, optimizer = parallelize(model, cfg, mesh, use_bf16)  # before resuming: bad settings fail fast
     resuming = from_rank_zero(lambda: prepare_out_dir(out, cfg, resume, overwrite), cfg, rank)
     metrics_path, ckpt_path = out / "metrics.jsonl", out / checkpoint_name(cfg)
     if resume and not resuming and (finished := finished_run(out, cfg)) is not None:
@@ -611,7 +644,7 @@ def train(
         opt_s=opt_s, opt_share=opt_s / max(elapsed, 1e-9), tokens_per_s=tokens_per_step * step / max(elapsed, 1e-9),
         peak_mem_mb=round(peak_mem_mb(device), 1), state_mb=round(state_mb(model, optimizer), 2),
         num_params=model.num_params(), tokens_per_step=tokens_per_step, data=ds.description,
-        device=describe(device), parallel=cfg.parallel, world_size=world,
+        device=describe(device), parallel=cfg.parallel, world_size=world, tp=cfg.tp,
         torch=torch.__version__,
     )  # fmt: skip
     if rank == 0:

@@ -8,14 +8,19 @@ import torch.distributed as dist
 from _mp import run
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from matrixopt.distributed.fsdp import apply_fsdp, gather_to_owners, scatter_from_owners
 from matrixopt.distributed.sharded import ShardedMuon
 from matrixopt.distributed.tp import CostModel
 from matrixopt.distributed.tp_comm import chunk_sizes
+from matrixopt.optim.layout import mark_split
 from matrixopt.optim.muon import Muon
 from matrixopt.optim.routing import param_groups
+from matrixopt.train.parallelize import rank_major_qkv
 
 # Three Muon steps in fp32: the sharded run differs from the single-process one only by the order of float
 # sums (FSDP's gradient reduce-scatter, distributed Newton–Schulz's Gram all-reduce); measured <= 2e-6. A wrong
@@ -165,6 +170,58 @@ def _dp_tp_mesh(rank: int, world: int) -> None:
 
 def test_dp_x_tp_mesh_matches_single_process():
     run(_dp_tp_mesh, 4, timeout=180)
+
+
+# Column-parallel weights on a 2 x 2 mesh, under TP alone and with FSDP2 on top (placements (_StridedShard(0),
+# Shard(0))): a rank-major fused QKV weight split into Q, K, V, and an uneven (10, 8) weight (TP rows 5 + 5, FSDP
+# rows 3 + 2).
+COLWISE = {"qkv": (24, 8), "fc": (10, 8)}
+
+
+def _column_parallel(rank: int, world: int) -> None:
+    dp, tp = 2, 2
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    g = torch.Generator().manual_seed(3)
+    weights = {k: torch.randn(*shape, generator=g) * 0.1 for k, shape in COLWISE.items()}
+    grads = [{k: torch.randn(*shape, generator=g) for k, shape in COLWISE.items()} for _ in range(STEPS)]
+    order = {"qkv": rank_major_qkv(8, tp), "fc": torch.arange(10)}  # row order of the sharded weights
+    ref = {k: nn.Parameter(w.clone()) for k, w in weights.items()}
+    mark_split(ref["qkv"], 3)
+    ref_opt = Muon(list(ref.values()), **HPARAMS)
+    for gs in grads:
+        for k, p in ref.items():
+            p.grad = gs[k].clone()
+        ref_opt.step()
+    for fsdp in (False, True):
+        for mode in ("duplicated", "distributed"):
+            net = nn.ModuleDict({k: nn.Linear(n, m, bias=False) for k, (m, n) in COLWISE.items()})
+            with torch.no_grad():
+                for k, linear in net.items():
+                    linear.weight.copy_(weights[k][order[k]])
+            parallelize_module(net, mesh["tp"], {k: ColwiseParallel() for k in COLWISE})
+            if fsdp:
+                for linear in net.values():
+                    fully_shard(linear, mesh=mesh["dp"])
+                assert isinstance(net["fc"].weight.placements[0], _StridedShard)
+            mark_split(net["qkv"].weight, 3)
+            opt = ShardedMuon([net[k].weight for k in COLWISE], tp_mode=mode, **HPARAMS)
+            for gs in grads:
+                for k, linear in net.items():  # this rank's rows: its TP shard, then (fsdp) its FSDP rows of that
+                    rows = gs[k][order[k]].split(chunk_sizes(COLWISE[k][0], tp))[tp_rank]
+                    if fsdp:
+                        rows = rows.split(chunk_sizes(rows.size(0), dp))[dp_rank]
+                    linear.weight.grad = torch.zeros_like(linear.weight)
+                    linear.weight.grad.to_local().copy_(rows)
+                opt.step()
+            for k, linear in net.items():
+                err = (linear.weight.full_tensor()[order[k].argsort()] - ref[k].detach()).abs().max().item()
+                assert err < ATOL, f"fsdp={fsdp} {mode} {k}: {err}"
+    dist.barrier()
+
+
+def test_column_parallel_and_fsdp_over_tp_match_single_process():
+    run(_column_parallel, 4, timeout=120)
 
 
 def test_bad_arguments_say_what_to_do():

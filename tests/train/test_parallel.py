@@ -1,6 +1,7 @@
-"""Data-parallel training (CPU, gloo, launched by torchrun): the same flags on 1 process and on 2 ranks log the
-same losses and val losses, under layerwise (Muon), DDP (AdamW) and FSDP2 (Muon); an interrupted layer-wise or
-FSDP run resumes to the uninterrupted losses (layer-wise at another world size)."""
+"""Data-parallel and tensor-parallel training (CPU, gloo, launched by torchrun): the same flags on 1 process and
+on 2 ranks log the same losses and val losses, under layerwise (Muon), DDP (AdamW) and FSDP2 (Muon); so do TP 2
+alone and TP 2 x DP 2 (AdamW; Muon in the duplicated and distributed modes); an interrupted layer-wise, FSDP or
+TP run resumes to the uninterrupted losses (layer-wise at another world size)."""
 
 import json
 import os
@@ -10,14 +11,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from matrixopt.cli import main
+from matrixopt.train.config import TrainConfig
+from matrixopt.train.trainer import device_mesh
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ("step", "loss", "lr", "val_loss")
 # 2 ranks sum gradients and losses in another order than one process (gloo reduce, per-rank means); the
 # differences measured over these few steps are about 1e-7 relative (fp32 rounding).
 RTOL = 1e-4
+# Under TP, AdamW sees the same gradients up to the order of fp32 sums (row-parallel all-reduce): measured <= 1e-7.
+# Muon's TP Newton–Schulz computes the same polar factor in another fp32 order (all-gather, or a Gram all-reduce).
+TP_RTOL = {"adamw": 1e-5, "muon": 1e-4}
 # Two micro-batches per step (no_sync on the first), clipping at 1.0 (the default), two evaluations.
 FLAGS = [
     "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4",
@@ -46,13 +53,13 @@ def metrics(out: Path) -> list[dict]:
     return [{k: m[k] for k in FIELDS if k in m} for m in lines]
 
 
-def assert_same_losses(got: list[dict], want: list[dict]) -> None:
+def assert_same_losses(got: list[dict], want: list[dict], rtol: float = RTOL) -> None:
     assert [m["step"] for m in got] == [m["step"] for m in want]
     for g, w in zip(got, want):
         assert g.keys() == w.keys(), (g, w)
         for k in ("loss", "val_loss"):
             if w.get(k) is not None:
-                np.testing.assert_allclose(g[k], w[k], rtol=RTOL, err_msg=f"{k} at step {w['step']}")
+                np.testing.assert_allclose(g[k], w[k], rtol=rtol, err_msg=f"{k} at step {w['step']}")
 
 
 def train_args(optimizer: str, out: Path, *extra: str) -> list[str]:
@@ -89,24 +96,58 @@ def test_two_ranks_log_single_process_losses(tmp_path, single, parallel, optimiz
     assert (tmp_path / ("ckpt.pt" if parallel == "ddp" else "ckpt")).exists()
 
 
-@pytest.mark.parametrize("parallel, resume_ranks", [("layerwise", 1), ("fsdp", 2)])
-def test_interrupted_run_resumes_to_uninterrupted_losses(tmp_path, single, parallel, resume_ranks):
+@pytest.mark.parametrize("ranks, optimizer, tp_mode", [
+    (2, "adamw", None), (4, "adamw", None), (2, "muon", "duplicated"), (2, "muon", "distributed"),
+])  # fmt: skip
+def test_tensor_parallel_logs_single_process_losses(tmp_path, single, ranks, optimizer, tp_mode):
+    mode = ["--tp-mode", tp_mode] if tp_mode else []
+    proc = torchrun(ranks, train_args(optimizer, tmp_path, "--parallel", "fsdp", "--tp", "2", *mode))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_losses(metrics(tmp_path), single[optimizer], TP_RTOL[optimizer])
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["tp"] == 2 and run["world_size"] == ranks
+
+
+def test_blockwise_tensor_parallel_muon_trains(tmp_path, single):
+    """Blockwise orthogonalizes each TP shard on its own: a different update by design, so other losses."""
+    proc = torchrun(2, train_args("muon", tmp_path, "--parallel", "fsdp", "--tp", "2", "--tp-mode", "blockwise"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = metrics(tmp_path), single["muon"]
+    assert got[-1]["val_loss"] < got[0]["val_loss"] - 0.2
+    assert got[-1]["loss"] != pytest.approx(want[-1]["loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("parallel, resume_ranks, tp", [("layerwise", 1, "1"), ("fsdp", 2, "1"), ("fsdp", 2, "2")])
+def test_interrupted_run_resumes_to_uninterrupted_losses(tmp_path, single, parallel, resume_ranks, tp):
     script = tmp_path / "ctrl_c.py"
     script.write_text(CTRL_C_ON_RANK_0)
     out = tmp_path / "run"
-    proc = torchrun(2, train_args("muon", out, "--parallel", parallel), script)
+    args = train_args("muon", out, "--parallel", parallel, "--tp", tp)
+    proc = torchrun(2, args, script)
     assert proc.returncode != 0 and "interrupted at step 2" in proc.stderr, proc.stderr[-3000:]
     assert [m["step"] for m in metrics(out)] == [0, 1, 2]
     assert (out / "ckpt" / ".metadata").is_file() and not (out / "ckpt.tmp").exists()
 
-    proc = torchrun(resume_ranks, train_args("muon", out, "--parallel", parallel, "--resume"))
+    proc = torchrun(resume_ranks, [*args, "--resume"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_losses(metrics(out), single["muon"])
 
 
-def test_tensor_parallel_is_refused(tmp_path, capsys):
-    assert main(train_args("muon", tmp_path, "--tp", "2")) == 2
-    assert "tp=2: tensor parallelism is not supported by the trainer yet" in capsys.readouterr().err
+@pytest.mark.parametrize("flags, message", [
+    (["--tp", "2"], "tp=2 needs --parallel fsdp"),
+    (["--tp", "2", "--parallel", "ddp"], "tp=2 needs --parallel fsdp (tensor parallelism runs under FSDP2"),
+    (["--tp", "4", "--parallel", "fsdp"], "tp=4 must divide the model's n_head=2"),
+    (["--tp-mode", "distributed", "--parallel", "fsdp"], "has tp=1; use it with --tp N (N > 1)"),
+])  # fmt: skip
+def test_bad_tensor_parallel_settings_say_what_to_do(tmp_path, capsys, flags, message):
+    assert main(train_args("muon", tmp_path, *flags)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tp_must_divide_the_ranks():
+    cfg = TrainConfig(parallel="fsdp", tp=2)
+    with pytest.raises(ValueError, match=r"--tp 2 must divide the number of ranks, 3; launch a multiple of 2"):
+        device_mesh(cfg, torch.device("cpu"), 3)
 
 
 def test_parallel_without_torchrun_says_how_to_launch(tmp_path, capsys, monkeypatch):
