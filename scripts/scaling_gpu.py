@@ -3,8 +3,10 @@
     torchrun --standalone --nproc-per-node 4 scripts/scaling_gpu.py --out $OUT          # N GPUs, NCCL
     torchrun --standalone --nproc-per-node 2 scripts/scaling_gpu.py --toy --out /tmp/x  # CPU, gloo, tiny GPT
 
-Each configuration ``PARALLEL:OPTIMIZER`` (default ``ddp:adamw fsdp:adamw layerwise:muon fsdp:muon``) builds
-the model and optimizer exactly as ``matrixopt train --parallel PARALLEL --opt OPTIMIZER`` does
+Each configuration ``PARALLEL:OPTIMIZER[:tpN[:MODE]]`` (default ``ddp:adamw fsdp:adamw layerwise:muon
+fsdp:muon``; e.g. ``fsdp:muon:tp2:distributed`` for tensor parallelism 2 in Newton–Schulz mode distributed)
+builds the model and optimizer exactly as ``matrixopt train --parallel PARALLEL --optimizer OPTIMIZER --tp N
+--tp-mode MODE`` does
 (:func:`matrixopt.train.trainer.parallelize`: fp32 parameters with bf16 autocast under DDP and layer-wise, bf16
 FSDP2 parameters with fp32 reduction), then times the trainer's step on random tokens: forward, backward,
 global-norm clipping at 1.0, ``optimizer.step()``. Per configuration it records
@@ -43,7 +45,7 @@ from matrixopt.distributed.layerwise import LayerwiseOptimizer
 from matrixopt.optim.registry import build_optimizer
 from matrixopt.train.config import ModelConfig, OptimConfig, TrainConfig
 from matrixopt.train.model import GPT
-from matrixopt.train.trainer import QKV_SPLITS, StreamTimer, clip_gradients, parallelize
+from matrixopt.train.trainer import QKV_SPLITS, StreamTimer, clip_gradients, device_mesh, parallelize
 
 CONFIGS = ("ddp:adamw", "fsdp:adamw", "layerwise:muon", "fsdp:muon")
 LR = {"adamw": 6e-4, "muon": 6e-4}  # throughput does not depend on it; Muon's match_adamw scale shares AdamW's
@@ -67,18 +69,29 @@ def model_config(preset: str, toy: bool) -> ModelConfig:
     return ModelConfig(preset=preset, tie_embeddings=False)
 
 
+def parse_spec(spec: str) -> tuple[str, str, int, str]:
+    """``PARALLEL:OPTIMIZER[:tpN[:MODE]]`` -> (parallel, optimizer, tp, tp_mode)."""
+    parts = spec.split(":")
+    if len(parts) < 2 or len(parts) > 4 or (len(parts) > 2 and not parts[2].startswith("tp")):
+        raise ValueError(f"bad config {spec!r}; use PARALLEL:OPTIMIZER[:tpN[:MODE]], e.g. fsdp:muon:tp2:distributed")
+    tp = int(parts[2][2:]) if len(parts) > 2 else 1
+    return parts[0], parts[1], tp, parts[3] if len(parts) > 3 else "auto"
+
+
 def run_config(spec: str, preset: str, args, device: torch.device, vocab: int) -> dict:
-    """Time one ``PARALLEL:OPTIMIZER`` configuration; returns this rank's measurements."""
-    parallel, name = spec.split(":")
+    """Time one configuration; returns this rank's measurements."""
+    parallel, name, tp, tp_mode = parse_spec(spec)
     cfg = TrainConfig(model=model_config(preset, args.toy), optim=OptimConfig(name=name, lr=LR[name]),
-                      parallel=parallel, device=device.type)
+                      parallel=parallel, tp=tp, tp_mode=tp_mode if tp > 1 else "auto", device=device.type)
     gpt = cfg.model.gpt_config(vocab)
     use_bf16 = device.type == "cuda"
     torch.manual_seed(0)
     model = GPT(gpt).to(device)
-    module, opt = parallelize(model, cfg, device, use_bf16)
-    B = max(1, args.tokens_per_gpu // gpt.block_size)  # this rank's rows; every rank gets its own tokens
-    g = torch.Generator(device).manual_seed(1 + dist.get_rank())
+    module, opt = parallelize(model, cfg, device_mesh(cfg, device, dist.get_world_size()), use_bf16)
+    # A TP group shares its batch: tp * tokens_per_gpu tokens per data-parallel rank, so every GPU still carries
+    # tokens_per_gpu of the step's tokens.
+    B = max(1, args.tokens_per_gpu * tp // gpt.block_size)
+    g = torch.Generator(device).manual_seed(1 + dist.get_rank() // tp)  # TP groups are consecutive ranks
     x = torch.randint(0, vocab, (B, gpt.block_size + 1), device=device, generator=g)
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 and parallel != "fsdp" \
         else nullcontext
@@ -119,7 +132,7 @@ def run_config(spec: str, preset: str, args, device: torch.device, vocab: int) -
         comm, hidden_not = exposed_comm(prof)
         exposed = {"comm_s": comm, "exposed_comm_s": hidden_not, "profiled_wall_s": wall}
     out = dict(config=spec, preset=preset, rank=dist.get_rank(), params=model.num_params(),
-               tokens_per_rank=B * gpt.block_size, step_ms=step_ms, opt_step_ms=statistics.median(opt_ms),
+               tokens_per_rank=B * gpt.block_size // tp, step_ms=step_ms, opt_step_ms=statistics.median(opt_ms),
                peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
                **exposed, **inner_summary(opt, inner, args))
     return out  # the model and optimizer go with this frame; the caller frees the cache
@@ -200,7 +213,8 @@ def main() -> None:
     ap.add_argument("--toy", action="store_true", help="tiny GPT on CPU with gloo (what the test runs)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for scaling_gpu.json (default $OUT)")
     ap.add_argument("--presets", nargs="+", default=["gpt2-medium", "1.3b"])
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), help="PARALLEL:OPTIMIZER pairs")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS),
+                    help="PARALLEL:OPTIMIZER[:tpN[:MODE]], e.g. ddp:adamw or fsdp:muon:tp2:distributed")
     ap.add_argument("--tokens-per-gpu", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10, help="timed steps (and profiled steps)")
     ap.add_argument("--warmup", type=int, default=3)
