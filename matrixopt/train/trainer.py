@@ -6,8 +6,9 @@
 * ``out/metrics.jsonl``: one JSON object per logged step with ``step`` (optimizer steps done), ``loss`` (mean
   train loss since the previous line), ``lr`` (the peak lr times the schedule), ``tokens_per_s`` (since the
   previous line), ``elapsed_s`` (training seconds so far; evaluation and checkpointing excluded),
-  ``opt_s`` (of which inside ``optimizer.step()``), ``peak_mem_mb``, and ``val_loss`` on evaluation steps
-  (step 0, every ``eval_every`` steps, and the last step);
+  ``opt_s`` (of which inside ``optimizer.step()``; on CUDA the time the step occupies the compute stream, so
+  communication it leaves running on other streams is not counted), ``peak_mem_mb``, and ``val_loss`` on
+  evaluation steps (step 0, every ``eval_every`` steps, and the last step);
 * ``out/run.json``: facts about the run (parameters, optimizer state size, device, versions) and its result;
 * ``out/ckpt.pt``: model, optimizer, step, timers and RNG state, written atomically at ``ckpt_every``, at the
   end and on Ctrl-C. ``train(cfg, out, resume=True)`` continues from it and logs exactly what an
