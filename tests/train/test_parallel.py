@@ -108,6 +108,15 @@ def test_tensor_parallel_logs_single_process_losses(tmp_path, single, ranks, opt
     assert run["tp"] == 2 and run["world_size"] == ranks
 
 
+def test_tensor_parallel_with_biases_logs_single_process_losses(tmp_path):
+    """Linear biases follow their weights' TP layout (the QKV bias rank-major, as its weight)."""
+    assert main(train_args("muon", tmp_path / "single", "--bias")) == 0
+    proc = torchrun(2, train_args("muon", tmp_path / "tp", "--bias", "--parallel", "fsdp", "--tp", "2",
+                                  "--tp-mode", "distributed"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_losses(metrics(tmp_path / "tp"), metrics(tmp_path / "single"), TP_RTOL["muon"])
+
+
 def test_blockwise_tensor_parallel_muon_trains(tmp_path, single):
     """Blockwise orthogonalizes each TP shard on its own: a different update by design, so other losses."""
     proc = torchrun(2, train_args("muon", tmp_path, "--parallel", "fsdp", "--tp", "2", "--tp-mode", "blockwise"))
