@@ -155,7 +155,7 @@ class TrainConfig:
     """Tensor-parallel degree: each block's matrices are sharded over groups of tp ranks (Megatron's layout, see
     matrixopt.train.parallelize) and FSDP2 shards over the world / tp data-parallel groups, which take the
     batch slices. tp > 1 needs parallel 'fsdp' (tp equal to the world size is TP alone) and must divide n_head
-    and the world size. A checkpoint resumes at the same tp."""
+    and the world size. A checkpoint resumes at any tp (it holds the single-process layout)."""
     tp_mode: str = "auto"
     """Muon's tensor-parallel Newton–Schulz under tp > 1: 'auto' (by a measured cost model), 'duplicated',
     'distributed' or 'blockwise' (matrixopt.distributed.tp). Other optimizers ignore it."""

@@ -10,14 +10,18 @@ The fused QKV weight ``(3d, d)`` is stored rank-major under TP so that column pa
 heads of Q, K and V: rows ``[q_p; k_p; v_p]`` for ``p = 0..tp-1``, where ``q_p`` is rank p's ``d / tp`` rows of Q.
 Its ``mark_split`` into Q, K, V then holds per TP shard (:class:`matrixopt.distributed.sharded.ShardedMuon`
 splits each rank's shard into three pieces of ``d / tp`` rows). :func:`rank_major_qkv` gives the row order;
-``W[order]`` converts a single-process weight and ``W[order.argsort()]`` converts back.
+``W[order]`` converts a single-process weight and ``W[order.argsort()]`` converts back. Checkpoints hold the
+single-process order (:func:`reorder_qkv_state`), so they load into a plain GPT and resume at any TP size.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from matrixopt.train.model import GPT
@@ -50,3 +54,37 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh) -> GPT:
             p.copy_(p[order])
         parallelize_module(block, tp_mesh, BLOCK_PLAN)
     return model
+
+
+def _tp_size(t: Tensor) -> int:
+    if not isinstance(t, DTensor):
+        return 1
+    names = t.device_mesh.mesh_dim_names or ()
+    return t.device_mesh.size(names.index("tp")) if "tp" in names else 1
+
+
+@torch.no_grad()
+def reorder_qkv_state(model_sd: dict[str, Any], optim_sd: dict[str, Any], n_embd: int, *,
+                      to_canonical: bool) -> None:
+    """Reorder, in place, the rows of every fused QKV weight and bias under TP, and of their optimizer state
+    (momentum, Adam moments: tensors of the same first dim), between the rank-major layout the TP model trains
+    in and the single-process ``[Q; K; V]`` order its checkpoints hold. ``model_sd``/``optim_sd``: as
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` returns them (DTensor values, optimizer state
+    keyed by parameter name). Collective over the TP and FSDP groups of those tensors."""
+    for name in [n for n in model_sd if n.endswith(("attn.c_attn.weight", "attn.c_attn.bias"))]:
+        tp = _tp_size(model_sd[name])
+        if tp == 1:
+            continue
+        order = rank_major_qkv(n_embd, tp)
+        if to_canonical:
+            order = order.argsort()
+        tensors = {None: model_sd[name]} | optim_sd.get("state", {}).get(name, {})
+        for key, t in tensors.items():
+            if not isinstance(t, DTensor) or t.shape[0] != 3 * n_embd:
+                continue  # e.g. the step count
+            full = t.full_tensor()
+            moved = distribute_tensor(full[order.to(full.device)], t.device_mesh, t.placements)
+            if key is None:
+                model_sd[name] = moved
+            else:
+                optim_sd["state"][name][key] = moved

@@ -62,7 +62,9 @@ from matrixopt.train.data import Dataset, load_dataset, train_batch, val_offsets
 from matrixopt.train.model import GPT
 
 CKPT_MAGIC = b"MXOPTCK1"  # 8 bytes, then the sha256 (32 bytes) of the torch.save payload, then the payload
-FREE_TO_CHANGE = ("ckpt_every", "threads")  # config fields a run may change between resumes: no effect on results
+# Config fields a run may change between resumes: no effect on results (tp: as the number of ranks, the same
+# losses within fp32 reduction order; checkpoints hold the fused QKV rows in single-process order).
+FREE_TO_CHANGE = ("ckpt_every", "threads", "tp")
 QKV_SPLITS = {r"attn\.c_attn\.weight$": 3}  # orthogonalize the fused (3d, d) QKV weight as Q, K, V
 
 
@@ -445,7 +447,11 @@ def save_sharded(out: Path, cfg: TrainConfig, model: nn.Module, optimizer: torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        from matrixopt.train.parallelize import reorder_qkv_state
+
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        if cfg.tp > 1:  # fused QKV rows in single-process order on disk: loadable at any TP size
+            reorder_qkv_state(model_sd, optim_sd, model.config.n_embd, to_canonical=True)
         dcp.save({"model": model_sd, "optim": optim_sd, "trainer": _pickled(trainer_state)}, checkpoint_id=tmp)
     if rank == 0:
         shutil.rmtree(old, ignore_errors=True)
@@ -465,9 +471,13 @@ def load_sharded(path: Path, cfg: TrainConfig, model: nn.Module, optimizer: torc
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from matrixopt.train.parallelize import reorder_qkv_state
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
     sd = {"model": model_sd, "optim": optim_sd, "trainer": b""}
     dcp.load(sd, checkpoint_id=path)
+    if cfg.tp > 1:
+        reorder_qkv_state(sd["model"], sd["optim"], model.config.n_embd, to_canonical=False)
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     return torch.load(io.BytesIO(sd["trainer"]), weights_only=True)
 

@@ -126,18 +126,22 @@ def test_blockwise_tensor_parallel_muon_trains(tmp_path, single):
     assert got[-1]["loss"] != pytest.approx(want[-1]["loss"], rel=1e-4)
 
 
-@pytest.mark.parametrize("parallel, resume_ranks, tp", [("layerwise", 1, "1"), ("fsdp", 2, "1"), ("fsdp", 2, "2")])
-def test_interrupted_run_resumes_to_uninterrupted_losses(tmp_path, single, parallel, resume_ranks, tp):
+@pytest.mark.parametrize("parallel, resume_ranks, tp, resume_tp", [
+    ("layerwise", 1, "1", "1"), ("fsdp", 2, "1", "1"), ("fsdp", 2, "2", "2"), ("fsdp", 2, "2", "1"),
+    ("fsdp", 2, "1", "2"),
+])  # fmt: skip
+def test_interrupted_run_resumes_to_uninterrupted_losses(tmp_path, single, parallel, resume_ranks, tp, resume_tp):
+    """Also across TP sizes: checkpoints hold the fused QKV rows (and their momentum) in single-process order."""
     script = tmp_path / "ctrl_c.py"
     script.write_text(CTRL_C_ON_RANK_0)
     out = tmp_path / "run"
-    args = train_args("muon", out, "--parallel", parallel, "--tp", tp)
-    proc = torchrun(2, args, script)
+    args = train_args("muon", out, "--parallel", parallel)
+    proc = torchrun(2, [*args, "--tp", tp], script)
     assert proc.returncode != 0 and "interrupted at step 2" in proc.stderr, proc.stderr[-3000:]
     assert [m["step"] for m in metrics(out)] == [0, 1, 2]
     assert (out / "ckpt" / ".metadata").is_file() and not (out / "ckpt.tmp").exists()
 
-    proc = torchrun(resume_ranks, [*args, "--resume"])
+    proc = torchrun(resume_ranks, [*args, "--tp", resume_tp, "--resume"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_losses(metrics(out), single["muon"])
 
