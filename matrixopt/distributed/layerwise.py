@@ -17,6 +17,9 @@ AdamW-routed parameters are owned whole too (not ZeRO-1 slices): one rank runs A
 moments. Low-precision parameters (bf16) get an fp32 master copy on their owner only; the optimizer updates the
 master and the owner broadcasts its bf16 cast. Each rank holds the optimizer state of its parameters only.
 
+After the last step, call :meth:`LayerwiseOptimizer.wait_params` (a checkpoint save does) before reading the
+parameters outside a forward or destroying the process group: that step's broadcasts are still in flight.
+
 Gradients: a rank keeps no ``.grad`` for parameters it does not own; ``step()`` consumes the reduced gradients.
 Clip with :meth:`LayerwiseOptimizer.clip_grad_norm_` (global norm over all ranks) and accumulate micro-batches
 inside :meth:`LayerwiseOptimizer.no_sync`.

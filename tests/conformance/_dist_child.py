@@ -47,5 +47,6 @@ for step in range(4):
     except Exception as e:  # noqa: BLE001 - any error is the expected outcome; report it
         print(f"STEP_FAILED after {time.monotonic() - t0:.1f}s: {type(e).__name__}: {e}", flush=True)
         os._exit(4)
+opt.wait_params()  # the last step's broadcasts are in flight until waited for (or the next forward)
 print("DONE", flush=True)
 dist.destroy_process_group()
