@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from matrixopt.bench.common import environment, exposed_comm, table
+from matrixopt.bench.common import environment, exposed_comm, sync, table, time_ms
 from matrixopt.distributed.layerwise import LayerwiseOptimizer
 from matrixopt.optim.registry import build_optimizer
 from matrixopt.train.config import ModelConfig, OptimConfig, TrainConfig
@@ -49,11 +49,6 @@ from matrixopt.train.trainer import QKV_SPLITS, StreamTimer, clip_gradients, dev
 
 CONFIGS = ("ddp:adamw", "fsdp:adamw", "layerwise:muon", "fsdp:muon")
 LR = {"adamw": 6e-4, "muon": 6e-4}  # throughput does not depend on it; Muon's match_adamw scale shares AdamW's
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def free(device: torch.device) -> None:
@@ -175,16 +170,7 @@ def single_gpu_muon_step(preset: str, args, device: torch.device, vocab: int) ->
     opt = build_optimizer(model, "muon", lr=LR["muon"], splits=QKV_SPLITS)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
-    times = []
-    for _ in range(args.warmup + args.iters):
-        sync(device)
-        t0 = time.perf_counter()
-        opt.step()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    del model, opt
-    free(device)
-    return statistics.median(times[args.warmup:])
+    return time_ms(opt.step, device, reps=args.iters, warmup=args.warmup)["median"]  # caller frees the cache
 
 
 def summarize(rows: list[list[dict]], world: int) -> list[dict]:
@@ -236,6 +222,7 @@ def main() -> None:
     for preset in presets:
         if any(c.startswith("layerwise:muon") for c in args.configs):
             single[preset] = single_gpu_muon_step(preset, args, device, vocab)
+            free(device)
         for spec in args.configs:
             mine = run_config(spec, preset, args, device, vocab)
             free(device)

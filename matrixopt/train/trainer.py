@@ -357,11 +357,17 @@ def fsdp_optimizer(model: GPT, name: str, kwargs: dict, mesh: DeviceMesh, use_bf
     groups = []
     for g in param_groups(model, matrix_flag=None, splits=QKV_SPLITS):
         g.pop("names")
-        by_mesh: dict[DeviceMesh, list[nn.Parameter]] = {}
-        for p in g["params"]:
-            by_mesh.setdefault(p.device_mesh, []).append(p)
-        groups += [g | {"params": ps} for ps in by_mesh.values()]
+        groups += [g | {"params": ps} for ps in by_mesh(g["params"])]
     return OPTIMIZERS["adamw"](groups, **kwargs)
+
+
+def by_mesh(params) -> list[list[nn.Parameter]]:
+    """DTensor parameters grouped by device mesh, in order: under TP, block matrices live on the 2-D mesh and the
+    rest on "dp", and DTensor foreach kernels take one mesh per call."""
+    groups: dict[DeviceMesh, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(p.device_mesh, []).append(p)
+    return list(groups.values())
 
 
 def no_sync(parallel: str, module: nn.Module, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
@@ -392,13 +398,10 @@ def clip_gradients(parallel: str, model: nn.Module, optimizer: torch.optim.Optim
         case "layerwise":  # the owners hold the reduced gradients; model parameters have none
             optimizer.clip_grad_norm_(max_norm)
         case "fsdp":  # DTensor gradient norms are partial: finish each mesh's across its ranks, then combine
-            by_mesh: dict[DeviceMesh, list[nn.Parameter]] = {}
-            for p in model.parameters():  # under TP, block matrices live on the 2-D mesh and the rest on "dp";
-                if p.grad is not None:  # DTensor foreach kernels take one mesh per call
-                    by_mesh.setdefault(p.device_mesh, []).append(p)
-            norms = [nn.utils.get_total_norm([p.grad for p in ps]).full_tensor() for ps in by_mesh.values()]
+            meshes = by_mesh(p for p in model.parameters() if p.grad is not None)
+            norms = [nn.utils.get_total_norm([p.grad for p in ps]).full_tensor() for ps in meshes]
             total = torch.linalg.vector_norm(torch.stack(norms))
-            for ps in by_mesh.values():
+            for ps in meshes:
                 nn.utils.clip_grads_with_norm_(ps, max_norm, total)
         case _:
             nn.utils.clip_grad_norm_(model.parameters(), max_norm)
