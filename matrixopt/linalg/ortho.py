@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from matrixopt.kernels.muon_elementwise import frobenius_normalize
 from matrixopt.kernels.ns_step import ns_step
 
 Coefficients = tuple[float, float, float]
@@ -177,10 +178,7 @@ def newton_schulz_short_side(X: Tensor, schedule: Sequence[Coefficients], dtype:
     cast back). Each matrix is divided by its Frobenius norm, accumulated in float64 so that gradients of any
     finite scale (1e-30 to 1e30) neither overflow nor underflow, and cast to ``dtype`` in the same pass.
     """
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)  # (b, 1, 1)
-    inv = torch.where(norm > 0, norm.reciprocal(), 0.0).clamp(max=torch.finfo(torch.float32).max).float()
-    Y = torch.empty_like(X, dtype=dtype)  # keeps X's layout (a transposed view stays one: see ns_step)
-    torch.mul(X, inv, out=Y)  # every singular value in [0, 1]; a zero matrix stays zero
+    Y = frobenius_normalize(X, dtype)  # every singular value in [0, 1]; keeps X's layout (see ns_step)
     for a, b, c in schedule:
         Y = ns_step(Y, a, b, c)
     return Y

@@ -6,7 +6,8 @@
 - Fused weights marked with :func:`mark_split` (e.g. QKV ``(3d, d)`` split ``(d, d, d)`` along dim 0): each
   piece is its own matrix.
 
-Pieces of the same shape, from any parameters, are stacked and orthogonalized in one batched call.
+Pieces of the same shape, from any parameters and in either orientation, are stacked and orthogonalized in one
+batched call.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+
+from matrixopt.kernels.muon_elementwise import apply_update, momentum_pack
 
 _EXPERTS = "_matrixopt_experts"
 _SPLIT = "_matrixopt_split"
@@ -72,42 +75,46 @@ def matrix_pieces(param: Tensor, t: Tensor) -> list[Tensor]:
     return list(M.split(sizes, dim=dim + (1 if experts else 0)))
 
 
-def apply_orthogonalized(params: list[Tensor], updates: list[Tensor], fn: Callable[[Tensor], Tensor],
-                         scale: Callable[[int, int], float], lr: float | Tensor, weight_decay: float) -> None:
-    """``param = (1 - lr * weight_decay) * param - lr * scale(m, n) * fn(piece)`` for every ``(m, n)`` matrix piece
-    of every update, batching pieces of equal shape.
+def orthogonalized_momentum_step(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], *, momentum: float,
+                                 nesterov: bool, fn: Callable[[Tensor], Tensor], dtype: torch.dtype,
+                                 scale: Callable[[int, int], float], lr: float | Tensor, weight_decay: float) -> None:
+    """Muon's step on every ``(m, n)`` matrix piece of every parameter, batching pieces of equal ``(s, l) =
+    (min(m, n), max(m, n))``:
 
-    params/updates: parallel lists, ``updates[i]`` shaped like ``params[i]``. ``fn`` maps a stack ``(b, s, l)`` of
-    pieces seen short side first (``s = min(m, n)``) to its orthogonalization, same shape, any float dtype. Tall
-    pieces are stacked as they lie, ``(b, l, s)``, and reach ``fn`` as a transposed view, so no transposed copy is
-    made on the way in or out. ``lr``: a float, or a 0-d tensor on the parameters' device (no host sync).
+        B <- mu B + (1 - mu) G;   U = G + mu (B - G) (Nesterov) or B
+        W <- (1 - lr weight_decay) W - lr scale(m, n) fn(U)
 
-    Per shape: one ``cat``, one ``fn`` call and one fused scale/cast pass into the parameter dtype; then one
-    foreach update over every piece: ``lerp`` towards ``-scale * Y / weight_decay`` folds the decay into the same
-    pass (``add`` without decay, or with a tensor lr after a separate decay)."""
-    decay = isinstance(lr, float | int) and weight_decay != 0
-    if weight_decay != 0 and not decay:
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
-    buckets: dict[tuple, list[tuple[Tensor, Tensor]]] = defaultdict(list)
-    for p, u in zip(params, updates):
-        for src, dst in zip(matrix_pieces(p, u), matrix_pieces(p, p)):
-            m, n = src.shape[-2:]
-            buckets[(m, n, src.dtype, dst.dtype, src.device)].append((src, dst))
-    dsts, results = [], []
-    for (m, n, _, dtype, _), pairs in buckets.items():
-        stack = [src.reshape(-1, m, n) for src, _ in pairs]
-        X = stack[0] if len(stack) == 1 else torch.cat(stack, dim=0)  # (b, m, n)
-        Y = fn(X.mT).mT if m > n else fn(X)  # (b, m, n); tall stacks iterate short side first as a view
-        if decay:
-            factor = -scale(m, n) / weight_decay  # lerp(p, factor * Y, lr * wd) = (1 - lr wd) p - lr s Y
-        else:
-            factor = -scale(m, n) * lr
-        out = torch.empty((X.shape[0], m, n), dtype=dtype, device=Y.device)
-        torch.mul(Y, factor, out=out)  # scale and cast, in the parameter's layout
-        for y, (_, dst) in zip(out.split([x.shape[0] for x in stack]), pairs):
-            dsts.append(dst)
-            results.append(y.view(dst.shape))
-    if decay:
-        torch._foreach_lerp_(dsts, results, lr * weight_decay)
-    else:
-        torch._foreach_add_(dsts, results)
+    params, grads, bufs: parallel lists, ``grads[i]`` and the float32 momentum ``bufs[i]`` shaped like
+    ``params[i]``; ``bufs`` and ``params`` are updated in place. ``fn`` maps a stack ``(b, s, l)`` of updates laid
+    out short side first (tall pieces transposed), in ``dtype``, to its orthogonalization, same shape, any float
+    dtype. ``lr``: a float, or a 0-d tensor on the parameters' device (no host sync).
+
+    Per ``(s, l)`` bucket, a wide ``(768, 3072)`` and a tall ``(3072, 768)`` weight together: one fused pass
+    writes the momentum and packs the updates into the stack, one ``fn`` call, one fused pass applies the scaled
+    update and the decay (:mod:`matrixopt.kernels.muon_elementwise`; foreach references off the GPU)."""
+    buckets: dict[tuple, tuple[list[Tensor], list[Tensor], list[Tensor]]] = defaultdict(lambda: ([], [], []))
+    copies = []  # (tensor, contiguous copy) for tensors whose matrix view would not alias them
+    for p, g, b in zip(params, grads, bufs):
+        targets = []
+        for t in (p, b):
+            if not (t.ndim == 2 or getattr(p, _EXPERTS, False) or t.is_contiguous()):  # e.g. channels_last conv
+                copies.append((t, t.contiguous()))
+                t = copies[-1][1]
+            targets.append(t)
+        for pp, gp, bp in zip(matrix_pieces(p, targets[0]), matrix_pieces(p, g), matrix_pieces(p, targets[1])):
+            m, n = pp.shape[-2:]
+            ps, gs, bs = buckets[(min(m, n), max(m, n), g.dtype, p.dtype, p.device)]
+            if pp.ndim == 3:  # stacked experts: E matrices
+                ps.extend(pp.unbind(0))
+                gs.extend(gp.unbind(0))
+                bs.extend(bp.unbind(0))
+            else:
+                ps.append(pp)
+                gs.append(gp)
+                bs.append(bp)
+    for (s, l, _, _, device), (ps, gs, bs) in buckets.items():
+        X = torch.empty((len(ps), s, l), dtype=dtype, device=device)
+        momentum_pack(gs, bs, X, momentum, nesterov)
+        apply_update(ps, fn(X), scale, lr, weight_decay)
+    for t, c in copies:
+        t.copy_(c)

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from matrixopt.linalg.ortho import newton_schulz_short_side, polar, resolve_schedule
 from matrixopt.optim.base import MatrixOptimizer, _check_finite, check_lr, param_label
-from matrixopt.optim.layout import apply_orthogonalized
+from matrixopt.optim.layout import orthogonalized_momentum_step
 
 SCALINGS = ("match_adamw", "original", "spectral")
 
@@ -116,8 +116,11 @@ class Muon(MatrixOptimizer):
         dtype = group["ns_dtype"] or (torch.bfloat16 if X.is_cuda else torch.float32)
         return newton_schulz_short_side(X, resolve_schedule(group["ns_coefficients"], group["ns_steps"]), dtype)
 
+    def _stack_dtype(self, group: dict[str, Any], device: torch.device) -> torch.dtype:
+        """The dtype updates are packed in for ``_orthogonalize``: Newton–Schulz's iteration dtype."""
+        return group["ns_dtype"] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
-        mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
         bufs = []
         for p in params:
             st = self.state[p]
@@ -125,13 +128,13 @@ class Muon(MatrixOptimizer):
                 st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32,
                                                          memory_format=torch.preserve_format)
             bufs.append(st["momentum_buffer"])
-        g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
-        torch._foreach_lerp_(bufs, g32, 1 - mu)  # B = mu B + (1 - mu) G
-        updates = torch._foreach_lerp(g32, bufs, mu) if group["nesterov"] else bufs
+        lr = group["lr"]
         if isinstance(lr, Tensor):
             lr = lr.to(params[0].device)
-        apply_orthogonalized(params, updates, lambda X: self._orthogonalize(group, X),
-                             lambda m, n: update_scale(group["scaling"], m, n), lr, wd)
+        orthogonalized_momentum_step(
+            params, grads, bufs, momentum=group["momentum"], nesterov=group["nesterov"],
+            fn=lambda X: self._orthogonalize(group, X), dtype=self._stack_dtype(group, params[0].device),
+            scale=lambda m, n: update_scale(group["scaling"], m, n), lr=lr, weight_decay=group["weight_decay"])
 
 
 class MOP(Muon):
@@ -152,6 +155,9 @@ class MOP(Muon):
 
     def _validate_orthogonalizer(self, group: dict[str, Any]) -> None:
         pass
+
+    def _stack_dtype(self, group: dict[str, Any], device: torch.device) -> torch.dtype:
+        return torch.float32  # polar runs in float64 from whatever it gets: keep fp32's precision on the way
 
     def _orthogonalize(self, group: dict[str, Any], X: Tensor) -> Tensor:
         return polar(X)

@@ -113,6 +113,25 @@ def test_experts_orthogonalized_per_expert():
     torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_channels_last_conv_kernel_is_updated_like_a_contiguous_one():
+    """A channels_last kernel has no (out, in*kh*kw) view: the update must still land in the parameter and its
+    momentum, not in a reshaped copy."""
+    torch.manual_seed(5)
+    W0 = torch.randn(8, 3, 3, 3)
+    runs = []
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        p = nn.Parameter(W0.clone().to(memory_format=fmt))
+        opt = Muon([p], lr=0.1, weight_decay=0.1)
+        torch.manual_seed(6)
+        for _ in range(2):
+            p.grad = torch.randn(8, 3, 3, 3).to(memory_format=fmt)
+            opt.step()
+        runs.append((p.detach().clone(), opt.state[p]["momentum_buffer"].clone()))
+    assert (runs[0][0] - W0).abs().max() > 1e-2
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_adamw_groups_match_torch_adamw():
     torch.manual_seed(5)
     a, b = nn.Parameter(torch.randn(10, 7)), nn.Parameter(torch.randn(7))

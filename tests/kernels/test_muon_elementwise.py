@@ -1,0 +1,145 @@
+"""Muon's fused elementwise kernels against float64 formulas, on the CPU through Triton's interpreter (see
+conftest.py), and the whole Muon step through them against the foreach path.
+
+Shapes are odd, not multiples of the 64 x 64 tile, tall and wide mixed in one stack, with strided pieces (a
+column split of a fused weight) and stacked experts."""
+
+import math
+import os
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="CPU tensors through Triton's interpreter; on a GPU see test_gpu.py")
+
+import matrixopt  # noqa: E402
+from matrixopt.kernels import muon_elementwise as ew  # noqa: E402
+
+# fp32 elementwise math: a few ulps from float64 (observed ~2e-7 relative). bf16 outputs: one rounding, which
+# Triton's interpreter does by truncation (relative error below 2^-7; a GPU rounds to nearest, 2^-8).
+FP32_TOL = dict(rtol=1e-6, atol=1e-6)
+BF16_TOL = dict(rtol=2**-7, atol=1e-6)
+
+S, L = 37, 70  # stack shape (short, long)
+
+
+def shapes():
+    return [(S, L), (L, S), (S, L), (L, S), (L, S)]
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_momentum_pack_matches_float64(grad_dtype, out_dtype, nesterov):
+    torch.manual_seed(0)
+    mu = 0.9
+    grads = [torch.randn(s).to(grad_dtype) for s in shapes()]
+    bufs = [torch.randn(s) for s in shapes()]
+    bufs64 = [b.double() for b in bufs]
+    out = torch.full((len(grads), S, L), float("nan"), dtype=out_dtype)
+    ew.momentum_pack_triton(grads, bufs, out, mu, nesterov)
+    for i, (g, b, b64) in enumerate(zip(grads, bufs, bufs64)):
+        g64 = g.double()
+        b_ref = mu * b64 + (1 - mu) * g64
+        u_ref = (1 - mu) * g64 + mu * b_ref if nesterov else b_ref
+        torch.testing.assert_close(b.double(), b_ref, **FP32_TOL)
+        u = out[i].double()
+        torch.testing.assert_close(u, u_ref.mT if g.shape[0] > g.shape[1] else u_ref,
+                                   **(FP32_TOL if out_dtype == torch.float32 else BF16_TOL))
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_apply_update_matches_float64(param_dtype, tensor_lr):
+    torch.manual_seed(1)
+    params = [torch.randn(s).to(param_dtype) for s in shapes()]
+    before = [p.double() for p in params]
+    Y = torch.randn(len(params), L, S).bfloat16().mT  # a transposed (k, S, L) view: strides are honoured
+    lr, wd = 0.03, 0.1
+    scale = lambda m, n: math.sqrt(m / n)  # noqa: E731  (differs between the orientations)
+    ew.apply_update_triton(params, Y, scale, torch.tensor(lr) if tensor_lr else lr, wd)
+    for i, (p, w) in enumerate(zip(params, before)):
+        m, n = p.shape
+        y = Y[i].double()
+        ref = (1 - lr * wd) * w - lr * scale(m, n) * (y.mT if m > n else y)
+        torch.testing.assert_close(p.double(), ref, **(FP32_TOL if param_dtype == torch.float32 else BF16_TOL))
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_frobenius_normalize_matches_float64(in_dtype, transposed, monkeypatch):
+    monkeypatch.setattr(ew, "NORM_BLOCK", 256)  # several tiles per matrix, the last one partial
+    torch.manual_seed(5)
+    X = torch.randn(4, S, L if not transposed else S + 3).to(in_dtype)
+    X[1] = 0  # a zero matrix stays zero
+    X[2] *= 1e30  # squares beyond float32: the float64 sums hold them
+    X[3] *= 1e-30
+    X = X.mT if transposed else X  # a transposed view keeps its layout
+    out = ew.frobenius_normalize_triton(X, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.stride() == X.stride()
+    X64 = X.double()
+    norm = X64.norm(dim=(-2, -1), keepdim=True)
+    ref = torch.where(norm > 0, X64 / norm, 0.0)
+    torch.testing.assert_close(out.double(), ref, **BF16_TOL)
+    assert torch.equal(ew.frobenius_normalize_triton(X, torch.bfloat16), out)  # fixed summation order
+
+
+def test_strided_pieces_are_written_in_place():
+    """Column pieces of a fused weight have a row stride larger than their width."""
+    torch.manual_seed(2)
+    W, G, B = torch.randn(S, 3 * L), torch.randn(S, 3 * L), torch.zeros(S, 3 * L)
+    pieces = lambda t: list(t.split(L, dim=1))  # noqa: E731
+    out = torch.empty(3, S, L)
+    ew.momentum_pack_triton(pieces(G), pieces(B), out, 0.5, False)
+    torch.testing.assert_close(B, 0.5 * G)
+    torch.testing.assert_close(out, 0.5 * G.reshape(S, 3, L).transpose(0, 1))
+    W0 = W.clone()
+    ew.apply_update_triton(pieces(W), out, lambda m, n: 2.0, 0.1, 0.0)
+    torch.testing.assert_close(W, W0 - 0.2 * 0.5 * G)
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match="must match"):
+        ew.momentum_pack_triton([torch.randn(S, L)], [torch.randn(S, L + 1)], torch.empty(1, S, L), 0.9, True)
+    with pytest.raises(ValueError, match="contiguous"):
+        ew.momentum_pack_triton([torch.randn(S, L)], [torch.randn(S, L)], torch.empty(1, L, S).mT, 0.9, True)
+    with pytest.raises(ValueError, match="parameters for a stack"):
+        ew.apply_update_triton([torch.randn(S, L)] * 2, torch.empty(1, S, L), lambda m, n: 1.0, 0.1, 0.0)
+
+
+def _model():
+    torch.manual_seed(3)
+    d = 24
+    qkv = matrixopt.mark_split(nn.Parameter(torch.randn(3 * d, d)), 3)  # (d, d) row pieces
+    cols = matrixopt.mark_split(nn.Parameter(torch.randn(d, 2 * d + 8)), [d + 4, d + 4], dim=1)  # strided pieces
+    experts = matrixopt.mark_experts(nn.Parameter(torch.randn(3, d + 4, d)))  # tall experts
+    wide, tall = nn.Parameter(torch.randn(d, d + 4)), nn.Parameter(torch.randn(d + 4, d))
+    conv = nn.Parameter(torch.randn(8, 3, 3, 3))
+    return [qkv, cols, experts, wide, tall, conv]
+
+
+@pytest.mark.parametrize("scaling", ["match_adamw", "spectral"])
+def test_muon_step_through_kernels_matches_foreach_path(scaling):
+    """Every piece kind in one optimizer: the fused kernels give the foreach path's parameters and state."""
+    runs = {}
+    for backend in ("triton", "torch"):
+        params = _model()
+        opt = matrixopt.Muon(params, lr=0.02, momentum=0.9, weight_decay=0.1, scaling=scaling)
+        torch.manual_seed(4)
+        with ew.elementwise_backend(backend):
+            for _ in range(3):
+                for p in params:
+                    p.grad = torch.randn_like(p)
+                opt.step()
+        runs[backend] = (params, [opt.state[p]["momentum_buffer"] for p in params])
+    for a, b in zip(*(runs[k][0] + runs[k][1] for k in ("triton", "torch"))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_backend_raises():
+    with pytest.raises(ValueError, match="unknown elementwise backend"):
+        with ew.elementwise_backend("cuda"):
+            pass
