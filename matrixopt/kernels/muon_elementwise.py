@@ -341,7 +341,7 @@ def apply_update_reference(params: Sequence[Tensor], Y: Tensor, scale: Callable[
     if weight_decay != 0:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
     ys = [(y.mT if p.size(0) > p.size(1) else y) for p, y in zip(params, Y.unbind(0))]
-    updates = [(y * (-scale(*p.shape) * lr)).to(p.dtype) for p, y in zip(params, ys)]
+    updates = [y.to(p.dtype) * (-scale(*p.shape) * lr) for p, y in zip(params, ys)]  # in the parameter's precision
     torch._foreach_add_(params, updates)
 
 
