@@ -160,6 +160,7 @@ def main() -> None:
             wall = train_loop(model, opt, data[args.warmup:], device, autocast, [])
         c, e = exposed_comm(prof)
         profiled = {"comm_s": c, "exposed_comm_s": e, "wall_s": wall}
+    opt.wait_params()  # the last step's broadcasts are in flight: finish them before dropping the optimizer
     summary = opt.assignment
     del model, opt
     if use_cuda:

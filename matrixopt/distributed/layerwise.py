@@ -1,8 +1,8 @@
 """Layer-wise distributed optimizer: each data-parallel rank owns whole parameters.
 
 A matrix optimizer (Muon, Shampoo, SOAP) needs the whole matrix, so instead of slicing every tensor across ranks
-(ZeRO-1), each rank owns whole parameters, chosen by LPT on the optimizer's cost (:mod:`.balance`). One step,
-per rank:
+(ZeRO-1), each rank owns whole parameters, chosen by LPT on the optimizer's cost and then swapped between ranks
+to even out optimizer-state memory without raising the largest cost (:mod:`.balance`). One step, per rank:
 
 1. backward: each parameter's gradient hook copies the local gradient into its bucket's flat buffer and frees
    ``p.grad``; a full bucket is summed into its owner (``reduce``, asynchronous), so the reduction overlaps the

@@ -4,6 +4,8 @@ same global batch, at 1 to 4 ranks, for every registered optimizer; LPT ownershi
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -16,7 +18,9 @@ from torch import nn
 
 import matrixopt.distributed as mdist
 from matrixopt import OPTIMIZERS, NonFiniteGradientError, build_optimizer
-from matrixopt.distributed.balance import assign, lpt, matrix_cost, muon_cost
+from matrixopt.distributed.balance import COST_TOLERANCE, assign, lpt, matrix_cost, muon_cost, rebalance_state
+from matrixopt.optim.routing import param_groups
+from matrixopt.train.model import GPT, PRESETS, GPTConfig
 
 # fp32 sums over ranks add the per-rank gradients in another order than one process's batch sum; the difference
 # (~1e-7 relative) passes through a few optimizer steps. Measured differences are below 1e-6; a wrong reduction
@@ -267,6 +271,90 @@ def test_assign_puts_a_big_matrix_alone_and_spreads_adamw_memory():
     assert a.owner[3] == a.owner[1]  # the embedding's memory goes to the rank with fewer state bytes
     assert a.imbalance == pytest.approx(2 * max(a.compute) / sum(a.compute))
     assert "imbalance" in a.summary()
+
+
+def test_rebalance_state_by_hand():
+    # two layers of (QKV: 3 bytes, MLP in and out: 4 bytes each), the second QKV cheaper (12 instead of 18), then an
+    # embedding (6 bytes, no cost). LPT's owners, embedding on the tie's lower rank: state 17 | 11, cost 54 | 48.
+    costs, sizes = [18.0, 18.0, 18.0, 12.0, 18.0, 18.0, 0.0], [3, 4, 4, 3, 4, 4, 6]
+    lpt_owner = [0, 1, 0, 1, 0, 1, 0]
+    owner = rebalance_state(lpt_owner, costs, sizes, 2, cost_cap=54.0)
+    assert owner == [0, 1, 1, 0, 0, 1, 0]  # item 2 (4 bytes) for item 3 (3 bytes): 16 | 12, cost 48 | 54; then none
+    assert rebalance_state(lpt_owner, costs, sizes, 2, cost_cap=54.0) == owner
+    assert rebalance_state(lpt_owner, costs, sizes, 2, cost_cap=53.0) == lpt_owner  # that swap would cost 54 > 53
+    assert rebalance_state([0] * 7, costs, sizes, 1, cost_cap=0.0) == [0] * 7  # nothing to do on one rank...
+    assert rebalance_state([], [], [], 3, cost_cap=0.0) == []  # ... or without parameters
+
+
+def gpt_1_3b(world_size: int, cost_tolerance: float = COST_TOLERANCE):
+    """Ownership of GPT 1.3B's parameters under layer-wise Muon, on the meta device: the trainer's preset with
+    scripts/layerwise_gpu.py's vocab (tied embedding, fused QKV split in three), routed and ordered as
+    LayerwiseOptimizer does. Returns the parameters, their routing and the assignment."""
+    from matrixopt.train.trainer import QKV_SPLITS  # here: spawned ranks importing this module need no trainer
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=50304, **PRESETS["1.3b"]))
+    matrix = {id(p): g["use_muon"] for g in param_groups(model, splits=QKV_SPLITS) for p in g["params"]}
+    params = [p for _, p in model.named_parameters()]
+    is_matrix = [matrix[id(p)] for p in params]
+    a = assign(params, is_matrix, world_size, muon_cost, mdist.LayerwiseOptimizer._state_bytes, cost_tolerance)
+    return params, is_matrix, a
+
+
+def test_state_bytes_are_what_muon_allocates():
+    """The bytes ownership balances are the optimizer state scripts/layerwise_gpu.py measures: Muon's fp32 momentum
+    for matrices, AdamW's two fp32 moments (plus a 4-byte step) for the rest. Checked on a small GPT; the 1.3B tests
+    below rely on it."""
+    from matrixopt.train.trainer import QKV_SPLITS
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    opt = build_optimizer(model, "muon", lr=1e-3, splits=QKV_SPLITS)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    held = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor))
+    groups = opt.param_groups
+    expected = sum(mdist.LayerwiseOptimizer._state_bytes(p, g["use_muon"]) + (0 if g["use_muon"] else 4)
+                   for g in groups for p in g["params"])
+    assert held == expected
+
+
+@pytest.mark.parametrize("world, max_share, lpt_share", [(2, 0.55, 0.569), (4, 0.33, 0.357)])
+def test_gpt_1_3b_state_per_rank(world, max_share, lpt_share):
+    """Issue 6: at 1.3B shapes on 2 ranks, each rank's optimizer state is at most 0.55 of one process's. LPT on cost
+    alone gave 0.569 (measured on 2 H200s, docs/results/distributed) and 0.357 at 4 ranks; rebalancing must get
+    there without raising the largest matrix cost above LPT's (the stated tolerance, COST_TOLERANCE)."""
+    params, is_matrix, a = gpt_1_3b(world)
+    assert len(params) == 147 and sum(is_matrix) == 96
+    assert a.state_share <= max_share < lpt_share, a.summary()
+    _, lpt_loads = lpt([matrix_cost(p, muon_cost) for p, m in zip(params, is_matrix) if m], world)
+    assert max(a.compute) <= (1 + COST_TOLERANCE) * max(lpt_loads)
+    assert a.imbalance <= 1 + COST_TOLERANCE + 1e-12, a.summary()
+    assert f"{a.state_share:.3f} of the total" in a.summary()
+
+
+def test_gpt_1_3b_cost_tolerance_trades_compute_for_memory():
+    _, _, exact = gpt_1_3b(2, cost_tolerance=0.0)
+    _, _, loose = gpt_1_3b(2, cost_tolerance=0.05)
+    assert loose.state_share < exact.state_share
+    assert exact.imbalance <= 1 + 1e-12 and loose.imbalance <= 1.05 + 1e-12
+    with pytest.raises(ValueError, match="cost_tolerance must be >= 0, got -0.1"):
+        gpt_1_3b(2, cost_tolerance=-0.1)
+
+
+def test_gpt_1_3b_assignment_is_deterministic():
+    """Every rank computes the ownership on its own: the same owners on every call and in another interpreter
+    (another hash seed), at several world sizes."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from test_layerwise import gpt_1_3b; "
+            "print([list(gpt_1_3b(w)[2].owner) for w in (2, 3, 4, 8)])")
+    here = [list(gpt_1_3b(w)[2].owner) for w in (2, 3, 4, 8)]
+    assert here == [list(gpt_1_3b(w)[2].owner) for w in (2, 3, 4, 8)]
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == str(here)
 
 
 def test_matrix_cost_counts_pieces():
