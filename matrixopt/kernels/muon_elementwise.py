@@ -1,286 +1,43 @@
-r"""Muon's elementwise passes, fused: one kernel before Newton–Schulz and one after, over many matrices per launch.
+r"""Muon's elementwise passes around Newton–Schulz: the dispatch between the fused Triton kernels
+(:mod:`matrixopt.kernels.muon_fused`, which holds the blocked algorithms) and the torch references here.
 
-Before (``momentum_pack``), for every matrix i of a same-shape bucket (gradient ``G_i``, fp32 momentum ``B_i``)::
+- :func:`momentum_pack`: ``B <- B + (1 - mu)(G - B)``; the update ``G + mu (B - G)`` (Nesterov) or ``B`` packed into
+  a ``(k, s, l)`` stack short side first (tall matrices transposed).
+- :func:`frobenius_normalize`: each stacked matrix divided by its Frobenius norm, summed in float64.
+- :func:`apply_update`: ``W <- (1 - lr wd) W - lr s(m, n) Y`` from the Newton–Schulz output, transposed back for
+  tall matrices.
 
-    B_i <- B_i + (1 - mu) (G_i - B_i)                    momentum, in place
-    U_i  = G_i + mu (B_i - G_i)   (Nesterov)  or  B_i
-    out[slot_i] = U_i, or U_i^T when G_i is tall        short side first, in the iteration dtype
-
-After (``apply_update``), for every parameter matrix ``W_i`` and Newton–Schulz output ``Y (b, s, l)``::
-
-    W_i <- (1 - lr wd) W_i - lr s(m, n) Y[slot_i]   (Y[slot_i]^T when W_i is tall)
-
-Between them Newton–Schulz divides each stacked matrix by its Frobenius norm (``frobenius_normalize``): one pass
-sums squares per tile in float64 (no overflow or underflow for gradients of any finite scale, and a fixed
-summation order, so results repeat bit for bit), a second scales, 6 bytes per bf16 element in all.
-
-The passes before and after read and write every element once: 14 bytes per fp32-gradient element before (read
-G and B, write B and a bf16 U), 10 after (read and write an fp32 W, read a bf16 Y), against about 70 for the same
-work as separate foreach ops, ``cat`` and casts. Tall matrices are transposed on the way into the stack and back, so a
-``(3072, 768)`` and a ``(768, 3072)`` weight share one Newton–Schulz batch.
-
-The matrices of one launch live in separate allocations: their addresses and row strides travel in a small
-int64 table, and each program reads its matrix's row, casts the address to a typed pointer and works on one
-``BLOCK_R x BLOCK_C`` tile. Tall and wide matrices take separate launches (the transpose is a compile-time
-choice), so each launch reads and writes along rows.
-
-Blocked algorithm, one program per (tile, matrix)::
-
-    g_ptr, b_ptr, rows strides, slot = table[i]
-    tile = rows r0:r0+BLOCK_R, cols c0:c0+BLOCK_C of the matrix as it lies (R x C)
-    ... the formulas above on the tile ...
-    store at out[slot, r, c] (wide) or out[slot, c, r] (tall, the tile transposed in registers)
-
-Dispatch: :func:`momentum_pack`, :func:`frobenius_normalize` and :func:`apply_update` run the Triton kernels for
-CUDA tensors they can take (see :func:`fusable`) outside ``torch.compile``, and the torch references otherwise
-(the CPU, no Triton).
-:func:`elementwise_backend` forces one for a block of code (benchmarks; tests, where ``"triton"`` on CPU tensors
-runs Triton's interpreter under ``TRITON_INTERPRET=1``). The module imports without Triton.
+Dispatch: the three run the Triton kernels for CUDA tensors they can take (see :func:`fusable`) outside
+``torch.compile``, and the torch references otherwise (the CPU, no Triton). :func:`elementwise_backend` forces one
+for a block of code (benchmarks; tests, where ``"triton"`` on CPU tensors runs Triton's interpreter under
+``TRITON_INTERPRET=1``). The module imports without Triton; the kernels are imported on first use.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the references and dispatchers still work; the *_triton launchers raise
-    triton = None
-
-# ----------------------------------------------------------------------------------------------- configs
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@dataclass(frozen=True)
-class TileConfig:
-    block_r: int
-    block_c: int
-    num_warps: int
-
-
-# A 64 x 64 tile moves 16 KB of fp32 per operand: large enough to saturate HBM with a few programs per SM, small
-# enough that a 768 x 768 matrix still gives 144 programs. Memory-bound, so no tuning per shape.
-TILE = TileConfig(64, 64, 4)
-
-_TL_DTYPES = {}
-if triton is not None:
-    _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-# ----------------------------------------------------------------------------------------------- kernels
-
-if triton is not None:
-
-    @triton.jit
-    def _momentum_pack_kernel(
-        # (k, 5) int64 table: gradient address, momentum address, gradient row stride, momentum row stride, slot
-        table_ptr,
-        # (b, S, L) output stack, row-major
-        out_ptr,
-        # size of each matrix as it lies (R x C); (S, L) = (R, C), or (C, R) when TALL
-        R, C,
-        # runtime coefficients: 1 - mu (momentum) and mu (Nesterov)
-        one_minus_mu, mu,
-        # meta-parameters
-        G_DTYPE: tl.constexpr, NESTEROV: tl.constexpr, TALL: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        row = table_ptr + tl.program_id(1).to(tl.int64) * 5
-        g_ptr = tl.load(row).to(tl.pointer_type(G_DTYPE))
-        b_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-        g_rs = tl.load(row + 2)
-        b_rs = tl.load(row + 3)
-        slot = tl.load(row + 4)
-
-        n_c = tl.cdiv(C, BLOCK_C)
-        offs_r = (pid // n_c) * BLOCK_R + tl.arange(0, BLOCK_R)
-        offs_c = (pid % n_c) * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask = (offs_r[:, None] < R) & (offs_c[None, :] < C)
-        g = tl.load(g_ptr + offs_r[:, None] * g_rs + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
-        b_ptrs = b_ptr + offs_r[:, None] * b_rs + offs_c[None, :]
-        b = tl.load(b_ptrs, mask=mask, other=0.0)
-        b = b + one_minus_mu * (g - b)
-        tl.store(b_ptrs, b, mask=mask)
-        if NESTEROV:
-            u = g + mu * (b - g)
-        else:
-            u = b
-        u = u.to(out_ptr.dtype.element_ty)
-        base = out_ptr + slot * R * C
-        if TALL:  # out[slot] is (C, R): element (r, c) goes to row c, column r
-            tl.store(base + offs_c[:, None] * R + offs_r[None, :], tl.trans(u), mask=tl.trans(mask))
-        else:
-            tl.store(base + offs_r[:, None] * C + offs_c[None, :], u, mask=mask)
-
-    @triton.jit
-    def _apply_update_kernel(
-        # (k, 3) int64 table: parameter address, parameter row stride, slot
-        table_ptr,
-        # (b, S, L) Newton–Schulz output and its strides
-        y_ptr, stride_yb, stride_ys, stride_yl,
-        # size of each parameter matrix as it lies (R x C)
-        R, C,
-        # runtime values: learning rate (or its address when LR_PTR), weight decay, update scale
-        lr, weight_decay, scale,
-        # meta-parameters
-        P_DTYPE: tl.constexpr, LR_PTR: tl.constexpr, TALL: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        row = table_ptr + tl.program_id(1).to(tl.int64) * 3
-        p_ptr = tl.load(row).to(tl.pointer_type(P_DTYPE))
-        p_rs = tl.load(row + 1)
-        slot = tl.load(row + 2)
-        if LR_PTR:
-            lr_value = tl.load(lr).to(tl.float32)
-        else:
-            lr_value = lr
-
-        n_c = tl.cdiv(C, BLOCK_C)
-        offs_r = (pid // n_c) * BLOCK_R + tl.arange(0, BLOCK_R)
-        offs_c = (pid % n_c) * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask = (offs_r[:, None] < R) & (offs_c[None, :] < C)
-        y_base = y_ptr + slot * stride_yb
-        if TALL:  # Y[slot] is (C, R): read the (c, r) tile along its rows and transpose it in registers
-            y = tl.trans(tl.load(y_base + offs_c[:, None] * stride_ys + offs_r[None, :] * stride_yl,
-                                 mask=tl.trans(mask), other=0.0))
-        else:
-            y = tl.load(y_base + offs_r[:, None] * stride_ys + offs_c[None, :] * stride_yl, mask=mask, other=0.0)
-        p_ptrs = p_ptr + offs_r[:, None] * p_rs + offs_c[None, :]
-        w = tl.load(p_ptrs, mask=mask, other=0.0).to(tl.float32)
-        w = w * (1.0 - lr_value * weight_decay) - (lr_value * scale) * y.to(tl.float32)
-        tl.store(p_ptrs, w.to(P_DTYPE), mask=mask)
-
-
-    @triton.jit
-    def _sumsq_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr):
-        """partial[b, t] = sum of x^2 over tile t of matrix b (N contiguous elements per matrix), in float64."""
-        t = tl.program_id(0)
-        b = tl.program_id(1).to(tl.int64)
-        offs = t * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + b * N + offs, mask=offs < N, other=0.0).to(tl.float64)
-        tl.store(partial_ptr + b * tl.num_programs(0) + t, tl.sum(x * x, axis=0))
-
-    @triton.jit
-    def _scale_kernel(x_ptr, partial_ptr, out_ptr, N, T, FLT_MAX, BLOCK: tl.constexpr, T_BLOCK: tl.constexpr):
-        """out = x / ||x||_F per matrix (0 for a zero matrix), the norm summed from the T partials in order."""
-        t = tl.program_id(0)
-        b = tl.program_id(1).to(tl.int64)
-        acc = tl.zeros((T_BLOCK,), dtype=tl.float64)
-        for t0 in range(0, T, T_BLOCK):
-            offs_t = t0 + tl.arange(0, T_BLOCK)
-            acc += tl.load(partial_ptr + b * T + offs_t, mask=offs_t < T, other=0.0)
-        sumsq = tl.sum(acc, axis=0)
-        inv = tl.where(sumsq > 0, 1.0 / tl.sqrt(tl.maximum(sumsq, 1e-300)), 0.0)
-        inv = tl.minimum(inv, FLT_MAX).to(tl.float32)
-        offs = t * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < N
-        x = tl.load(x_ptr + b * N + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + b * N + offs, (x * inv).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-# ----------------------------------------------------------------------------------------------- launchers
-
-
-def _check_triton() -> None:
-    if triton is None:
-        raise ImportError("matrixopt.kernels.muon_elementwise's fused kernels need Triton: pip install triton "
-                          "(or pip install matrixopt[triton])")
+def _fused() -> ModuleType | None:
+    """The Triton kernels' module, or None without Triton (imported on first use, like ns_step's kernels)."""
+    try:
+        from matrixopt.kernels import muon_fused
+    except ImportError:
+        return None
+    return muon_fused
 
 
 def fusable(*tensors: Sequence[Tensor]) -> bool:
-    """Whether the fused kernels take these lists of ``(m, n)`` matrices: Triton importable, every matrix on a
-    CUDA device (or the CPU under Triton's interpreter), unit column stride, a supported dtype."""
-    if triton is None:
-        return False
-    return all(t.stride(-1) == 1 and t.dtype in _TL_DTYPES and t.ndim == 2 for ts in tensors for t in ts)
-
-
-_TABLES: OrderedDict[tuple, Tensor] = OrderedDict()
-_TABLES_KEPT = 256  # gradients are usually reallocated at the same addresses step after step: keep their tables
-
-
-def _table(rows: list[list[int]], device: torch.device) -> Tensor:
-    """The int64 table as a device tensor: cached by content, else a small asynchronous copy from pageable
-    memory (the driver stages it at once, so the host list may go)."""
-    key = (device, *(v for row in rows for v in row))
-    table = _TABLES.get(key)
-    if table is None:
-        table = _TABLES[key] = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-        if len(_TABLES) > _TABLES_KEPT:
-            _TABLES.popitem(last=False)
-    else:
-        _TABLES.move_to_end(key)
-    return table
-
-
-def _orientations(shapes: Sequence[torch.Size]) -> dict[bool, list[int]]:
-    groups: dict[bool, list[int]] = {False: [], True: []}
-    for i, (m, n) in enumerate(shapes):
-        groups[m > n].append(i)
-    return groups
-
-
-def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, momentum: float,
-                  nesterov: bool) -> None:
-    """Momentum step on every matrix and its update packed short side first, by the Triton kernel.
-
-    grads: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, ``s <= l``, all of one dtype (fp32, bf16 or
-    fp16), unit column stride. bufs: their fp32 momentum, same shapes and unit column stride; updated in place.
-    out: ``(k, s, l)`` contiguous, any supported dtype; ``out[i]`` receives matrix i's update (transposed when
-    tall)."""
-    _check_triton()
-    k, s, l = out.shape
-    if not out.is_contiguous() or len(grads) != k or len(bufs) != k:
-        raise ValueError(f"momentum_pack needs k={len(grads)} gradients and momentum buffers and a contiguous (k, s,"
-                         f" l) output; got {len(bufs)} buffers and out {tuple(out.shape)}")
-    for g, b in zip(grads, bufs):
-        if g.shape != b.shape or sorted(g.shape) != [s, l] or b.dtype != torch.float32:
-            raise ValueError(f"momentum_pack: gradient {tuple(g.shape)} and fp32 momentum {tuple(b.shape)} "
-                             f"({b.dtype}) must match and be ({s}, {l}) or ({l}, {s})")
-    for tall, idx in _orientations([g.shape for g in grads]).items():
-        if not idx:
-            continue
-        R, C = (l, s) if tall else (s, l)
-        table = _table([[grads[i].data_ptr(), bufs[i].data_ptr(), grads[i].stride(0), bufs[i].stride(0), i]
-                        for i in idx], out.device)
-        grid = (triton.cdiv(R, TILE.block_r) * triton.cdiv(C, TILE.block_c), len(idx))
-        _momentum_pack_kernel[grid](table, out, R, C, 1.0 - momentum, momentum,
-                                    G_DTYPE=_TL_DTYPES[grads[0].dtype], NESTEROV=nesterov, TALL=tall,
-                                    BLOCK_R=TILE.block_r, BLOCK_C=TILE.block_c, num_warps=TILE.num_warps)
-
-
-def apply_update_triton(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int], float], lr: float | Tensor,
-                 weight_decay: float) -> None:
-    """``W_i <- (1 - lr wd) W_i - lr scale(m_i, n_i) Y[i]`` (``Y[i]^T`` for tall ``W_i``), in place, by the
-    Triton kernel.
-
-    params: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, all of one dtype, unit column stride.
-    Y: ``(k, s, l)``, any float dtype and strides. lr: a float, or a 0-d tensor on Y's device (no host sync)."""
-    _check_triton()
-    k, s, l = Y.shape
-    if len(params) != k:
-        raise ValueError(f"apply_update: {len(params)} parameters for a stack of {k}")
-    lr_ptr = isinstance(lr, Tensor)
-    for tall, idx in _orientations([p.shape for p in params]).items():
-        if not idx:
-            continue
-        R, C = (l, s) if tall else (s, l)
-        table = _table([[params[i].data_ptr(), params[i].stride(0), i] for i in idx], Y.device)
-        grid = (triton.cdiv(R, TILE.block_r) * triton.cdiv(C, TILE.block_c), len(idx))
-        _apply_update_kernel[grid](table, Y, Y.stride(0), Y.stride(1), Y.stride(2), R, C,
-                                   lr if lr_ptr else float(lr), float(weight_decay), float(scale(R, C)),
-                                   P_DTYPE=_TL_DTYPES[params[0].dtype], LR_PTR=lr_ptr, TALL=tall,
-                                   BLOCK_R=TILE.block_r, BLOCK_C=TILE.block_c, num_warps=TILE.num_warps)
-
-
-NORM_BLOCK = 4096  # elements per program of the two normalization passes
+    """Whether the fused kernels take these lists of ``(m, n)`` matrices: 2-D, unit column stride, a supported
+    dtype (Triton itself is checked by the dispatch)."""
+    return all(t.ndim == 2 and t.stride(-1) == 1 and t.dtype in KERNEL_DTYPES for ts in tensors for t in ts)
 
 
 def _dense_layout(X: Tensor) -> Tensor | None:
@@ -292,30 +49,11 @@ def _dense_layout(X: Tensor) -> Tensor | None:
     return None
 
 
-def frobenius_normalize_triton(X: Tensor, dtype: torch.dtype) -> Tensor:
-    """Each matrix of ``X (b, m, n)`` divided by its Frobenius norm, in ``dtype``, by the Triton kernels. X must be
-    contiguous or a transposed view of a contiguous stack; the result has X's layout."""
-    _check_triton()
-    dense = _dense_layout(X)
-    if X.ndim != 3 or dense is None:
-        raise ValueError(f"frobenius_normalize_triton takes a (b, m, n) stack stored contiguously (or its "
-                         f"transpose); got shape {tuple(X.shape)}, strides {X.stride()}")
-    b, N = X.shape[0], X.shape[1] * X.shape[2]
-    out = torch.empty_like(dense, dtype=dtype)
-    tiles = triton.cdiv(N, NORM_BLOCK)
-    if b * N:
-        partial = torch.empty((b, tiles), dtype=torch.float64, device=X.device)
-        _sumsq_kernel[(tiles, b)](dense, partial, N, BLOCK=NORM_BLOCK, num_warps=8)
-        _scale_kernel[(tiles, b)](dense, partial, out, N, tiles, torch.finfo(torch.float32).max, BLOCK=NORM_BLOCK,
-                                  T_BLOCK=min(1024, triton.next_power_of_2(tiles)), num_warps=8)
-    return out if dense is X else out.mT
-
-
 # ----------------------------------------------------------------------------------------------- torch references
 
 
 def frobenius_normalize_reference(X: Tensor, dtype: torch.dtype) -> Tensor:
-    """:func:`frobenius_normalize_triton` in torch: the norm accumulated in float64, any layout."""
+    """``muon_fused.frobenius_normalize_triton`` in torch: the norm accumulated in float64, any layout."""
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)  # (b, 1, 1)
     inv = torch.where(norm > 0, norm.reciprocal(), 0.0).clamp(max=torch.finfo(torch.float32).max).float()
     Y = torch.empty_like(X, dtype=dtype)  # keeps X's layout (a transposed view stays one)
@@ -325,7 +63,7 @@ def frobenius_normalize_reference(X: Tensor, dtype: torch.dtype) -> Tensor:
 
 def momentum_pack_reference(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, momentum: float,
                             nesterov: bool) -> None:
-    """:func:`momentum_pack_triton` with foreach ops and one stacking copy (any device, any strides)."""
+    """``muon_fused.momentum_pack_triton`` with foreach ops and one stacking copy (any device, any strides)."""
     g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
     torch._foreach_lerp_(list(bufs), g32, 1 - momentum)  # B = mu B + (1 - mu) G
     updates = torch._foreach_lerp(g32, list(bufs), momentum) if nesterov else bufs
@@ -334,7 +72,7 @@ def momentum_pack_reference(grads: Sequence[Tensor], bufs: Sequence[Tensor], out
 
 def apply_update_reference(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int], float],
                            lr: float | Tensor, weight_decay: float) -> None:
-    """:func:`apply_update_triton` with foreach ops (any device, any strides)."""
+    """``muon_fused.apply_update_triton`` with foreach ops (any device, any strides)."""
     params = list(params)
     if isinstance(lr, Tensor):
         lr = lr.to(Y.device)
@@ -355,9 +93,15 @@ def _on_gpu(*tensors: Sequence[Tensor]) -> bool:
     return not torch.compiler.is_compiling() and all(t.is_cuda for ts in tensors for t in ts)
 
 
-def _use_triton(auto: bool) -> bool:
-    """The forced backend, else ``auto`` (whether the kernels suit these tensors on a GPU)."""
-    return _backend == "triton" if _backend != "auto" else auto
+def _kernels(auto: bool) -> ModuleType | None:
+    """The kernels' module if the forced backend, else ``auto`` (whether the kernels suit these tensors on a
+    GPU), asks for Triton and Triton is there; None for the torch references."""
+    if not (_backend == "triton" if _backend != "auto" else auto):
+        return None
+    fused = _fused()
+    if fused is None and _backend == "triton":
+        raise ImportError("elementwise_backend('triton') needs Triton: pip install triton")
+    return fused
 
 
 def momentum_pack(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, momentum: float,
@@ -367,9 +111,8 @@ def momentum_pack(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, 
     grads: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, ``s <= l``, one float dtype. bufs: their fp32
     momentum, same shapes, updated in place. out: ``(k, s, l)`` contiguous; ``out[i]`` receives matrix i's update
     ``G + mu (B - G)`` (Nesterov) or ``B``, transposed when tall, in out's dtype."""
-    fn = momentum_pack_triton if _use_triton(_on_gpu(grads, bufs) and fusable(grads, bufs)) \
-        else momentum_pack_reference
-    fn(grads, bufs, out, momentum, nesterov)
+    fused = _kernels(_on_gpu(grads, bufs) and fusable(grads, bufs))
+    (fused.momentum_pack_triton if fused else momentum_pack_reference)(grads, bufs, out, momentum, nesterov)
 
 
 def apply_update(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int], float], lr: float | Tensor,
@@ -378,18 +121,18 @@ def apply_update(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int]
 
     params: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, one float dtype. Y: ``(k, s, l)``, any float
     dtype. lr: a float, or a 0-d tensor (no host sync on the GPU)."""
-    fn = apply_update_triton if _use_triton(_on_gpu(params) and fusable(params)) else apply_update_reference
-    fn(params, Y, scale, lr, weight_decay)
+    fused = _kernels(_on_gpu(params) and fusable(params))
+    (fused.apply_update_triton if fused else apply_update_reference)(params, Y, scale, lr, weight_decay)
 
 
 def frobenius_normalize(X: Tensor, dtype: torch.dtype) -> Tensor:
     """Each matrix of ``X (b, m, n)`` (any float dtype) divided by its Frobenius norm, returned in ``dtype`` with
     X's layout; a zero matrix stays zero. The norm is accumulated in float64, so inputs of any finite scale
     (1e-30 to 1e30) neither overflow nor underflow."""
-    auto = _on_gpu([X]) and triton is not None and X.dtype in _TL_DTYPES and dtype in _TL_DTYPES
-    fn = frobenius_normalize_triton if _use_triton(auto) and _dense_layout(X) is not None \
-        else frobenius_normalize_reference
-    return fn(X, dtype)
+    fused = _kernels(_on_gpu([X]) and X.dtype in KERNEL_DTYPES and dtype in KERNEL_DTYPES)
+    if fused is None or _dense_layout(X) is None:
+        return frobenius_normalize_reference(X, dtype)
+    return fused.frobenius_normalize_triton(X, dtype)
 
 
 @contextlib.contextmanager

@@ -46,6 +46,7 @@ def test_dispatched_step_matches_float64(shape):
 
 def test_muon_elementwise_kernels_match_foreach_on_gpu():
     from matrixopt.kernels import muon_elementwise as ew
+    from matrixopt.kernels import muon_fused as fused
 
     torch.manual_seed(0)
     shapes = [(768, 3072), (3072, 768), (300, 517)]
@@ -57,7 +58,7 @@ def test_muon_elementwise_kernels_match_foreach_on_gpu():
         params = [torch.randn(sh, device="cuda") for sh in mats]
         Y = torch.randn(len(mats), s, l, device="cuda").bfloat16()  # one Newton–Schulz output for both paths
         outs, new_bufs, new_params = [], [], []
-        for pack, apply in ((ew.momentum_pack_triton, ew.apply_update_triton),
+        for pack, apply in ((fused.momentum_pack_triton, fused.apply_update_triton),
                             (ew.momentum_pack_reference, ew.apply_update_reference)):
             b, p = [x.clone() for x in bufs], [x.clone() for x in params]
             out = torch.empty(len(mats), s, l, device="cuda", dtype=torch.bfloat16)
@@ -73,11 +74,12 @@ def test_muon_elementwise_kernels_match_foreach_on_gpu():
 
 def test_frobenius_normalize_matches_float64_on_gpu():
     from matrixopt.kernels import muon_elementwise as ew
+    from matrixopt.kernels import muon_fused as fused
 
     torch.manual_seed(0)
     X = torch.randn(24, 768, 3072, device="cuda").bfloat16()
     X[1] *= 1e30
     X[2] = 0
-    out = ew.frobenius_normalize_triton(X, torch.bfloat16)
+    out = fused.frobenius_normalize_triton(X, torch.bfloat16)
     ref = ew.frobenius_normalize_reference(X.double(), torch.float64)
     torch.testing.assert_close(out.double(), ref, rtol=2**-8, atol=1e-6)

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 import matrixopt  # noqa: E402
 from matrixopt.kernels import muon_elementwise as ew  # noqa: E402
+from matrixopt.kernels import muon_fused as fused  # noqa: E402
 
 # fp32 elementwise math: a few ulps from float64 (observed ~2e-7 relative). bf16 outputs: one rounding, which
 # Triton's interpreter does by truncation (relative error below 2^-7; a GPU rounds to nearest, 2^-8).
@@ -40,7 +41,7 @@ def test_momentum_pack_matches_float64(grad_dtype, out_dtype, nesterov):
     bufs = [torch.randn(s) for s in shapes()]
     bufs64 = [b.double() for b in bufs]
     out = torch.full((len(grads), S, L), float("nan"), dtype=out_dtype)
-    ew.momentum_pack_triton(grads, bufs, out, mu, nesterov)
+    fused.momentum_pack_triton(grads, bufs, out, mu, nesterov)
     for i, (g, b, b64) in enumerate(zip(grads, bufs, bufs64)):
         g64 = g.double()
         b_ref = mu * b64 + (1 - mu) * g64
@@ -60,7 +61,7 @@ def test_apply_update_matches_float64(param_dtype, tensor_lr):
     Y = torch.randn(len(params), L, S).bfloat16().mT  # a transposed (k, S, L) view: strides are honoured
     lr, wd = 0.03, 0.1
     scale = lambda m, n: math.sqrt(m / n)  # noqa: E731  (differs between the orientations)
-    ew.apply_update_triton(params, Y, scale, torch.tensor(lr) if tensor_lr else lr, wd)
+    fused.apply_update_triton(params, Y, scale, torch.tensor(lr) if tensor_lr else lr, wd)
     for i, (p, w) in enumerate(zip(params, before)):
         m, n = p.shape
         y = Y[i].double()
@@ -71,20 +72,20 @@ def test_apply_update_matches_float64(param_dtype, tensor_lr):
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_frobenius_normalize_matches_float64(in_dtype, transposed, monkeypatch):
-    monkeypatch.setattr(ew, "NORM_BLOCK", 256)  # several tiles per matrix, the last one partial
+    monkeypatch.setattr(fused, "NORM_BLOCK", 256)  # several tiles per matrix, the last one partial
     torch.manual_seed(5)
     X = torch.randn(4, S, L if not transposed else S + 3).to(in_dtype)
     X[1] = 0  # a zero matrix stays zero
     X[2] *= 1e30  # squares beyond float32: the float64 sums hold them
     X[3] *= 1e-30
     X = X.mT if transposed else X  # a transposed view keeps its layout
-    out = ew.frobenius_normalize_triton(X, torch.bfloat16)
+    out = fused.frobenius_normalize_triton(X, torch.bfloat16)
     assert out.dtype == torch.bfloat16 and out.stride() == X.stride()
     X64 = X.double()
     norm = X64.norm(dim=(-2, -1), keepdim=True)
     ref = torch.where(norm > 0, X64 / norm, 0.0)
     torch.testing.assert_close(out.double(), ref, **BF16_TOL)
-    assert torch.equal(ew.frobenius_normalize_triton(X, torch.bfloat16), out)  # fixed summation order
+    assert torch.equal(fused.frobenius_normalize_triton(X, torch.bfloat16), out)  # fixed summation order
 
 
 def test_strided_pieces_are_written_in_place():
@@ -93,21 +94,21 @@ def test_strided_pieces_are_written_in_place():
     W, G, B = torch.randn(S, 3 * L), torch.randn(S, 3 * L), torch.zeros(S, 3 * L)
     pieces = lambda t: list(t.split(L, dim=1))  # noqa: E731
     out = torch.empty(3, S, L)
-    ew.momentum_pack_triton(pieces(G), pieces(B), out, 0.5, False)
+    fused.momentum_pack_triton(pieces(G), pieces(B), out, 0.5, False)
     torch.testing.assert_close(B, 0.5 * G)
     torch.testing.assert_close(out, 0.5 * G.reshape(S, 3, L).transpose(0, 1))
     W0 = W.clone()
-    ew.apply_update_triton(pieces(W), out, lambda m, n: 2.0, 0.1, 0.0)
+    fused.apply_update_triton(pieces(W), out, lambda m, n: 2.0, 0.1, 0.0)
     torch.testing.assert_close(W, W0 - 0.2 * 0.5 * G)
 
 
 def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="must match"):
-        ew.momentum_pack_triton([torch.randn(S, L)], [torch.randn(S, L + 1)], torch.empty(1, S, L), 0.9, True)
+        fused.momentum_pack_triton([torch.randn(S, L)], [torch.randn(S, L + 1)], torch.empty(1, S, L), 0.9, True)
     with pytest.raises(ValueError, match="contiguous"):
-        ew.momentum_pack_triton([torch.randn(S, L)], [torch.randn(S, L)], torch.empty(1, L, S).mT, 0.9, True)
+        fused.momentum_pack_triton([torch.randn(S, L)], [torch.randn(S, L)], torch.empty(1, L, S).mT, 0.9, True)
     with pytest.raises(ValueError, match="parameters for a stack"):
-        ew.apply_update_triton([torch.randn(S, L)] * 2, torch.empty(1, S, L), lambda m, n: 1.0, 0.1, 0.0)
+        fused.apply_update_triton([torch.randn(S, L)] * 2, torch.empty(1, S, L), lambda m, n: 1.0, 0.1, 0.0)
 
 
 def _model():
