@@ -34,6 +34,7 @@ from torch import nn
 import matrixopt.distributed as mdist
 from matrixopt import build_optimizer
 from matrixopt.bench.common import exposed_comm
+from matrixopt.distributed import comm
 from matrixopt.train.model import GPT, GPTConfig
 
 SPLITS = {r"attn\.c_attn\.weight$": 3}  # Q, K, V orthogonalized separately, as the trainer does
@@ -213,7 +214,7 @@ def main() -> None:
         out = Path(os.environ.get("OUT", ".")) / "layerwise_gpu.json"
         out.write_text(json.dumps(result, indent=2, default=str))
         print(f"wrote {out}")
-    dist.destroy_process_group()
+    comm.leave()  # destroys the group; no interpreter teardown (see its docstring)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from matrixopt.bench.common import environment, exposed_comm, sync, table, time_ms
+from matrixopt.distributed import comm
 from matrixopt.distributed.layerwise import LayerwiseOptimizer
 from matrixopt.optim.registry import build_optimizer
 from matrixopt.train.config import ModelConfig, OptimConfig, TrainConfig
@@ -253,7 +254,7 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "scaling_gpu.json").write_text(json.dumps(result, indent=2, default=str))
         print(f"wrote {out / 'scaling_gpu.json'}")
-    dist.destroy_process_group()
+    comm.leave()  # destroys the group; no interpreter teardown (see its docstring)
 
 
 if __name__ == "__main__":

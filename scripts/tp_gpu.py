@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from matrixopt.distributed import comm
 from matrixopt.distributed.fsdp import apply_fsdp
 from matrixopt.distributed.sharded import ShardedMuon
 from matrixopt.distributed.tp import choose_mode, measure_cost_model, ns_step_flops, tp_newton_schulz
@@ -219,7 +220,7 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "tp_gpu.json").write_text(json.dumps(result, indent=2))
         print(f"wrote {out / 'tp_gpu.json'}")
-    dist.destroy_process_group()
+    comm.leave()  # destroys the group; no interpreter teardown (see its docstring)
 
 
 if __name__ == "__main__":

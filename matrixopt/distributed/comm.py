@@ -6,8 +6,10 @@ Everything else in :mod:`matrixopt.distributed` moves tensors only through these
 
 from __future__ import annotations
 
+import os
+import sys
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -71,3 +73,17 @@ def object_device(group: Group) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def leave(code: int = 0) -> NoReturn:
+    """End a torchrun worker: destroy the default process group (if any), flush stdout and stderr, and exit with
+    ``code`` without interpreter teardown.
+
+    Collective work objects that torch keeps alive (DTensor's, FSDP2's) can outlive their destroyed gloo group;
+    destroying them during interpreter teardown sometimes aborts the process ("terminate called without an active
+    exception") after all the work has finished and its results are written. Only for the end of a process."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -44,7 +44,9 @@ def gather_to_owners(local: Tensor, owners: Sequence[int], sizes: Sequence[int],
     b, rows, n = local.shape
     assert len(owners) == b and len(sizes) == world and sizes[me] == rows, (owners, sizes, tuple(local.shape))
     order, counts = _by_owner(owners, world)
-    send = local[order].reshape(-1)  # (b * rows * n,), grouped by destination
+    # (b * rows * n,), grouped by destination; a cat of views, where local[order] would copy the index list to the
+    # GPU with a host sync
+    send = torch.cat([local[i].reshape(-1) for i in order]) if b else local.reshape(-1)
     recv = tp_comm.all_to_all(send, [c * rows * n for c in counts], [counts[me] * s * n for s in sizes], group)
     pieces = recv.split([counts[me] * s * n for s in sizes])
     return torch.cat([p.view(counts[me], s, n) for p, s in zip(pieces, sizes)], dim=1)  # (k, m, n)
@@ -58,12 +60,18 @@ def scatter_from_owners(owned: Tensor, owners: Sequence[int], sizes: Sequence[in
     k, _, n = owned.shape
     order, counts = _by_owner(owners, world)
     assert counts[me] == k, (counts, tuple(owned.shape))
-    send = torch.cat([blk.reshape(-1) for blk in owned.split(list(sizes), dim=1)])  # grouped by destination
+    send = owned.new_empty(k * sum(sizes) * n)  # grouped by destination: each rank's rows of the k matrices
+    offset = 0
+    for blk, s in zip(owned.split(list(sizes), dim=1), sizes):
+        send[offset:offset + k * s * n].view(k, s, n).copy_(blk)
+        offset += k * s * n
     rows = sizes[me]
     recv = tp_comm.all_to_all(send, [k * s * n for s in sizes], [c * rows * n for c in counts], group)
-    out = owned.new_empty(len(owners), rows, n)
-    out[order] = recv.view(len(owners), rows, n)
-    return out
+    recv = recv.view(len(owners), rows, n)  # in owner order
+    if not owners:
+        return recv
+    position = {i: j for j, i in enumerate(order)}
+    return torch.stack([recv[position[i]] for i in range(len(owners))])  # back to item order, no index tensor
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None,

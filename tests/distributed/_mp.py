@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -19,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from matrixopt.distributed import comm
 
 
 def free_port() -> int:
@@ -34,14 +35,10 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, pg_tim
                             timeout=timedelta(seconds=pg_timeout))
     try:
         fn(rank, world_size, *args)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-    # Success: leave without interpreter teardown. Collective work objects that DTensor keeps (e.g. from
-    # distribute_tensor's scatter) can outlive their destroyed gloo group, and destroying them at exit sometimes
-    # aborts the process ("terminate called without an active exception") after the test has passed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        raise
+    comm.leave(0)  # success: no interpreter teardown (gloo work objects outliving their group, see its docstring)
 
 
 def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, pg_timeout: float = 60.0) -> None:
