@@ -184,8 +184,9 @@ class ShardedMuon(Muon):
                                             coefficients=group["ns_coefficients"], dtype=group["ns_dtype"],
                                             mode=self.tp_mode, chunks=self.tp_chunks, sizes=tp_sizes,
                                             cost_model=self.tp_cost_model)
-        if Y.size(-2) > Y.size(-1):
-            return super()._orthogonalize(group, Y.mT).mT * scale  # short side first, as Muon iterates
+        if Y.size(-2) > Y.size(-1):  # short side first, as Muon iterates, stored row-major as Muon packs it (the
+            # Triton SYRK path takes row-major stacks; a transposed view would be copied at every iteration)
+            return super()._orthogonalize(group, Y.mT.contiguous()).mT * scale
         return super()._orthogonalize(group, Y) * scale
 
     def _layout(self, p: DTensor) -> Sharding:
