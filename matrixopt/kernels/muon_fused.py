@@ -208,51 +208,65 @@ def _orientations(shapes: Sequence[torch.Size]) -> dict[bool, list[int]]:
     return groups
 
 
+def pack_rows(grads: Sequence[Tensor], bufs: Sequence[Tensor], s: int, l: int) -> list[tuple[bool, list[list[int]]]]:
+    """The tables of :func:`momentum_pack_triton` for an ``(s, l)`` stack: ``(tall, rows)`` per orientation present,
+    each row ``[gradient address, momentum address, their row strides, slot]``. Checks the shapes."""
+    if len(grads) != len(bufs):
+        raise ValueError(f"momentum_pack: {len(grads)} gradients but {len(bufs)} momentum buffers")
+    for g, b in zip(grads, bufs):
+        if g.shape != b.shape or sorted(g.shape) != [s, l] or b.dtype != torch.float32:
+            raise ValueError(f"momentum_pack: gradient {tuple(g.shape)} and fp32 momentum {tuple(b.shape)} "
+                             f"({b.dtype}) must match and be ({s}, {l}) or ({l}, {s})")
+    return [(tall, [[grads[i].data_ptr(), bufs[i].data_ptr(), grads[i].stride(0), bufs[i].stride(0), i]
+                    for i in idx])
+            for tall, idx in _orientations([g.shape for g in grads]).items() if idx]
+
+
+def apply_rows(params: Sequence[Tensor]) -> list[tuple[bool, list[list[int]]]]:
+    """The tables of :func:`apply_update_triton`: ``(tall, rows)`` per orientation present, each row
+    ``[parameter address, row stride, slot]``."""
+    return [(tall, [[params[i].data_ptr(), params[i].stride(0), i] for i in idx])
+            for tall, idx in _orientations([p.shape for p in params]).items() if idx]
+
+
 def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, momentum: float,
-                  nesterov: bool) -> None:
+                         nesterov: bool, *, tables: Sequence[Tensor] | None = None) -> None:
     """Momentum step on every matrix and its update packed short side first, by the Triton kernel.
 
     grads: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, ``s <= l``, all of one dtype (fp32, bf16 or
     fp16), unit column stride. bufs: their fp32 momentum, same shapes and unit column stride; updated in place.
     out: ``(k, s, l)`` contiguous, any supported dtype; ``out[i]`` receives matrix i's update (transposed when
-    tall)."""
+    tall). tables: device copies of :func:`pack_rows`' tables to read instead (static ones, for CUDA graphs)."""
     k, s, l = out.shape
-    if not out.is_contiguous() or len(grads) != k or len(bufs) != k:
-        raise ValueError(f"momentum_pack needs k={len(grads)} gradients and momentum buffers and a contiguous (k, s,"
-                         f" l) output; got {len(bufs)} buffers and out {tuple(out.shape)}")
-    for g, b in zip(grads, bufs):
-        if g.shape != b.shape or sorted(g.shape) != [s, l] or b.dtype != torch.float32:
-            raise ValueError(f"momentum_pack: gradient {tuple(g.shape)} and fp32 momentum {tuple(b.shape)} "
-                             f"({b.dtype}) must match and be ({s}, {l}) or ({l}, {s})")
-    for tall, idx in _orientations([g.shape for g in grads]).items():
-        if not idx:
-            continue
+    if not out.is_contiguous() or len(grads) != k:
+        raise ValueError(f"momentum_pack needs k={len(grads)} gradients and a contiguous (k, s, l) output; got out "
+                         f"{tuple(out.shape)} with strides {out.stride()}")
+    layout = pack_rows(grads, bufs, s, l)
+    for j, (tall, rows) in enumerate(layout):
         R, C = (l, s) if tall else (s, l)
-        table = _table([[grads[i].data_ptr(), bufs[i].data_ptr(), grads[i].stride(0), bufs[i].stride(0), i]
-                        for i in idx], out.device)
-        grid = (triton.cdiv(R, TILE.block_r) * triton.cdiv(C, TILE.block_c), len(idx))
+        table = tables[j] if tables is not None else _table(rows, out.device)
+        grid = (triton.cdiv(R, TILE.block_r) * triton.cdiv(C, TILE.block_c), len(rows))
         _momentum_pack_kernel[grid](table, out, R, C, 1.0 - momentum, momentum,
                                     G_DTYPE=_TL_DTYPES[grads[0].dtype], NESTEROV=nesterov, TALL=tall,
                                     BLOCK_R=TILE.block_r, BLOCK_C=TILE.block_c, num_warps=TILE.num_warps)
 
 
 def apply_update_triton(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int], float], lr: float | Tensor,
-                 weight_decay: float) -> None:
+                        weight_decay: float, *, tables: Sequence[Tensor] | None = None) -> None:
     """``W_i <- (1 - lr wd) W_i - lr scale(m_i, n_i) Y[i]`` (``Y[i]^T`` for tall ``W_i``), in place, by the
     Triton kernel.
 
     params: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, all of one dtype, unit column stride.
-    Y: ``(k, s, l)``, any float dtype and strides. lr: a float, or a 0-d tensor on Y's device (no host sync)."""
+    Y: ``(k, s, l)``, any float dtype and strides. lr: a float, or a 0-d tensor on Y's device (no host sync).
+    tables: device copies of :func:`apply_rows`' tables to read instead (static ones, for CUDA graphs)."""
     k, s, l = Y.shape
     if len(params) != k:
         raise ValueError(f"apply_update: {len(params)} parameters for a stack of {k}")
     lr_ptr = isinstance(lr, Tensor)
-    for tall, idx in _orientations([p.shape for p in params]).items():
-        if not idx:
-            continue
+    for j, (tall, rows) in enumerate(apply_rows(params)):
         R, C = (l, s) if tall else (s, l)
-        table = _table([[params[i].data_ptr(), params[i].stride(0), i] for i in idx], Y.device)
-        grid = (triton.cdiv(R, TILE.block_r) * triton.cdiv(C, TILE.block_c), len(idx))
+        table = tables[j] if tables is not None else _table(rows, Y.device)
+        grid = (triton.cdiv(R, TILE.block_r) * triton.cdiv(C, TILE.block_c), len(rows))
         _apply_update_kernel[grid](table, Y, Y.stride(0), Y.stride(1), Y.stride(2), R, C,
                                    lr if lr_ptr else float(lr), float(weight_decay), float(scale(R, C)),
                                    P_DTYPE=_TL_DTYPES[params[0].dtype], LR_PTR=lr_ptr, TALL=tall,

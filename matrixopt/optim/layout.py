@@ -12,8 +12,8 @@ batched call.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -75,6 +75,51 @@ def matrix_pieces(param: Tensor, t: Tensor) -> list[Tensor]:
     return list(M.split(sizes, dim=dim + (1 if experts else 0)))
 
 
+@dataclass
+class Bucket:
+    """The ``(s, l)`` matrices of one Newton–Schulz batch: views of parameters, gradients and momentum, each
+    ``(s, l)`` or ``(l, s)``, in stack order."""
+
+    s: int
+    l: int
+    device: torch.device
+    params: list[Tensor] = field(default_factory=list)
+    grads: list[Tensor] = field(default_factory=list)
+    bufs: list[Tensor] = field(default_factory=list)
+
+
+def momentum_buckets(params: list[Tensor], grads: list[Tensor],
+                     bufs: list[Tensor]) -> tuple[list[Bucket], list[tuple[Tensor, Tensor]]]:
+    """Every ``(m, n)`` matrix piece of every parameter, grouped by ``(s, l) = (min(m, n), max(m, n))``, gradient
+    dtype, parameter dtype and device. Also returns ``(tensor, contiguous copy)`` pairs for parameters or momentum
+    buffers without an aliasing matrix view (e.g. a channels_last conv kernel): the pieces view the copies, which
+    the caller writes back after the step."""
+    buckets: dict[tuple, Bucket] = {}
+    copies = []
+    for p, g, b in zip(params, grads, bufs):
+        targets = []
+        for t in (p, b):
+            if not (t.ndim == 2 or getattr(p, _EXPERTS, False) or t.is_contiguous()):
+                copies.append((t, t.contiguous()))
+                t = copies[-1][1]
+            targets.append(t)
+        for pp, gp, bp in zip(matrix_pieces(p, targets[0]), matrix_pieces(p, g), matrix_pieces(p, targets[1])):
+            m, n = pp.shape[-2:]
+            key = (min(m, n), max(m, n), g.dtype, p.dtype, p.device)
+            if key not in buckets:
+                buckets[key] = Bucket(key[0], key[1], p.device)
+            bucket = buckets[key]
+            if pp.ndim == 3:  # stacked experts: E matrices
+                bucket.params.extend(pp.unbind(0))
+                bucket.grads.extend(gp.unbind(0))
+                bucket.bufs.extend(bp.unbind(0))
+            else:
+                bucket.params.append(pp)
+                bucket.grads.append(gp)
+                bucket.bufs.append(bp)
+    return list(buckets.values()), copies
+
+
 def orthogonalized_momentum_step(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], *, momentum: float,
                                  nesterov: bool, fn: Callable[[Tensor], Tensor], dtype: torch.dtype,
                                  scale: Callable[[int, int], float], lr: float | Tensor, weight_decay: float) -> None:
@@ -92,29 +137,10 @@ def orthogonalized_momentum_step(params: list[Tensor], grads: list[Tensor], bufs
     Per ``(s, l)`` bucket, a wide ``(768, 3072)`` and a tall ``(3072, 768)`` weight together: one fused pass
     writes the momentum and packs the updates into the stack, one ``fn`` call, one fused pass applies the scaled
     update and the decay (:mod:`matrixopt.kernels.muon_elementwise`; foreach references off the GPU)."""
-    buckets: dict[tuple, tuple[list[Tensor], list[Tensor], list[Tensor]]] = defaultdict(lambda: ([], [], []))
-    copies = []  # (tensor, contiguous copy) for tensors whose matrix view would not alias them
-    for p, g, b in zip(params, grads, bufs):
-        targets = []
-        for t in (p, b):
-            if not (t.ndim == 2 or getattr(p, _EXPERTS, False) or t.is_contiguous()):  # e.g. channels_last conv
-                copies.append((t, t.contiguous()))
-                t = copies[-1][1]
-            targets.append(t)
-        for pp, gp, bp in zip(matrix_pieces(p, targets[0]), matrix_pieces(p, g), matrix_pieces(p, targets[1])):
-            m, n = pp.shape[-2:]
-            ps, gs, bs = buckets[(min(m, n), max(m, n), g.dtype, p.dtype, p.device)]
-            if pp.ndim == 3:  # stacked experts: E matrices
-                ps.extend(pp.unbind(0))
-                gs.extend(gp.unbind(0))
-                bs.extend(bp.unbind(0))
-            else:
-                ps.append(pp)
-                gs.append(gp)
-                bs.append(bp)
-    for (s, l, _, _, device), (ps, gs, bs) in buckets.items():
-        X = torch.empty((len(ps), s, l), dtype=dtype, device=device)
-        momentum_pack(gs, bs, X, momentum, nesterov)
-        apply_update(ps, fn(X), scale, lr, weight_decay)
+    buckets, copies = momentum_buckets(params, grads, bufs)
+    for bk in buckets:
+        X = torch.empty((len(bk.params), bk.s, bk.l), dtype=dtype, device=bk.device)
+        momentum_pack(bk.grads, bk.bufs, X, momentum, nesterov)
+        apply_update(bk.params, fn(X), scale, lr, weight_decay)
     for t, c in copies:
         t.copy_(c)

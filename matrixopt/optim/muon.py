@@ -28,9 +28,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from matrixopt.kernels import muon_elementwise
 from matrixopt.linalg.ortho import newton_schulz_short_side, polar, resolve_schedule
 from matrixopt.optim.base import MatrixOptimizer, _check_finite, check_lr, param_label
-from matrixopt.optim.layout import orthogonalized_momentum_step
+from matrixopt.optim.graphed import CapturedMuonStep
+from matrixopt.optim.layout import momentum_buckets, orthogonalized_momentum_step
 
 SCALINGS = ("match_adamw", "original", "spectral")
 
@@ -62,6 +64,11 @@ class Muon(MatrixOptimizer):
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults of the AdamW groups (lr and weight decay
             default to ``lr`` and ``weight_decay``).
         skip_nonfinite: skip (and count) the update of a parameter whose gradient is NaN/Inf instead of raising.
+        cuda_graph: on CUDA, capture the matrix groups' step (fused momentum pass, Newton–Schulz, fused update) in
+            one CUDA graph per set of parameters, after one eager step, and replay it: one launch instead of ~20
+            kernels per bucket, for models whose step is bound by the host. Costs the graph's memory (each bucket's
+            stacks). The learning rate may change; a change of another matrix-group setting captures anew.
+            Ignored off CUDA and without Triton (:mod:`matrixopt.optim.graphed`).
 
     Parameters of matrix groups: 2-D ``(out, in)``; conv kernels ``(out, in, ...)`` (flattened); stacked experts
     ``(E, out, in)`` marked with :func:`matrixopt.mark_experts`; fused weights marked with
@@ -69,18 +76,25 @@ class Muon(MatrixOptimizer):
     orthogonalized together in one batched call.
     """
 
+    cuda_graph = False  # MOP and optimizers unpickled from before the option keep the eager step
+
     def __init__(self, params: Iterable[Any], lr: float | Tensor = 1e-3, momentum: float = 0.95,
                  nesterov: bool = True, weight_decay: float = 0.01, ns_steps: int = 5,
                  ns_coefficients: Any = "quintic", ns_dtype: torch.dtype | None = None,
                  scaling: str = "match_adamw", *, adamw_lr: float | None = None,
                  adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
-                 adamw_weight_decay: float | None = None, skip_nonfinite: bool = False) -> None:
+                 adamw_weight_decay: float | None = None, skip_nonfinite: bool = False,
+                 cuda_graph: bool = False) -> None:
         matrix_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
                                scaling=scaling)
         adamw_defaults = dict(lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                               weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
+        self.cuda_graph = bool(cuda_graph)
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return super().__getstate__() | {"cuda_graph": self.cuda_graph}  # captured graphs are not pickled
 
     def _validate_matrix_group(self, group: dict[str, Any]) -> None:
         check_lr(group["lr"])
@@ -131,10 +145,41 @@ class Muon(MatrixOptimizer):
         lr = group["lr"]
         if isinstance(lr, Tensor):
             lr = lr.to(params[0].device)
-        orthogonalized_momentum_step(
-            params, grads, bufs, momentum=group["momentum"], nesterov=group["nesterov"],
-            fn=lambda X: self._orthogonalize(group, X), dtype=self._stack_dtype(group, params[0].device),
-            scale=lambda m, n: update_scale(group["scaling"], m, n), lr=lr, weight_decay=group["weight_decay"])
+        step = dict(momentum=group["momentum"], nesterov=group["nesterov"],
+                    fn=lambda X: self._orthogonalize(group, X), dtype=self._stack_dtype(group, params[0].device),
+                    scale=lambda m, n: update_scale(group["scaling"], m, n), weight_decay=group["weight_decay"])
+        if not (self.cuda_graph and self._graph_step(group, params, grads, bufs, lr, step)):
+            orthogonalized_momentum_step(params, grads, bufs, lr=lr, **step)
+
+    _MAX_GRAPHS = 8  # captured steps kept per optimizer (one per set of parameters with gradients and settings)
+
+    def _graph_step(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], bufs: list[Tensor],
+                    lr: float | Tensor, step: dict[str, Any]) -> bool:
+        """The step through a captured CUDA graph; False where it can't be (then the caller steps eagerly): off
+        CUDA, without Triton, for subclasses that orthogonalize otherwise (MOP's SVD, collectives), for layouts the
+        fused kernels don't take, and on the first step of a new set of parameters or settings, which runs eagerly
+        so that every kernel is compiled, tuned and dispatched before capture."""
+        device = params[0].device
+        if (device.type != "cuda" or type(self)._orthogonalize is not Muon._orthogonalize
+                or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
+                or muon_elementwise._fused() is None or any(p.device != device for p in params)):
+            return False
+        buckets, copies = momentum_buckets(params, grads, bufs)
+        if copies or not all(muon_elementwise.fusable(bk.params, bk.grads, bk.bufs) for bk in buckets):
+            return False
+        key = (id(group), tuple(map(id, params)), tuple(g.dtype for g in grads), group["momentum"],
+               group["nesterov"], group["weight_decay"], group["scaling"], group["ns_dtype"],
+               resolve_schedule(group["ns_coefficients"], group["ns_steps"]))
+        graphs = self.__dict__.setdefault("_graphs", {})
+        captured = graphs.get(key)
+        if captured is None:
+            if len(graphs) < self._MAX_GRAPHS:
+                graphs[key] = "warm"  # this eager step warms the kernels up; the next one captures
+            return False
+        if captured == "warm":
+            captured = graphs[key] = CapturedMuonStep(buckets, **step)
+        captured.replay(buckets, lr)
+        return True
 
 
 class MOP(Muon):

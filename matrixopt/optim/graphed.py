@@ -1,0 +1,77 @@
+"""Muon's matrix step captured in one CUDA graph: the host launches one graph instead of ~20 kernels per bucket.
+
+On a model of GPT-2-small's size the step is bound by the host: each Newton–Schulz iteration is three short
+kernels, and issuing them costs as long as running them. :class:`CapturedMuonStep` captures, for a fixed set of
+parameters, every bucket's fused momentum pass, Newton–Schulz and fused update into one graph. What changes from
+step to step is read at run time, so one capture serves every step:
+
+- addresses (new gradient tensors after ``zero_grad(set_to_none=True)``, momentum buffers replaced by
+  ``load_state_dict``): the fused kernels read them from int64 tables, and the graph reads static copies of those
+  tables, refreshed before each replay when they changed;
+- the learning rate (a scheduler's): the update kernel reads it from a 0-d device tensor.
+
+Everything else (shapes, dtypes, momentum, Nesterov, weight decay, the Newton–Schulz schedule and update scaling)
+is part of the graph; :class:`matrixopt.Muon` keys its graphs on them and captures anew when one changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from matrixopt.optim.layout import Bucket
+
+
+class CapturedMuonStep:
+    """One capture of :func:`matrixopt.optim.layout.orthogonalized_momentum_step` over ``buckets`` (CUDA,
+    Triton kernels only). ``fn`` (Newton–Schulz) must be capturable and must already have run once on each
+    bucket's shape outside capture, so that its kernels are compiled, tuned and dispatched."""
+
+    def __init__(self, buckets: list[Bucket], *, momentum: float, nesterov: bool, fn: Callable[[Tensor], Tensor],
+                 dtype: torch.dtype, scale: Callable[[int, int], float], weight_decay: float) -> None:
+        from matrixopt.kernels import muon_fused
+
+        self._fused = muon_fused
+        device = buckets[0].device
+        self.lr = torch.zeros((), dtype=torch.float32, device=device)
+        self._layouts = [self._layout(bk) for bk in buckets]
+        self._tables = [tuple([torch.tensor(rows, dtype=torch.int64, device=device) for _, rows in part]
+                              for part in layout) for layout in self._layouts]
+        # Before capture, on a side stream as torch.cuda.graph's documentation asks: fn once more (zero stacks; fn
+        # is pure), and the update kernel in its device-lr variant, compiled here rather than during capture, with
+        # lr = 0 and no decay, which leaves every parameter as it is.
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for bk, (_, apply_tables) in zip(buckets, self._tables):
+                Y = fn(torch.zeros((len(bk.params), bk.s, bk.l), dtype=dtype, device=device))
+                muon_fused.apply_update_triton(bk.params, Y, scale, self.lr, 0.0, tables=apply_tables)
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            for bk, (pack_tables, apply_tables) in zip(buckets, self._tables):
+                X = torch.empty((len(bk.params), bk.s, bk.l), dtype=dtype, device=device)
+                muon_fused.momentum_pack_triton(bk.grads, bk.bufs, X, momentum, nesterov, tables=pack_tables)
+                muon_fused.apply_update_triton(bk.params, fn(X), scale, self.lr, weight_decay, tables=apply_tables)
+
+    def _layout(self, bk: Bucket) -> tuple[list, list]:
+        """The pack and update tables' rows for this step's tensors."""
+        return self._fused.pack_rows(bk.grads, bk.bufs, bk.s, bk.l), self._fused.apply_rows(bk.params)
+
+    def replay(self, buckets: list[Bucket], lr: float | Tensor) -> None:
+        """One step on ``buckets`` (the same parameters, shapes and dtypes as at capture, any addresses)."""
+        for i, bk in enumerate(buckets):
+            layout = self._layout(bk)
+            if layout != self._layouts[i]:
+                for tables, part in zip(self._tables[i], layout):
+                    for table, (_, rows) in zip(tables, part):
+                        table.copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
+                self._layouts[i] = layout
+        if isinstance(lr, Tensor):
+            self.lr.copy_(lr, non_blocking=True)
+        else:
+            self.lr.fill_(lr)
+        self.graph.replay()
