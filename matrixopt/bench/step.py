@@ -8,8 +8,9 @@ to the matrix optimizer, the embeddings, head, norms and biases to AdamW. Compar
 - ``torch.optim.Muon``: ``torch.optim.Muon`` on the hidden matrices plus fused AdamW on the rest, stepped together;
 - ``emerging_optimizers Muon`` when ``emerging_optimizers`` is installed (recorded as missing otherwise);
 - ``matrixopt <name>``: every matrix optimizer in ``matrixopt.OPTIMIZERS`` (muon, and shampoo / soap once they
-  are registered) through ``build_optimizer``; Muon also with the Newton–Schulz dispatcher forced to cuBLAS, and
-  with its elementwise passes as foreach ops instead of the fused kernels, and with ``cuda_graph=True``.
+  are registered) through ``build_optimizer``; Muon also with the Newton–Schulz dispatcher forced to cuBLAS or
+  to Triton, with its elementwise passes as foreach ops instead of the fused kernels, and with
+  ``cuda_graph=True``.
 
 Limit of a Muon step: the Newton–Schulz FLOPs at ``PEAK_BF16_TFLOPS`` plus the fewest bytes at ``COPY_TBPS``:
     FLOPs = sum over hidden matrices of steps * (4 m^2 n + 2 m^3), m <= n
@@ -115,6 +116,7 @@ def candidates(ps: ParamSet, device: torch.device) -> dict[str, Any]:
             continue  # plain AdamW is the fused row above; MOP is the slow SVD reference
         out[f"matrixopt {name}"] = (lambda name=name: build_optimizer(ps, name, lr=LR), contextlib.nullcontext)
     out["matrixopt muon, cuBLAS only"] = (lambda: build_optimizer(ps, "muon", lr=LR), lambda: ns_backend("torch"))
+    out["matrixopt muon, Triton only"] = (lambda: build_optimizer(ps, "muon", lr=LR), lambda: ns_backend("triton"))
     out["matrixopt muon, CUDA graph"] = (lambda: build_optimizer(ps, "muon", lr=LR, cuda_graph=True),
                                          contextlib.nullcontext)
     out["matrixopt muon, unfused elementwise"] = (lambda: build_optimizer(ps, "muon", lr=LR),

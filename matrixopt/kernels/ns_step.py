@@ -9,8 +9,10 @@ Dispatch (backend ``"auto"``, the default):
 - CPU tensors, dtypes other than bf16/fp16, no Triton, or inside ``torch.compile``: the reference.
 - CUDA bf16/fp16: the first call for each ``(batch, m, n, dtype, device)`` times both paths (median of a few
   back-to-back runs with CUDA events, after the Triton kernels have compiled and tuned) and keeps the Triton
-  path only if it was faster than cuBLAS by ``TRITON_MARGIN``; later calls reuse the decision. A shape first
-  seen during CUDA graph capture, where nothing can be timed, uses the reference.
+  path only if it was faster than cuBLAS by ``TRITON_MARGIN``; later calls reuse the decision. Under
+  :func:`for_cuda_graphs` (and during capture) shapes are decided apart, by timing graph replays of both paths:
+  GPU time without launch overhead, which is what a captured step costs. A shape first seen during capture, where
+  nothing can be timed, uses the reference.
 :func:`ns_backend` forces a backend for a block of code (benchmarks, tests).
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -78,23 +80,41 @@ def triton_available() -> bool:
     return True
 
 
-def _key(X: Tensor) -> tuple:
-    return (*X.shape, X.dtype, X.device, X.stride(-1) == 1)
+_for_graphs = False  # set by for_cuda_graphs(): decide for steps that will be replayed from a CUDA graph
 
 
-def _measure(X: Tensor, a: float, b: float, c: float) -> dict[str, float | str]:
-    """Median ms of each path on X (after a warm-up that compiles and tunes), and the faster backend."""
+def _key(X: Tensor, graphed: bool) -> tuple:
+    return (*X.shape, X.dtype, X.device, X.stride(-1) == 1, graphed)
+
+
+def _replay(fn, X: Tensor, a: float, b: float, c: float) -> Callable[[], None]:
+    """``_MEASURE_CALLS`` back-to-back calls of ``fn`` captured in one CUDA graph; returns its replay."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(_MEASURE_CALLS):
+            fn(X, a, b, c)
+    return graph.replay
+
+
+def _measure(X: Tensor, a: float, b: float, c: float, graphed: bool) -> dict[str, float | str]:
+    """Median ms of each path on X (after a warm-up that compiles and tunes), and the faster backend. Eager
+    timings include the host's launch overhead where it shows; ``graphed`` times replays of a CUDA graph, the GPU
+    time alone, as a captured step will run."""
     paths = {"triton": ns_step_triton, "torch": ns_step_reference}
     for fn in paths.values():
         fn(X, a, b, c)
         fn(X, a, b, c)
+    if graphed:
+        torch.cuda.synchronize(X.device)
+        runs = {name: _replay(fn, X, a, b, c) for name, fn in paths.items()}
+    else:
+        runs = {name: (lambda fn=fn: [fn(X, a, b, c) for _ in range(_MEASURE_CALLS)]) for name, fn in paths.items()}
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(_MEASURE_REPS):
-        for name, fn in paths.items():
+        for name, run in runs.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(_MEASURE_CALLS):
-                fn(X, a, b, c)
+            run()
             end.record()
             end.synchronize()
             times[name].append(start.elapsed_time(end) / _MEASURE_CALLS)
@@ -108,12 +128,14 @@ def _choose(X: Tensor, a: float, b: float, c: float) -> str:
         return _backend
     if not X.is_cuda or X.dtype not in (torch.bfloat16, torch.float16) or torch.compiler.is_compiling():
         return "torch"
-    key = _key(X)
+    capturing = torch.cuda.is_current_stream_capturing()
+    graphed = capturing or _for_graphs
+    key = _key(X, graphed)
     decision = _decisions.get(key)
     if decision is None:
-        if torch.cuda.is_current_stream_capturing() or not triton_available():
+        if capturing or not triton_available():
             return "torch"
-        decision = _decisions[key] = _measure(X, a, b, c)
+        decision = _decisions[key] = _measure(X, a, b, c, graphed)
     return decision["backend"]  # type: ignore[return-value]
 
 
@@ -138,7 +160,22 @@ def ns_backend(name: str) -> Iterator[None]:
         _backend = previous
 
 
+@contextlib.contextmanager
+def for_cuda_graphs() -> Iterator[None]:
+    """Inside the block, shapes are decided for replay from a CUDA graph: by the GPU time of captured calls,
+    without the host's launch overhead (which favours cuBLAS on small shapes when run eagerly). Run a step's
+    Newton–Schulz once under it before capturing the step; during capture ``ns_step`` uses these decisions."""
+    global _for_graphs
+    previous, _for_graphs = _for_graphs, True
+    try:
+        yield
+    finally:
+        _for_graphs = previous
+
+
 def dispatch_table() -> dict[str, dict[str, float | str]]:
-    """The measured decisions so far, ``{"batch x m x n dtype device": {"triton_ms", "torch_ms", "backend"}}``."""
-    return {f"{b}x{m}x{n} {str(dt).removeprefix('torch.')} {dev}{'' if row_major else ' (transposed)'}": dict(d)
-            for (b, m, n, dt, dev, row_major), d in _decisions.items()}
+    """The measured decisions so far, ``{"batch x m x n dtype device": {"triton_ms", "torch_ms", "backend"}}``
+    (keys end in "(graphed)" for decisions taken for CUDA graph replay)."""
+    return {f"{b}x{m}x{n} {str(dt).removeprefix('torch.')} {dev}{'' if row_major else ' (transposed)'}"
+            f"{' (graphed)' if graphed else ''}": dict(d)
+            for (b, m, n, dt, dev, row_major, graphed), d in _decisions.items()}

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from matrixopt.kernels.ns_step import for_cuda_graphs
 from matrixopt.optim.layout import Bucket
 
 
@@ -44,7 +45,7 @@ class CapturedMuonStep:
         # lr = 0 and no decay, which leaves every parameter as it is.
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), for_cuda_graphs():  # Newton–Schulz paths chosen by their GPU time
             for bk, (_, apply_tables) in zip(buckets, self._tables):
                 Y = fn(torch.zeros((len(bk.params), bk.s, bk.l), dtype=dtype, device=device))
                 muon_fused.apply_update_triton(bk.params, Y, scale, self.lr, 0.0, tables=apply_tables)

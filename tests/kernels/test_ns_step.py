@@ -72,8 +72,8 @@ class FakeCuda(torch.Tensor):
 def test_auto_measures_once_per_shape_and_follows_the_measurement(monkeypatch, faster):
     calls = []
 
-    def fake_measure(X, a, b, c):
-        calls.append(tuple(X.shape))
+    def fake_measure(X, a, b, c, graphed):
+        calls.append((tuple(X.shape), graphed))
         return {"triton_ms": 1.0, "torch_ms": 2.0, "backend": faster}
 
     monkeypatch.setattr(ns, "_measure", fake_measure)
@@ -82,8 +82,13 @@ def test_auto_measures_once_per_shape_and_follows_the_measurement(monkeypatch, f
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     X = torch.randn(2, 8, 12).bfloat16().as_subclass(FakeCuda)
     assert [ns._choose(X, 1.0, 1.0, 1.0) for _ in range(3)] == [faster] * 3
-    assert calls == [(2, 8, 12)]
+    assert calls == [((2, 8, 12), False)]
     assert list(ns.dispatch_table()) == ["2x8x12 bfloat16 cpu"]
+    with ns.for_cuda_graphs():  # decided apart, by GPU time, for steps replayed from a CUDA graph
+        assert ns._choose(X, 1.0, 1.0, 1.0) == faster
+        assert ns._choose(X, 1.0, 1.0, 1.0) == faster
+    assert calls == [((2, 8, 12), False), ((2, 8, 12), True)]
+    assert list(ns.dispatch_table()) == ["2x8x12 bfloat16 cpu", "2x8x12 bfloat16 cpu (graphed)"]
     assert ns._choose(X.float().as_subclass(FakeCuda), 1.0, 1.0, 1.0) == "torch"  # fp32: no Triton path
 
 
