@@ -22,10 +22,10 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the fused kernels read and write
 
 
-def _fused() -> ModuleType | None:
+def fused_kernels() -> ModuleType | None:
     """The Triton kernels' module, or None without Triton (imported on first use, like ns_step's kernels)."""
     try:
         from matrixopt.kernels import muon_fused
@@ -98,7 +98,7 @@ def _kernels(auto: bool) -> ModuleType | None:
     GPU), asks for Triton and Triton is there; None for the torch references."""
     if not (_backend == "triton" if _backend != "auto" else auto):
         return None
-    fused = _fused()
+    fused = fused_kernels()
     if fused is None and _backend == "triton":
         raise ImportError("elementwise_backend('triton') needs Triton: pip install triton")
     return fused

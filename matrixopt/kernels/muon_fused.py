@@ -51,7 +51,7 @@ except ImportError as e:  # pragma: no cover - the dispatcher falls back to the 
     raise ImportError("matrixopt.kernels.muon_fused needs Triton: pip install triton (or pip install "
                       "matrixopt[triton])") from e
 
-from matrixopt.kernels.muon_elementwise import _dense_layout
+from matrixopt.kernels.muon_elementwise import KERNEL_DTYPES, _dense_layout
 
 # ----------------------------------------------------------------------------------------------- configs
 
@@ -67,7 +67,7 @@ class TileConfig:
 # enough that a 768 x 768 matrix still gives 144 programs. Memory-bound, so no tuning per shape.
 TILE = TileConfig(64, 64, 4)
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_TL_DTYPES = {dt: getattr(tl, str(dt).removeprefix("torch.")) for dt in KERNEL_DTYPES}
 
 # ----------------------------------------------------------------------------------------------- kernels
 

@@ -1,7 +1,8 @@
 """Muon's matrix step captured in one CUDA graph: the host launches one graph instead of ~20 kernels per bucket.
 
-On a model of GPT-2-small's size the step is bound by the host: each Newton–Schulz iteration is three short
-kernels, and issuing them costs as long as running them. :class:`CapturedMuonStep` captures, for a fixed set of
+On small models the step is bound by the host: each Newton–Schulz iteration is three short kernels, and issuing
+them costs more than running them (on an H100, a 2-layer GPT's step went from 3.2 to 0.9 ms; GPT-2-small, whose
+step is mostly GPU time, from 6.45 to 6.19 ms). :class:`CapturedMuonStep` captures, for a fixed set of
 parameters, every bucket's fused momentum pass, Newton–Schulz and fused update into one graph. What changes from
 step to step is read at run time, so one capture serves every step:
 

@@ -128,11 +128,12 @@ class Muon(MatrixOptimizer):
 
     def _orthogonalize(self, group: dict[str, Any], X: Tensor) -> Tensor:
         """``polar(X)`` approximated: ``(b, s, l)`` short side first -> same shape, in the iteration dtype."""
-        dtype = group["ns_dtype"] or (torch.bfloat16 if X.is_cuda else torch.float32)
-        return newton_schulz_short_side(X, resolve_schedule(group["ns_coefficients"], group["ns_steps"]), dtype)
+        return newton_schulz_short_side(X, resolve_schedule(group["ns_coefficients"], group["ns_steps"]),
+                                        Muon._stack_dtype(self, group, X.device))
 
     def _stack_dtype(self, group: dict[str, Any], device: torch.device) -> torch.dtype:
-        """The dtype updates are packed in for ``_orthogonalize``: Newton–Schulz's iteration dtype."""
+        """The dtype updates are packed in for ``_orthogonalize``: Newton–Schulz's iteration dtype (``ns_dtype``,
+        else bfloat16 on CUDA and float32 elsewhere)."""
         return group["ns_dtype"] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
@@ -163,7 +164,7 @@ class Muon(MatrixOptimizer):
         device = params[0].device
         if (device.type != "cuda" or type(self)._orthogonalize is not Muon._orthogonalize
                 or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
-                or muon_elementwise._fused() is None or any(p.device != device for p in params)):
+                or muon_elementwise.fused_kernels() is None or any(p.device != device for p in params)):
             return False
         buckets, copies = momentum_buckets(params, grads, bufs)
         if copies or not all(muon_elementwise.fusable(bk.params, bk.grads, bk.bufs) for bk in buckets):
