@@ -1,10 +1,11 @@
 """Muon for sharded parameters: FSDP2 ``fully_shard``, tensor parallelism, or both on a 2-D mesh.
 
-:class:`ShardedMuon` is :class:`matrixopt.optim.muon.Muon` with one thing changed: how the matrices of a step
-are orthogonalized. Muon's own ``_matrix_update`` (momentum, Nesterov, update scale, weight decay, learning
-rate) runs on the local shards, one call per group of same-shape, same-placement parameters; momentum buffers
-stay DTensors in ``self.state`` (so ``state_dict`` and DCP see ordinary sharded state). Only
-``_orthogonalize`` knows about the mesh.
+:class:`ShardedMuon` is :class:`matrixopt.optim.muon.Muon` with the step of DTensor matrices changed: per group of
+same-shape, same-placement parameters (a bucket), Muon's fused momentum pass packs the local shards into one
+stack, the stack goes to the ranks that orthogonalize each matrix, and Muon's fused update applies what comes
+back to the local shards. Momentum buffers stay DTensors in ``self.state`` (so ``state_dict`` and DCP see ordinary
+sharded state). The buckets are pipelined: all gathers are launched first, so each bucket's communication
+overlaps the other buckets' Newton–Schulz.
 
 Placements of an ``(m, n)`` matrix, one per mesh dim:
 
@@ -39,8 +40,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from matrixopt.distributed import tp_comm
 from matrixopt.distributed.balance import lpt, muon_cost
-from matrixopt.distributed.fsdp import gather_to_owners, scatter_from_owners
+from matrixopt.distributed.fsdp import InFlight, gather_to_owners, scatter_from_owners
 from matrixopt.distributed.tp import MODES, CostModel, tp_newton_schulz
+from matrixopt.kernels.muon_elementwise import apply_update, momentum_pack
 from matrixopt.optim.layout import _SPLIT
 from matrixopt.optim.muon import Muon, update_scale
 
@@ -63,6 +65,20 @@ class Sharding:
     def rank_major(self) -> bool:
         """Whether TP shards the split dim, each TP shard holding ``1/tp`` of every piece."""
         return self.tp_group is not None and self.split is not None and self.split[0] == self.tp_dim
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One bucket of DTensor matrices on its way through a step: its local shards (in stack order; empty for an
+    empty shard), the owner counts of its FSDP exchange (None without FSDP), the packed stack's layout, the stack
+    ``Y`` held locally, and the exchange in flight."""
+
+    sharding: Sharding
+    params: list[Tensor]
+    counts: list[int] | None
+    transposed: bool
+    Y: Tensor | None
+    exchange: InFlight | None
 
 
 class ShardedMuon(Muon):
@@ -88,7 +104,6 @@ class ShardedMuon(Muon):
         self.tp_mode, self.tp_mesh_dim = tp_mode, tp_mesh_dim
         self.tp_chunks, self.tp_cost_model = tp_chunks, tp_cost_model
         self._load: dict[Any, list[float]] = {}  # per FSDP group: matrix cost owned by each rank this step
-        self._sharding: Sharding | None = None  # layout of the matrices being orthogonalized, during a step
         super().__init__(params, *args, **kwargs)
 
     def _finite_mask(self, grads: list[Tensor]) -> list[bool]:
@@ -106,9 +121,10 @@ class ShardedMuon(Muon):
         return (tp_comm.all_reduce_max(bad, None) == 0).tolist()
 
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
-        """Muon's update, once for the plain tensors and once per (shape, placements) bucket of DTensors, on
-        local shards. ``self.state`` is swapped for a view holding the local shards of the DTensor momentum
-        buffers for the duration of each call."""
+        """Muon's update, once for the plain tensors and once per (shape, placements) bucket of DTensors on local
+        shards, pipelined over the buckets: every bucket's momentum pass and owner gather are launched first,
+        then each is orthogonalized as its gather lands and scattered back while the next one computes, and the
+        updates are applied last."""
         self._load.clear()
         plain = [i for i, p in enumerate(params) if not isinstance(p, DTensor)]
         if plain:
@@ -118,76 +134,92 @@ class ShardedMuon(Muon):
             if isinstance(p, DTensor):
                 key = (tuple(p.shape), p.dtype, p.device_mesh, p.placements, getattr(p, _SPLIT, None))
                 buckets.setdefault(key, []).append(i)
-        state = self.state
-        for idx in buckets.values():
-            ps = [params[i] for i in idx]
-            for p in ps:
-                if not state[p]:
-                    state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-            local = [p.to_local() for p in ps]
-            self.state = {lp: {"momentum_buffer": state[p]["momentum_buffer"].to_local()} for lp, p in zip(local, ps)}
-            self._sharding = self._layout(ps[0])
-            try:
-                if local[0].numel():
-                    super()._matrix_update(group, local, [grads[i].to_local() for i in idx])
-                else:  # an empty shard (e.g. 5 rows over 8 ranks) has nothing to update but serves the collectives
-                    empty = torch.stack(local).float()  # (b, 0, n) or (b, m, 0): short side first already
-                    self._orthogonalize(group, empty)
-            finally:
-                self.state, self._sharding = state, None
+        flights = [self._launch(group, [params[i] for i in idx], [grads[i] for i in idx]) for idx in buckets.values()]
+        for f in flights:
+            self._orthogonalize_owned(group, f)
+        for f in flights:
+            Y = f.exchange.wait() if f.exchange is not None else f.Y
+            if f.params:
+                apply_update(f.params, Y, lambda m, n: 1.0, self._device_lr(group, Y.device), group["weight_decay"],
+                             f.transposed)
 
-    def _orthogonalize(self, group: dict[str, Any], X: Tensor) -> Tensor:
-        """Muon's hook: ``(b, s, l)`` pieces laid out short side first -> ``polar``, same layout; Muon multiplies
-        the result by the update scale of the pieces' shape.
-
-        During a DTensor bucket, X stacks this rank's local shards of b same-layout matrices (transposed when a
-        shard is tall). Muon's scale is then that of the local shard, so the result is each whole matrix's (or
-        split piece's) scaled polar factor divided by the local shard's scale."""
-        sh = self._sharding
-        if sh is None:
-            return super()._orthogonalize(group, X)
-        transposed = tuple(X.shape[-2:]) != sh.local_shape
-        L = X.mT if transposed else X  # (b, m_p, n_q)
-        if sh.fsdp_group is None:
-            Y = self._orthogonalize_whole_rows(group, L, sh)
-        else:
+    def _launch(self, group: dict[str, Any], ps: list[DTensor], gs: list[DTensor]) -> _Flight:
+        """Momentum step and packing of one bucket's local shards, and the launch of their owner gather."""
+        sh = self._layout(ps[0])
+        for p in ps:
+            if not self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+        counts = None
+        if sh.fsdp_group is not None:  # stack each owner's matrices together, owners ascending
             m, n = sh.shape
-            owners, self._load[sh.fsdp_group] = lpt([muon_cost(m, n)] * L.size(0), len(sh.fsdp_rows),
-                                                     self._load.get(sh.fsdp_group))
-            owned = gather_to_owners(L.contiguous(), owners, sh.fsdp_rows, sh.fsdp_group)  # (k, m, n_q)
-            if owned.size(0):  # every rank of a TP group has the same k, so TP collectives stay matched
-                owned = self._orthogonalize_whole_rows(group, owned, sh)
-            Y = scatter_from_owners(owned, owners, sh.fsdp_rows, sh.fsdp_group)
-        Y = Y.mT if transposed else Y
-        return Y / update_scale(group["scaling"], *sh.local_shape) if Y.numel() else Y
+            world = len(sh.fsdp_rows)
+            owners, self._load[sh.fsdp_group] = lpt([muon_cost(m, n)] * len(ps), world, self._load.get(sh.fsdp_group))
+            order = sorted(range(len(ps)), key=owners.__getitem__)
+            ps, gs = [ps[i] for i in order], [gs[i] for i in order]
+            counts = [owners.count(r) for r in range(world)]
+        rows, cols = sh.local_shape
+        # Every rank of the FSDP group must lay its rows out alike: transposed when the first (largest) shard is tall
+        transposed = (sh.fsdp_rows[0] if sh.fsdp_rows else rows) > cols
+        X = torch.empty((len(ps), cols, rows) if transposed else (len(ps), rows, cols),
+                        dtype=self._stack_dtype(group, ps[0].device), device=ps[0].device)
+        params = [p.to_local() for p in ps] if rows * cols else []  # an empty shard only serves the collectives
+        if params:
+            momentum_pack([g.to_local() for g in gs], [self.state[p]["momentum_buffer"].to_local() for p in ps], X,
+                          group["momentum"], group["nesterov"], transposed)
+        exchange = gather_to_owners(X, counts, sh.fsdp_rows, 2 if transposed else 1, sh.fsdp_group) \
+            if counts is not None else None
+        return _Flight(sh, params, counts, transposed, X, exchange)
 
-    def _orthogonalize_whole_rows(self, group: dict[str, Any], W: Tensor, sh: Sharding) -> Tensor:
-        """W: ``(k, m_p, n_q)``, whole matrices except for the TP split. Orthogonalizes each split piece, times
-        the update scale of its full shape."""
+    def _orthogonalize_owned(self, group: dict[str, Any], f: _Flight) -> None:
+        """Wait for a bucket's gather, orthogonalize the matrices this rank owns, launch the scatter back."""
+        owned = f.exchange.wait() if f.exchange is not None else f.Y
+        if owned.size(0):  # every rank of a TP group has the same k, so TP collectives stay matched
+            owned = self._orthogonalize_stack(group, owned, f.sharding, f.transposed)
+        if f.counts is None:
+            f.Y = owned
+        else:
+            f.exchange = scatter_from_owners(owned, f.counts, f.sharding.fsdp_rows, 2 if f.transposed else 1,
+                                             f.sharding.fsdp_group)
+            f.Y = None
+
+    def _orthogonalize_stack(self, group: dict[str, Any], S: Tensor, sh: Sharding, transposed: bool) -> Tensor:
+        """S: ``(k, m_p, n_q)``, or ``(k, n_q, m_p)`` when ``transposed``: whole matrices except for the TP split.
+        Returns each split piece's polar factor times the update scale of its full shape, laid out as S. Pieces of
+        one shape are orthogonalized in one batch."""
         if sh.split is None:
-            return self._orthogonalize_piece(group, W, sh, update_scale(group["scaling"], *sh.shape), sh.tp_sizes)
+            return self._orthogonalize_piece(group, S, sh, update_scale(group["scaling"], *sh.shape), sh.tp_sizes,
+                                             transposed)
         dim, sizes = sh.split
+        stack_dim = 2 - dim if transposed else 1 + dim
         tp = len(sh.tp_sizes)
-        out = []
-        for piece, size in zip(W.split(list(sizes), dim=1 + dim), sizes):
+        pieces = S.split(list(sizes), dim=stack_dim)
+        out: list[Tensor | None] = [None] * len(pieces)
+        for size in dict.fromkeys(sizes):
+            idx = [i for i, s in enumerate(sizes) if s == size]
             whole, tp_sizes = (size * tp, (size,) * tp) if sh.rank_major else (size, sh.tp_sizes)
             pm, pn = (whole, sh.shape[1]) if dim == 0 else (sh.shape[0], whole)
-            out.append(self._orthogonalize_piece(group, piece, sh, update_scale(group["scaling"], pm, pn), tp_sizes))
-        return torch.cat(out, dim=1 + dim)
+            Y = self._orthogonalize_piece(group, torch.cat([pieces[i] for i in idx]), sh,
+                                          update_scale(group["scaling"], pm, pn), tp_sizes, transposed)
+            for i, y in zip(idx, Y.split(S.size(0))):
+                out[i] = y
+        return torch.cat(out, dim=stack_dim)
 
     def _orthogonalize_piece(self, group: dict[str, Any], Y: Tensor, sh: Sharding, scale: float,
-                             tp_sizes: tuple[int, ...]) -> Tensor:
-        """``(k, m', n')`` pieces (column- or row-sharded over TP if any, ``tp_sizes`` along the TP dim) ->
-        ``scale * polar``, same shape."""
+                             tp_sizes: tuple[int, ...], transposed: bool) -> Tensor:
+        """``(k, m', n')`` pieces, or ``(k, n', m')`` when ``transposed`` (column- or row-sharded over TP if any,
+        ``tp_sizes`` along the TP dim) -> ``scale * polar``, same layout."""
         if sh.tp_group is not None:
-            return scale * tp_newton_schulz(Y, sh.tp_dim, sh.tp_group, steps=group["ns_steps"],
-                                            coefficients=group["ns_coefficients"], dtype=group["ns_dtype"],
-                                            mode=self.tp_mode, chunks=self.tp_chunks, sizes=tp_sizes,
-                                            cost_model=self.tp_cost_model)
-        if Y.size(-2) > Y.size(-1):  # short side first, as Muon iterates, stored row-major as Muon packs it (the
-            # Triton SYRK path takes row-major stacks; a transposed view would be copied at every iteration)
-            return super()._orthogonalize(group, Y.mT.contiguous()).mT * scale
-        return super()._orthogonalize(group, Y) * scale
+            M = Y.mT if transposed else Y
+            M = scale * tp_newton_schulz(M, sh.tp_dim, sh.tp_group, steps=group["ns_steps"],
+                                         coefficients=group["ns_coefficients"], dtype=group["ns_dtype"],
+                                         mode=self.tp_mode, chunks=self.tp_chunks, sizes=tp_sizes,
+                                         cost_model=self.tp_cost_model)
+            return M.mT if transposed else M
+        # polar(A^T) = polar(A)^T, so the layout does not matter; Newton–Schulz takes the short side first,
+        # row-major (the Triton SYRK path takes row-major stacks; a transposed view would be copied every iteration)
+        if Y.size(-2) > Y.size(-1):
+            return self._orthogonalize(group, Y.mT.contiguous()).mT * scale
+        return self._orthogonalize(group, Y.contiguous()) * scale
 
     def _layout(self, p: DTensor) -> Sharding:
         """Check a DTensor matrix's placements and describe them; raise ValueError naming what is unsupported."""

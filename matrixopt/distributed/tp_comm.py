@@ -61,11 +61,13 @@ def all_gather_last_dim(local: Tensor, sizes: Sequence[int], group: ProcessGroup
     return torch.cat([b[..., :s] for b, s in zip(bufs, sizes)], dim=-1)
 
 
-def all_to_all(send: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
-               group: ProcessGroup | None) -> Tensor:
-    """Personalized exchange of flat buffers: rank r's ``send`` is cut into ``send_splits`` (elements per
-    destination rank); returns the concatenation of what every rank sent here, ``sum(recv_splits)`` elements."""
+def all_to_all_async(send: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                     group: ProcessGroup | None) -> tuple[Tensor, dist.Work]:
+    """Launch a personalized exchange of flat buffers: rank r's ``send`` is cut into ``send_splits`` (elements per
+    destination rank); the returned buffer receives the concatenation of what every rank sent here,
+    ``sum(recv_splits)`` elements, once the returned handle is ``wait()``-ed (on CUDA the current stream waits,
+    not the host). Keep ``send`` alive until then."""
     recv = send.new_empty(sum(recv_splits))
-    dist.all_to_all_single(recv, send, output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits),
-                           group=group)
-    return recv
+    work = dist.all_to_all_single(recv, send, output_split_sizes=list(recv_splits),
+                                  input_split_sizes=list(send_splits), group=group, async_op=True)
+    return recv, work

@@ -61,24 +61,28 @@ def frobenius_normalize_reference(X: Tensor, dtype: torch.dtype) -> Tensor:
     return Y
 
 
+def _transposed(m: Tensor, transpose: bool | None) -> bool:
+    return m.size(0) > m.size(1) if transpose is None else transpose
+
+
 def momentum_pack_reference(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, momentum: float,
-                            nesterov: bool) -> None:
+                            nesterov: bool, transpose: bool | None = None) -> None:
     """``muon_fused.momentum_pack_triton`` with foreach ops and one stacking copy (any device, any strides)."""
     g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
     torch._foreach_lerp_(list(bufs), g32, 1 - momentum)  # B = mu B + (1 - mu) G
     updates = torch._foreach_lerp(g32, list(bufs), momentum) if nesterov else bufs
-    torch.stack([u.mT if u.size(0) > u.size(1) else u for u in updates], out=out)
+    torch.stack([u.mT if _transposed(u, transpose) else u for u in updates], out=out)
 
 
 def apply_update_reference(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int], float],
-                           lr: float | Tensor, weight_decay: float) -> None:
+                           lr: float | Tensor, weight_decay: float, transpose: bool | None = None) -> None:
     """``muon_fused.apply_update_triton`` with foreach ops (any device, any strides)."""
     params = list(params)
     if isinstance(lr, Tensor):
         lr = lr.to(Y.device)
     if weight_decay != 0:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
-    ys = [(y.mT if p.size(0) > p.size(1) else y) for p, y in zip(params, Y.unbind(0))]
+    ys = [(y.mT if _transposed(p, transpose) else y) for p, y in zip(params, Y.unbind(0))]
     updates = [y.to(p.dtype) * (-scale(*p.shape) * lr) for p, y in zip(params, ys)]  # in the parameter's precision
     torch._foreach_add_(params, updates)
 
@@ -105,24 +109,28 @@ def _kernels(auto: bool) -> ModuleType | None:
 
 
 def momentum_pack(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, momentum: float,
-                  nesterov: bool) -> None:
+                  nesterov: bool, transpose: bool | None = None) -> None:
     """Momentum step on every matrix and its update packed short side first (module docstring).
 
-    grads: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, ``s <= l``, one float dtype. bufs: their fp32
-    momentum, same shapes, updated in place. out: ``(k, s, l)`` contiguous; ``out[i]`` receives matrix i's update
-    ``G + mu (B - G)`` (Nesterov) or ``B``, transposed when tall, in out's dtype."""
+    grads: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, one float dtype. bufs: their fp32 momentum,
+    same shapes, updated in place. out: ``(k, s, l)`` contiguous; ``out[i]`` receives matrix i's update
+    ``G + mu (B - G)`` (Nesterov) or ``B`` in out's dtype, transposed when tall (``transpose=None``; then
+    ``s <= l``), or transposed for every matrix (``True``) or none (``False``), as a sharded stack that must be
+    laid out alike on every rank needs."""
     fused = _kernels(_on_gpu(grads, bufs) and fusable(grads, bufs))
-    (fused.momentum_pack_triton if fused else momentum_pack_reference)(grads, bufs, out, momentum, nesterov)
+    (fused.momentum_pack_triton if fused else momentum_pack_reference)(grads, bufs, out, momentum, nesterov,
+                                                                         transpose)
 
 
 def apply_update(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int], float], lr: float | Tensor,
-                 weight_decay: float) -> None:
-    """``W_i <- (1 - lr wd) W_i - lr scale(m_i, n_i) Y[i]`` (``Y[i]^T`` for tall ``W_i``), in place.
+                 weight_decay: float, transpose: bool | None = None) -> None:
+    """``W_i <- (1 - lr wd) W_i - lr scale(m_i, n_i) Y[i]`` (``Y[i]^T`` for tall ``W_i``, or for every ``W_i`` as
+    ``transpose`` says, as in :func:`momentum_pack`), in place.
 
     params: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, one float dtype. Y: ``(k, s, l)``, any float
-    dtype. lr: a float, or a 0-d tensor (no host sync on the GPU)."""
+    dtype and strides. lr: a float, or a 0-d tensor (no host sync on the GPU)."""
     fused = _kernels(_on_gpu(params) and fusable(params))
-    (fused.apply_update_triton if fused else apply_update_reference)(params, Y, scale, lr, weight_decay)
+    (fused.apply_update_triton if fused else apply_update_reference)(params, Y, scale, lr, weight_decay, transpose)
 
 
 def frobenius_normalize(X: Tensor, dtype: torch.dtype) -> Tensor:

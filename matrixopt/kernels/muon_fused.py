@@ -201,47 +201,63 @@ def _table(rows: list[list[int]], device: torch.device) -> Tensor:
     return table
 
 
-def _orientations(shapes: Sequence[torch.Size]) -> dict[bool, list[int]]:
+def _orientations(shapes: Sequence[torch.Size], transpose: bool | None) -> dict[bool, list[int]]:
     groups: dict[bool, list[int]] = {False: [], True: []}
     for i, (m, n) in enumerate(shapes):
-        groups[m > n].append(i)
+        groups[m > n if transpose is None else transpose].append(i)
     return groups
 
 
-def pack_rows(grads: Sequence[Tensor], bufs: Sequence[Tensor], s: int, l: int) -> list[tuple[bool, list[list[int]]]]:
-    """The tables of :func:`momentum_pack_triton` for an ``(s, l)`` stack: ``(tall, rows)`` per orientation present,
-    each row ``[gradient address, momentum address, their row strides, slot]``. Checks the shapes."""
+def _check_slots(what: str, shapes: Sequence[torch.Size], s: int, l: int, transpose: bool | None) -> None:
+    """Every matrix must fill an ``(s, l)`` slot as it lies or transposed, as ``transpose`` says."""
+    for shape in shapes:
+        m, n = shape
+        fits = {(s, l), (l, s)} if transpose is None else {(l, s) if transpose else (s, l)}
+        if (m, n) not in fits:
+            how = "" if transpose is None else (" transposed" if transpose else " as it lies")
+            raise ValueError(f"{what}: a {(m, n)} matrix does not fill a ({s}, {l}) slot{how}")
+
+
+def pack_rows(grads: Sequence[Tensor], bufs: Sequence[Tensor], s: int, l: int,
+              transpose: bool | None = None) -> list[tuple[bool, list[list[int]]]]:
+    """The tables of :func:`momentum_pack_triton` for an ``(s, l)`` stack: ``(transposed, rows)`` per orientation
+    present, each row ``[gradient address, momentum address, their row strides, slot]``. Checks the shapes."""
     if len(grads) != len(bufs):
         raise ValueError(f"momentum_pack: {len(grads)} gradients but {len(bufs)} momentum buffers")
     for g, b in zip(grads, bufs):
-        if g.shape != b.shape or sorted(g.shape) != [s, l] or b.dtype != torch.float32:
+        if g.shape != b.shape or b.dtype != torch.float32:
             raise ValueError(f"momentum_pack: gradient {tuple(g.shape)} and fp32 momentum {tuple(b.shape)} "
-                             f"({b.dtype}) must match and be ({s}, {l}) or ({l}, {s})")
+                             f"({b.dtype}) must match in shape")
+    _check_slots("momentum_pack", [g.shape for g in grads], s, l, transpose)
     return [(tall, [[grads[i].data_ptr(), bufs[i].data_ptr(), grads[i].stride(0), bufs[i].stride(0), i]
                     for i in idx])
-            for tall, idx in _orientations([g.shape for g in grads]).items() if idx]
+            for tall, idx in _orientations([g.shape for g in grads], transpose).items() if idx]
 
 
-def apply_rows(params: Sequence[Tensor]) -> list[tuple[bool, list[list[int]]]]:
-    """The tables of :func:`apply_update_triton`: ``(tall, rows)`` per orientation present, each row
-    ``[parameter address, row stride, slot]``."""
+def apply_rows(params: Sequence[Tensor], s: int, l: int,
+               transpose: bool | None = None) -> list[tuple[bool, list[list[int]]]]:
+    """The tables of :func:`apply_update_triton` for an ``(s, l)`` stack: ``(transposed, rows)`` per orientation
+    present, each row ``[parameter address, row stride, slot]``. Checks the shapes."""
+    _check_slots("apply_update", [p.shape for p in params], s, l, transpose)
     return [(tall, [[params[i].data_ptr(), params[i].stride(0), i] for i in idx])
-            for tall, idx in _orientations([p.shape for p in params]).items() if idx]
+            for tall, idx in _orientations([p.shape for p in params], transpose).items() if idx]
 
 
 def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, momentum: float,
-                         nesterov: bool, *, tables: Sequence[Tensor] | None = None) -> None:
+                         nesterov: bool, transpose: bool | None = None, *,
+                         tables: Sequence[Tensor] | None = None) -> None:
     """Momentum step on every matrix and its update packed short side first, by the Triton kernel.
 
     grads: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, ``s <= l``, all of one dtype (fp32, bf16 or
     fp16), unit column stride. bufs: their fp32 momentum, same shapes and unit column stride; updated in place.
-    out: ``(k, s, l)`` contiguous, any supported dtype; ``out[i]`` receives matrix i's update (transposed when
-    tall). tables: device copies of :func:`pack_rows`' tables to read instead (static ones, for CUDA graphs)."""
+    out: ``(k, s, l)`` contiguous, any supported dtype; ``out[i]`` receives matrix i's update, transposed when tall
+    (``transpose=None``) or as ``transpose`` says for every matrix. tables: device copies of :func:`pack_rows`'
+    tables to read instead (static ones, for CUDA graphs)."""
     k, s, l = out.shape
     if not out.is_contiguous() or len(grads) != k:
         raise ValueError(f"momentum_pack needs k={len(grads)} gradients and a contiguous (k, s, l) output; got out "
                          f"{tuple(out.shape)} with strides {out.stride()}")
-    layout = pack_rows(grads, bufs, s, l)
+    layout = pack_rows(grads, bufs, s, l, transpose)
     for j, (tall, rows) in enumerate(layout):
         R, C = (l, s) if tall else (s, l)
         table = tables[j] if tables is not None else _table(rows, out.device)
@@ -252,9 +268,10 @@ def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: T
 
 
 def apply_update_triton(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int], float], lr: float | Tensor,
-                        weight_decay: float, *, tables: Sequence[Tensor] | None = None) -> None:
-    """``W_i <- (1 - lr wd) W_i - lr scale(m_i, n_i) Y[i]`` (``Y[i]^T`` for tall ``W_i``), in place, by the
-    Triton kernel.
+                        weight_decay: float, transpose: bool | None = None, *,
+                        tables: Sequence[Tensor] | None = None) -> None:
+    """``W_i <- (1 - lr wd) W_i - lr scale(m_i, n_i) Y[i]`` (``Y[i]^T`` for tall ``W_i``, or for every ``W_i`` as
+    ``transpose`` says), in place, by the Triton kernel.
 
     params: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, all of one dtype, unit column stride.
     Y: ``(k, s, l)``, any float dtype and strides. lr: a float, or a 0-d tensor on Y's device (no host sync).
@@ -263,7 +280,7 @@ def apply_update_triton(params: Sequence[Tensor], Y: Tensor, scale: Callable[[in
     if len(params) != k:
         raise ValueError(f"apply_update: {len(params)} parameters for a stack of {k}")
     lr_ptr = isinstance(lr, Tensor)
-    for j, (tall, rows) in enumerate(apply_rows(params)):
+    for j, (tall, rows) in enumerate(apply_rows(params, s, l, transpose)):
         R, C = (l, s) if tall else (s, l)
         table = tables[j] if tables is not None else _table(rows, Y.device)
         grid = (triton.cdiv(R, TILE.block_r) * triton.cdiv(C, TILE.block_c), len(rows))

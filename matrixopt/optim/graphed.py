@@ -61,7 +61,7 @@ class CapturedMuonStep:
 
     def _layout(self, bk: Bucket) -> tuple[list, list]:
         """The pack and update tables' rows for this step's tensors."""
-        return self._fused.pack_rows(bk.grads, bk.bufs, bk.s, bk.l), self._fused.apply_rows(bk.params)
+        return self._fused.pack_rows(bk.grads, bk.bufs, bk.s, bk.l), self._fused.apply_rows(bk.params, bk.s, bk.l)
 
     def replay(self, buckets: list[Bucket], lr: float | Tensor) -> None:
         """One step on ``buckets`` (the same parameters, shapes and dtypes as at capture, any addresses)."""

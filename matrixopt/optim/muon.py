@@ -136,6 +136,12 @@ class Muon(MatrixOptimizer):
         else bfloat16 on CUDA and float32 elsewhere)."""
         return group["ns_dtype"] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
+    @staticmethod
+    def _device_lr(group: dict[str, Any], device: torch.device) -> float | Tensor:
+        """The group's learning rate: a float, or a tensor (a scheduler's) moved to ``device`` without a sync."""
+        lr = group["lr"]
+        return lr.to(device) if isinstance(lr, Tensor) else lr
+
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
         bufs = []
         for p in params:
@@ -144,9 +150,7 @@ class Muon(MatrixOptimizer):
                 st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32,
                                                          memory_format=torch.preserve_format)
             bufs.append(st["momentum_buffer"])
-        lr = group["lr"]
-        if isinstance(lr, Tensor):
-            lr = lr.to(params[0].device)
+        lr = self._device_lr(group, params[0].device)
         step = dict(momentum=group["momentum"], nesterov=group["nesterov"],
                     fn=lambda X: self._orthogonalize(group, X), dtype=self._stack_dtype(group, params[0].device),
                     scale=lambda m, n: update_scale(group["scaling"], m, n), weight_decay=group["weight_decay"])

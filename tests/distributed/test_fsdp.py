@@ -32,12 +32,21 @@ HPARAMS = dict(lr=0.02, weight_decay=0.01)
 
 class Net(nn.Module):
     """Linear layers in a ModuleList (each one FSDP unit). fc0's weight is (5, 8): 5 rows over 2 ranks are 3 + 2,
-    over 4 ranks 2 + 2 + 1 + 0. Two (8, 8) weights share a Newton–Schulz batch."""
+    over 4 ranks 2 + 2 + 1 + 0. Two (8, 8) weights share a Newton–Schulz batch. The tall (12, 5) weight's shards
+    are tall over 2 ranks, wide over 4. The (12, 8) weight is split into three (4, 8) pieces, as QKV is. The shards
+    of one matrix may differ in shape: (9, 4) is 5 + 4 rows over 2 ranks (tall and square), (13, 3) is 4 + 4 + 4
+    + 1 over 4 (tall and wide), and every rank must lay them out alike for the owner gather."""
 
     def __init__(self):
         super().__init__()
         self.layers = nn.ModuleList([nn.Linear(8, 5), nn.Linear(5, 12), nn.Linear(12, 8, bias=False),
-                                     nn.Linear(8, 8), nn.Linear(8, 8)])
+                                     nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 12),
+                                     nn.Linear(12, 4), nn.Linear(4, 9), nn.Linear(9, 3), nn.Linear(3, 13)])
+
+    def mark_qkv(self) -> Net:
+        """Mark the split on the parameter the optimizer sees (after ``fully_shard``, which replaces it)."""
+        mark_split(self.layers[5].weight, 3)
+        return self
 
     def forward(self, x):
         for layer in self.layers:
@@ -47,12 +56,12 @@ class Net(nn.Module):
 
 def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)  # global batch of 8
+    return torch.randn(8, 8, generator=g), torch.randn(8, 13, generator=g)  # global batch of 8
 
 
 def _reference() -> Net:
     torch.manual_seed(0)
-    model = Net()
+    model = Net().mark_qkv()
     opt = Muon(param_groups(model), **HPARAMS)
     for step in range(STEPS):
         x, y = _data(step)
@@ -66,7 +75,7 @@ def _fsdp_matches_single_process(rank: int, world: int) -> None:
     ref = _reference()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     torch.manual_seed(0)
-    model = apply_fsdp(Net(), mesh)
+    model = apply_fsdp(Net(), mesh).mark_qkv()
     opt = ShardedMuon(param_groups(model), **HPARAMS)
     per_rank = 8 // world
     for step in range(STEPS):
@@ -87,6 +96,8 @@ def _fsdp_matches_single_process(rank: int, world: int) -> None:
     for g in groups:
         for p in g["params"]:
             clones[id(p)].grad = p.grad.clone()
+    qkv = model.layers[5].weight
+    mark_split(clones[id(qkv)], 3)
     opt2 = ShardedMuon([dict(g, params=[clones[id(p)] for p in g["params"]]) for g in groups], **HPARAMS)
     opt2.load_state_dict(opt.state_dict())
     opt.step()
@@ -98,14 +109,20 @@ def _fsdp_matches_single_process(rank: int, world: int) -> None:
 def _owner_gather_sends_whole_matrices_to_owners_only(rank: int, world: int) -> None:
     sizes = chunk_sizes(5, world)  # uneven, possibly empty
     full = torch.arange(3 * 5 * 4, dtype=torch.float32).view(3, 5, 4)  # 3 matrices (5, 4)
-    local = full.split(sizes, dim=1)[rank]
-    owners = [2 % world, 0, 1 % world]
-    owned = gather_to_owners(local, owners, sizes, None)
-    mine = [i for i, o in enumerate(owners) if o == rank]
-    assert owned.shape == (len(mine), 5, 4)  # nothing but the matrices this rank owns
-    assert torch.equal(owned, full[mine])
-    back = scatter_from_owners(-owned, owners, sizes, None)
-    assert torch.equal(back, -local)
+    counts = [0] * world
+    for owner in (0, 1 % world, 1 % world):  # matrix 0 to rank 0, matrices 1 and 2 to rank 1 (stack order)
+        counts[owner] += 1
+    mine = [i for i, o in enumerate((0, 1 % world, 1 % world)) if o == rank]
+    for rows_dim in (1, 2):  # rows as they lie, or the stack transposed as Muon packs tall matrices
+        stack = full if rows_dim == 1 else full.mT
+        local = stack.split(sizes, dim=rows_dim)[rank].contiguous()
+        owned = gather_to_owners(local, counts, sizes, rows_dim, None).wait()
+        assert owned.shape == (len(mine), *stack.shape[1:])  # nothing but the matrices this rank owns
+        assert torch.equal(owned, stack[mine])
+        back = scatter_from_owners(-owned.mT.contiguous().mT, counts, sizes, rows_dim, None).wait()  # any strides
+        assert torch.equal(back, -local)
+    with pytest.raises(ValueError, match="does not match counts"):
+        gather_to_owners(local, [3] * world, sizes, 2, None)
 
 
 def _fsdp_checks(rank: int, world: int) -> None:

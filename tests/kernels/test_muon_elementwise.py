@@ -69,6 +69,33 @@ def test_apply_update_matches_float64(param_dtype, tensor_lr):
         torch.testing.assert_close(p.double(), ref, **(FP32_TOL if param_dtype == torch.float32 else BF16_TOL))
 
 
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("slot", [(S, S), (S, L), (L, S)])
+def test_forced_orientation_lays_every_matrix_out_alike(transpose, slot):
+    """transpose=True / False transposes every matrix / none, squares included, whatever the slot's shape (a
+    sharded stack must be laid out alike on every rank); Triton and the references agree."""
+    torch.manual_seed(2)
+    shape = slot[::-1] if transpose else slot
+    grads = [torch.randn(shape) for _ in range(3)]
+    bufs = [torch.randn(shape) for _ in range(3)]
+    mu = 0.9
+    out, ref = torch.empty((3, *slot)), torch.empty((3, *slot))
+    fused.momentum_pack_triton(grads, [b.clone() for b in bufs], out, mu, True, transpose)
+    ew.momentum_pack_reference(grads, bufs, ref, mu, True, transpose)
+    torch.testing.assert_close(out, ref, **FP32_TOL)
+    u = (1 - mu) * grads[1].double() + mu * bufs[1].double()  # Nesterov, from the momentum the reference wrote
+    torch.testing.assert_close(out[1].double(), u.mT if transpose else u, **FP32_TOL)
+    params = [torch.randn(shape) for _ in range(3)]
+    expect = [p.double() * (1 - 0.1 * 0.01) - 0.1 * 2.0 * (y.double().mT if transpose else y.double())
+              for p, y in zip(params, out)]
+    fused.apply_update_triton(params, out, lambda m, n: 2.0, 0.1, 0.01, transpose)
+    for p, e in zip(params, expect):
+        torch.testing.assert_close(p.double(), e, **FP32_TOL)
+    with pytest.raises(ValueError, match="does not fill"):
+        fused.momentum_pack_triton([torch.randn(S, L + 1)], [torch.randn(S, L + 1)], torch.empty(1, S, L), mu, True,
+                                   transpose)
+
+
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_frobenius_normalize_matches_float64(in_dtype, transposed, monkeypatch):
