@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from matrixopt.distributed import comm
 from matrixopt.distributed.balance import MATRIX_COSTS, Assignment, assign, muon_cost
-from matrixopt.optim.base import MatrixOptimizer, NonFiniteGradientError
+from matrixopt.optim.base import MatrixOptimizer, NonFiniteGradientError, nonfinite_flags
 from matrixopt.optim.registry import OPTIMIZERS
 from matrixopt.optim.routing import param_groups, routing_summary
 
@@ -262,7 +262,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 inner_groups.append(ig)
                 outer_index.append(gi)
             masters = [(p, self.masters[id(p)]) for p in ps if id(p) in self.masters]
-            chunks.append(Chunk(factory(inner_groups, **hparams), outer_index, masters, run[-1].index + 1))
+            inner = factory(inner_groups, **hparams)
+            if self._check_finite:  # step() agrees on finiteness across ranks first: no second check and sync
+                inner.check_nonfinite = False
+            chunks.append(Chunk(inner, outer_index, masters, run[-1].index + 1))
         return chunks
 
     def _inner_param(self, p: Tensor) -> Tensor:
@@ -366,11 +369,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         owned = [(self.names[id(p)], self._inner_param(p).grad) for p in self.params
                  if self.owner[id(p)] == self.rank and self._inner_param(p).grad is not None]
         dev = comm.object_device(self.group)
-        bad_mask = torch.stack([(~torch.isfinite(g)).any() for _, g in owned]) if owned else None
-        flag = torch.zeros((), device=dev) if bad_mask is None else bad_mask.sum().float().to(dev)
-        if comm.all_reduce_sum(flag, self.group).item() == 0:  # the step's one host sync
+        bad_mask = nonfinite_flags([g for _, g in owned], dev)
+        if comm.all_reduce_sum(bad_mask.sum(), self.group).item() == 0:  # the step's one host sync
             return
-        bad_local = [n for (n, _), b in zip(owned, bad_mask.tolist()) if b] if bad_mask is not None else []
+        bad_local = [n for (n, _), b in zip(owned, bad_mask.tolist()) if b]
         bad = [n for names in comm.all_gather_object(bad_local, self.group) for n in names]
         self._drop_grads()
         raise NonFiniteGradientError(

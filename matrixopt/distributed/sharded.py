@@ -27,7 +27,6 @@ QKV weight, see :func:`matrixopt.train.parallelize.rank_major_qkv`), so the shar
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +42,7 @@ from matrixopt.distributed.balance import lpt, muon_cost
 from matrixopt.distributed.fsdp import InFlight, gather_to_owners, scatter_from_owners
 from matrixopt.distributed.tp import MODES, CostModel, tp_newton_schulz
 from matrixopt.kernels.muon_elementwise import apply_update, momentum_pack
+from matrixopt.optim.base import nonfinite_flags
 from matrixopt.optim.layout import _SPLIT
 from matrixopt.optim.muon import Muon, update_scale
 
@@ -112,12 +112,7 @@ class ShardedMuon(Muon):
         if not any(isinstance(g, DTensor) for g in grads):
             return super()._finite_mask(grads)
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        # one pass over each shard (max |g|, NaN if any is NaN) instead of isfinite + any per parameter; an empty
-        # shard (FSDP2 with fewer rows than ranks) stands in as a zero
-        shards = [(g if g.dtype == torch.float32 else g.float()) if g.numel() else g.new_zeros(1, dtype=torch.float32)
-                  for g in local]
-        maxabs = torch.stack(torch._foreach_norm(shards, ord=math.inf))
-        bad = (~torch.isfinite(maxabs)).float()
+        bad = nonfinite_flags(local, local[0].device)
         return (tp_comm.all_reduce_max(bad, None) == 0).tolist()
 
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:

@@ -23,6 +23,23 @@ class NonFiniteGradientError(FloatingPointError):
     """A gradient holds NaN or Inf. Raised before any parameter or state is touched."""
 
 
+def nonfinite_flags(grads: list[Tensor], device: torch.device) -> Tensor:
+    """``(len(grads),)`` float32 on ``device``: 1 where a gradient holds a NaN or Inf, else 0. One max-abs pass per
+    (device, dtype) present and no host sync, so a caller can reduce the flags across ranks before reading them."""
+    by_kind: dict[tuple, list[int]] = defaultdict(list)
+    for i, g in enumerate(grads):
+        by_kind[(g.device, g.dtype)].append(i)
+    flags: list[Tensor | None] = [None] * len(grads)
+    for idx in by_kind.values():
+        # an empty tensor (an empty FSDP shard) has no max: a zero stands in
+        maxabs = torch._foreach_norm([grads[i] if grads[i].numel() else grads[i].new_zeros(1) for i in idx],
+                                     ord=math.inf)
+        bad = (~torch.isfinite(torch.stack(maxabs))).float().to(device)
+        for j, i in enumerate(idx):  # views, not an index list (which would go to the GPU with a host sync)
+            flags[i] = bad[j]
+    return torch.stack(flags) if flags else torch.zeros(0, device=device)
+
+
 def _check_finite(name: str, value: Any) -> None:
     v = value.item() if isinstance(value, Tensor) else value
     if not math.isfinite(v):
@@ -77,6 +94,9 @@ class MatrixOptimizer(Optimizer):
         self._adamw_defaults = dict(adamw_defaults)
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_updates = 0  # parameter updates skipped for non-finite gradients
+        # False when a wrapper has already checked every gradient (the layer-wise optimizer, agreed across ranks):
+        # the step then skips its own check and its host sync
+        self.check_nonfinite = True
         super().__init__(params, dict(matrix_defaults))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -133,15 +153,10 @@ class MatrixOptimizer(Optimizer):
         return params, grads
 
     def _finite_mask(self, grads: list[Tensor]) -> list[bool]:
-        """The max-abs of every gradient checked for NaN/Inf: one host sync per (device, dtype) present."""
-        flags = torch.ones(len(grads), dtype=torch.bool)
-        by_kind: dict[tuple, list[int]] = defaultdict(list)
-        for i, g in enumerate(grads):
-            by_kind[(g.device, g.dtype)].append(i)
-        for idx in by_kind.values():
-            maxabs = torch._foreach_norm([grads[i] for i in idx], ord=math.inf)
-            flags[idx] = torch.isfinite(torch.stack(maxabs)).cpu()
-        return flags.tolist()
+        """Whether each gradient is free of NaN/Inf: one max-abs pass per (device, dtype), one host sync."""
+        if not grads:
+            return []
+        return (nonfinite_flags(grads, grads[0].device) == 0).tolist()
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -154,7 +169,7 @@ class MatrixOptimizer(Optimizer):
                 loss = closure()
         work = [(g, *self._gather(g)) for g in self.param_groups]
         flat = [gr for _, _, grads in work for gr in grads]
-        finite = self._finite_mask(flat)
+        finite = self._finite_mask(flat) if getattr(self, "check_nonfinite", True) else [True] * len(flat)
         if not all(finite):
             if not self.skip_nonfinite:
                 bad = []

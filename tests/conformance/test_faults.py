@@ -10,6 +10,7 @@ from torch import nn
 
 import matrixopt
 from matrixopt import NonFiniteGradientError
+from matrixopt.optim.base import nonfinite_flags
 
 from .common import (
     NAMES,
@@ -80,6 +81,21 @@ def test_skip_nonfinite_leaves_that_parameter_and_its_state_untouched(name, bad,
     assert torch.equal(bad_p, before["params"][[n for n, _ in model.named_parameters()].index(where)])
     assert_identical(after["state"].get(i), before["state"].get(i), f"state of {where}")
     assert_identical(after, snapshot(ref, ref_opt), "the others vs a step without the bad gradient")
+
+
+def test_nonfinite_flags_mark_exactly_the_bad_gradients():
+    """One pass per dtype, flags in the input's order, empty tensors (empty FSDP shards) count as finite."""
+    g = torch.Generator().manual_seed(0)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.bfloat16, torch.float32]
+    grads = [torch.randn(5, 7, generator=g).to(dt) for dt in dtypes] + [torch.empty(0, 4)]
+    grads[1].view(-1)[11] = float("nan")
+    grads[3].view(-1)[0] = float("-inf")
+    grads[5].view(-1)[34] = float("inf")
+    grads.append(torch.full((3,), 1e30).to(torch.float32))  # large but finite
+    flags = nonfinite_flags(grads, torch.device("cpu"))
+    assert flags.dtype == torch.float32 and flags.tolist() == [float(not torch.isfinite(x).all()) for x in grads]
+    assert flags.tolist() == [0, 1, 0, 1, 0, 1, 0, 0]
+    assert nonfinite_flags([], torch.device("cpu")).shape == (0,)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -234,6 +234,9 @@ def _faults_worker(rank: int, world: int) -> None:
         opt.step()
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
     assert not opt.state_dict()["state"]
+    assert not any(c.optimizer.check_nonfinite for c in opt.chunks)  # the agreed check is the only one
+    _, skipping = mdist.layerwise(Net(), "muon", lr=0.01, skip_nonfinite=True)
+    assert all(c.optimizer.check_nonfinite for c in skipping.chunks)  # owners skip their own bad gradients
 
     # a second backward without no_sync is an error that says how to accumulate
     loss_of(model, idx, tgt).backward()
