@@ -4,8 +4,8 @@ A matrix optimizer (Muon, Shampoo, SOAP) needs the whole matrix, so instead of s
 (ZeRO-1), each rank owns whole parameters, chosen by LPT on the optimizer's cost and then swapped between ranks
 to even out optimizer-state memory without raising the largest cost (:mod:`.balance`). One step, per rank:
 
-1. backward: each parameter's gradient hook copies the local gradient into its bucket's flat buffer and frees
-   ``p.grad``; a full bucket is summed into its owner (``reduce``, asynchronous), so the reduction overlaps the
+1. backward: each parameter's gradient hook copies the local gradient into its bucket's flat buffer (a parameter
+   alone in its bucket lends its gradient tensor instead, with no copy) and frees ``p.grad``; a full bucket is summed into its owner (``reduce``, asynchronous), so the reduction overlaps the
    rest of backward. Buckets hold parameters of one owner and are launched in a fixed order on every rank.
 2. ``step()``: wait for the reductions; the owner divides by the world size (the mean over ranks, so equal local
    batches give the single-process gradient of the global batch) and runs the registered optimizer on its
@@ -48,14 +48,17 @@ _GROUP_META = ("params", "names")  # group keys that are not hyperparameters
 @dataclass(eq=False)
 class Bucket:
     """Parameters of one owner and dtype, flattened in order. ``grad`` (the reduce buffer) lives on every rank;
-    ``work`` handles are in flight between launch and wait."""
+    ``work`` handles are in flight between launch and wait. A ``direct`` bucket (one parameter, reduced in its
+    own dtype) has no buffer of its own: ``grad`` is the parameter's gradient, flattened, taken from backward
+    and reduced in place, with no copy."""
 
     index: int
     owner: int
     params: list[Tensor]
     offsets: list[int]
     numel: int
-    grad: Tensor
+    grad: Tensor | None
+    direct: bool = False
     arrived: int = 0
     grad_work: Any = None
     param_work: Any = None
@@ -225,8 +228,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             for p in ps:
                 offsets.append(offsets[-1] + p.numel())
             dtype = reduce_dtype or ps[0].dtype
-            grad = torch.zeros(offsets[-1], dtype=dtype, device=ps[0].device)
-            buckets.append(Bucket(bi, self.owner[id(ps[0])], ps, offsets[:-1], offsets[-1], grad))
+            direct = len(ps) == 1 and dtype == ps[0].dtype
+            grad = None if direct else torch.zeros(offsets[-1], dtype=dtype, device=ps[0].device)
+            buckets.append(Bucket(bi, self.owner[id(ps[0])], ps, offsets[:-1], offsets[-1], grad, direct))
         return buckets
 
     def _make_chunks(self, groups: list[dict[str, Any]], group_of: dict[int, int], step_chunks: int,
@@ -293,11 +297,23 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if k in b.seen:
             raise RuntimeError(f"`{self.names[id(p)]}` received a second gradient before step(): wrap all but the "
                                f"last micro-batch's backward in `with opt.no_sync():` when accumulating gradients")
-        b.seen.add(k)
-        b.segment(b.grad, k).copy_(p.grad)
-        p.grad = None
-        b.arrived += 1
+        self._take_grad(b, k, p)
         self._launch_ready_grads()
+
+    @staticmethod
+    def _take_grad(b: Bucket, k: int, p: Tensor) -> None:
+        """Move ``p``'s gradient (zeros if it has none) into its bucket's reduce buffer and drop ``p.grad``."""
+        g = p.grad
+        if b.direct:
+            b.grad = torch.zeros(b.numel, dtype=p.dtype, device=p.device) if g is None else \
+                g.detach().contiguous().view(-1)
+        elif g is None:
+            b.segment(b.grad, k).zero_()
+        else:
+            b.segment(b.grad, k).copy_(g)
+        p.grad = None
+        b.seen.add(k)
+        b.arrived += 1
 
     def _launch_ready_grads(self) -> None:
         while self._next_grad >= 0:
@@ -316,18 +332,13 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         for b in self.buckets:
             for k, p in enumerate(b.params):
                 if k not in b.seen:
-                    b.seen.add(k)
-                    seg = b.segment(b.grad, k)
-                    if p.grad is None:
-                        seg.zero_()
-                    else:
-                        seg.copy_(p.grad)
-                        p.grad = None
-                    b.arrived += 1
+                    self._take_grad(b, k, p)
         self._launch_ready_grads()
         for b in reversed(self.buckets):
             b.grad_work.wait()
             b.grad_work = None
+            if b.direct and b.owner != self.rank:
+                b.grad = None  # sent: this rank's local gradient is no longer needed
             if b.owner == self.rank:
                 b.grad.div_(self.world_size)
                 for k, p in enumerate(b.params):
@@ -386,6 +397,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             if b.grad_work is not None:
                 b.grad_work.wait()
                 b.grad_work = None
+            if b.direct:
+                b.grad = None
             b.arrived, b.seen = 0, set()
         for p in self.params:
             self._inner_param(p).grad = None

@@ -100,7 +100,8 @@ def reference(kind: str, name: str, steps: int, accum: int = 1, clip: float | No
 def distributed(kind: str, name: str, steps: int, accum: int = 1, clip: float | None = None, model=None,
                 **kw) -> tuple[nn.Module, mdist.LayerwiseOptimizer, list[float]]:
     model = make(kind) if model is None else model
-    model, opt = mdist.layerwise(model, name, lr=LR.get(name, DEFAULT_LR), bucket_cap_mb=1e-4, **kw)
+    kw.setdefault("bucket_cap_mb", 1e-4)  # a bucket per parameter: each gradient reduced in place
+    model, opt = mdist.layerwise(model, name, lr=LR.get(name, DEFAULT_LR), **kw)
     norms = []
     for s in range(steps):
         opt.zero_grad()
@@ -140,11 +141,14 @@ def _equivalence_worker(rank: int, world: int) -> None:
     # summed in two halves vs whole). Square hidden matrices make it well-posed (~1e-6).
     cases = [(n, "square" if n == "soap" else "net", {}) for n in names]
     cases += [("muon", "net", {"accum": 2}), ("muon", "net", {"clip": 0.05}), ("muon", "big", {}),
-              ("adamw", "tiny", {}), ("muon", "tiny", {})]
+              ("adamw", "tiny", {}), ("muon", "tiny", {}),
+              ("muon", "net", {"accum": 2, "clip": 0.05, "bucket_cap_mb": 25.0})]  # gradients copied into buckets
     for name, kind, extra in cases:
         what = f"{name}/{kind}/{extra} at {world} ranks"
-        ref, ref_norms = reference(kind, name, steps=3, **extra)
+        ref, ref_norms = reference(kind, name, steps=3, **{k: v for k, v in extra.items() if k != "bucket_cap_mb"})
         model, opt, norms = distributed(kind, name, steps=3, **extra)
+        if "bucket_cap_mb" in extra:
+            assert any(len(b.params) > 1 for b in opt.buckets), what
         assert_matches(model, ref, make(kind), what)
         same_on_every_rank(model)
         for a, b in zip(norms, ref_norms):
