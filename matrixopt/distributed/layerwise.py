@@ -5,8 +5,9 @@ A matrix optimizer (Muon, Shampoo, SOAP) needs the whole matrix, so instead of s
 to even out optimizer-state memory without raising the largest cost (:mod:`.balance`). One step, per rank:
 
 1. backward: each parameter's gradient hook copies the local gradient into its bucket's flat buffer (a parameter
-   alone in its bucket lends its gradient tensor instead, with no copy) and frees ``p.grad``; a full bucket is summed into its owner (``reduce``, asynchronous), so the reduction overlaps the
-   rest of backward. Buckets hold parameters of one owner and are launched in a fixed order on every rank.
+   alone in its bucket lends its gradient tensor instead, with no copy) and frees ``p.grad``; a full bucket is
+   summed into its owner (``reduce``, asynchronous), so the reduction overlaps the rest of backward. Buckets
+   hold parameters of one owner and are launched in a fixed order on every rank.
 2. ``step()``: wait for the reductions; the owner divides by the world size (the mean over ranks, so equal local
    batches give the single-process gradient of the global batch) and runs the registered optimizer on its
    parameters in ``step_chunks`` chunks; after each chunk it broadcasts the finished buckets.

@@ -132,11 +132,11 @@ class ShardedMuon(Muon):
         flights = [self._launch(group, [params[i] for i in idx], [grads[i] for i in idx]) for idx in buckets.values()]
         for f in flights:
             self._orthogonalize_owned(group, f)
+        lr = self._device_lr(group, params[next(iter(buckets.values()))[0]].device) if buckets else None
         for f in flights:
             Y = f.exchange.wait() if f.exchange is not None else f.Y
-            if f.params:
-                apply_update(f.params, Y, lambda m, n: 1.0, self._device_lr(group, Y.device), group["weight_decay"],
-                             f.transposed)
+            if f.params:  # Y carries each matrix's full update scale already
+                apply_update(f.params, Y, lambda m, n: 1.0, lr, group["weight_decay"], f.transposed)
 
     def _launch(self, group: dict[str, Any], ps: list[DTensor], gs: list[DTensor]) -> _Flight:
         """Momentum step and packing of one bucket's local shards, and the launch of their owner gather."""

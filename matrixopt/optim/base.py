@@ -35,6 +35,8 @@ def nonfinite_flags(grads: list[Tensor], device: torch.device) -> Tensor:
         maxabs = torch._foreach_norm([grads[i] if grads[i].numel() else grads[i].new_zeros(1) for i in idx],
                                      ord=math.inf)
         bad = (~torch.isfinite(torch.stack(maxabs))).float().to(device)
+        if len(by_kind) == 1:  # one kind, already in order: no reassembly
+            return bad
         for j, i in enumerate(idx):  # views, not an index list (which would go to the GPU with a host sync)
             flags[i] = bad[j]
     return torch.stack(flags) if flags else torch.zeros(0, device=device)
