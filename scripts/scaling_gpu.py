@@ -92,8 +92,6 @@ def run_config(spec: str, preset: str, args, device: torch.device, vocab: int) -
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 and parallel != "fsdp" \
         else nullcontext
     opt_timer = StreamTimer(device)
-    inner = instrument_chunks(opt, device)
-
     def step() -> None:
         with autocast():
             _, loss = module(x[:, :-1], x[:, 1:])
@@ -107,6 +105,7 @@ def run_config(spec: str, preset: str, args, device: torch.device, vocab: int) -
 
     for _ in range(args.warmup):
         step()
+    inner = instrument_chunks(opt, device)  # after warm-up: the first step rebuilds the chunks
     dist.barrier()
     sync(device)
     t0 = time.perf_counter()
@@ -157,7 +156,7 @@ def inner_summary(opt, timers: list[StreamTimer], args) -> dict:
     """This rank's share of the layer-wise matrix cost and the median ms of its chunks' compute per step."""
     if not isinstance(opt, LayerwiseOptimizer):
         return {}
-    laps = [t.resolve()[args.warmup:args.warmup + args.iters] for t in timers]
+    laps = [t.resolve()[:args.iters] for t in timers]
     per_step = [sum(chunk[i] for chunk in laps) * 1e3 for i in range(min(map(len, laps)))] if laps else [0.0]
     compute = opt.assignment.compute
     return dict(owned_cost_share=compute[opt.rank] / max(sum(compute), 1e-30),

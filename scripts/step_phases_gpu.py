@@ -1,8 +1,10 @@
 """Where a training step's time goes, per parallel configuration: forward, backward, clipping and optimizer step.
 
     torchrun --standalone --nproc-per-node 2 scripts/step_phases_gpu.py fsdp:adamw fsdp:muon ddp:adamw layerwise:muon
+    torchrun --standalone --nproc-per-node 2 scripts/step_phases_gpu.py layerwise:muon,step_chunks=4,cuda_graph=True
 
-Builds each ``PARALLEL:OPTIMIZER`` configuration as ``scripts/scaling_gpu.py`` does (the trainer's
+Builds each ``PARALLEL:OPTIMIZER[,KEY=VALUE...]`` configuration (the pairs are optimizer keyword arguments, as
+``--opt`` gives them to the trainer) as ``scripts/scaling_gpu.py`` does (the trainer's
 ``parallelize``, 1.3B shapes, 4096 tokens per GPU) and runs the trainer's step. Per rank it reports, as medians
 over 6 steps:
 
@@ -12,11 +14,13 @@ over 6 steps:
 - from a profile of 2 steps: GPU time with a compute kernel running, with any kernel running, the span, and the
   kernels and CUDA runtime calls that take the most time.
 
-Prints a summary on rank 0 and writes ``$OUT/step_phases_gpu.json``. Needs CUDA and NCCL.
+Prints a summary on rank 0 and writes ``$OUT/step_phases_gpu.json``; with ``STEP_TRACE=1`` also each rank's profile
+as a Chrome trace, ``$OUT/trace_<config>_rank<r>.json``. Needs CUDA and NCCL.
 """
 
 from __future__ import annotations
 
+import ast
 import gc
 import json
 import os
@@ -60,8 +64,10 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
 
 
 def measure(spec: str, dev: torch.device, steps: int = 6) -> dict:
-    parallel, name = spec.split(":")[:2]
-    cfg = TrainConfig(model=model_config("1.3b", False), optim=OptimConfig(name=name, lr=LR[name]),
+    head, *pairs = spec.split(",")
+    parallel, name = head.split(":")
+    hparams = {k: ast.literal_eval(v) for k, v in (pair.split("=", 1) for pair in pairs)}
+    cfg = TrainConfig(model=model_config("1.3b", False), optim=OptimConfig(name=name, lr=LR[name], hparams=hparams),
                       parallel=parallel, device="cuda")
     gpt = cfg.model.gpt_config(50304)
     torch.manual_seed(0)
@@ -117,6 +123,9 @@ def measure(spec: str, dev: torch.device, steps: int = 6) -> dict:
         for _ in range(2):
             step(False)
         torch.cuda.synchronize()
+    if os.environ.get("STEP_TRACE") == "1":  # the whole timeline, for chrome://tracing or a script
+        tag = spec.replace(":", "_").replace(",", "_")
+        prof.export_chrome_trace(os.path.join(os.environ.get("OUT", "."), f"trace_{tag}_rank{dist.get_rank()}.json"))
     kernels, runtime, busy = {}, {}, []
     for e in prof.events():
         ms = (e.time_range.end - e.time_range.start) / 2e3  # per step
@@ -141,6 +150,7 @@ def main() -> None:
     torch.cuda.set_device(dev)
     gc.callbacks.append(_gc_timer)
     result = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+              "nccl_high_priority": os.environ.get("TORCH_NCCL_HIGH_PRIORITY", "0"),
               "world_size": dist.get_world_size(), "configs": {}}
     for spec in configs:
         mine = measure(spec, dev)

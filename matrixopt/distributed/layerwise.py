@@ -7,7 +7,11 @@ to even out optimizer-state memory without raising the largest cost (:mod:`.bala
 1. backward: each parameter's gradient hook copies the local gradient into its bucket's flat buffer (a parameter
    alone in its bucket lends its gradient tensor instead, with no copy) and frees ``p.grad``; a full bucket is
    summed into its owner (``reduce``, asynchronous), so the reduction overlaps the rest of backward. Buckets
-   hold parameters of one owner and are launched in a fixed order on every rank.
+   hold parameters of one owner and are launched in one order on every rank: the order gradients arrive in.
+   Until a backward has shown it, that is guessed as the reverse of registration; at the first step, rank 0's
+   observed order replaces the guess (as DDP rebuilds its buckets), so a parameter registered out of the order
+   the model uses it in (GPT's position embedding, registered last but used first) does not hold every other
+   bucket's reduction back to the end of backward, and the next forward gets its first parameters first.
 2. ``step()``: wait for the reductions; the owner divides by the world size (the mean over ranks, so equal local
    batches give the single-process gradient of the global batch) and runs the registered optimizer on its
    parameters in ``step_chunks`` chunks; after each chunk it broadcasts the finished buckets.
@@ -29,6 +33,7 @@ inside :meth:`LayerwiseOptimizer.no_sync`.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -129,6 +134,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.names = {id(p): n for g in groups for p, n in zip(g["params"], g["names"])}
         order = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
         self.params = sorted((p for g in groups for p in g["params"]), key=lambda p: order[id(p)])
+        self._position = {id(p): i for i, p in enumerate(self.params)}
         self._check_same_everywhere(groups, name, hparams)
         devices = {p.device for p in self.params}
         if len(devices) > 1:
@@ -152,23 +158,25 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if verbose and self.rank == 0:
             print(self.assignment.summary())
 
-        self.buckets = self._make_buckets(int(bucket_cap_mb * 2**20), reduce_dtype)
-        self._bucket_of = {id(p): (b, k) for b in self.buckets for k, p in enumerate(b.params)}
+        self._bucket_cap, self._reduce_dtype = int(bucket_cap_mb * 2**20), reduce_dtype
+        self._modules = [m for m in model.modules() if any(id(p) in self.owner for p in m.parameters(recurse=False))]
+        self.masters: dict[int, Tensor] = {}
+        self.chunks: list[Chunk] = []
+        self._build_chunks = functools.partial(self._make_chunks, groups, group_of, step_chunks, flag, factory,
+                                               hparams)
+        # Until the first backward shows the order gradients arrive in, guess the reverse of registration.
+        self._arrivals: list[int] | None = []
+        self._arrange(list(reversed(range(len(self.params)))))
         self._stale = False
         self._syncing_grads = True
-        self._next_grad = len(self.buckets) - 1  # gradients are reduced from the last bucket to the first
-        self.masters: dict[int, Tensor] = {}
         self._broadcast_buffers(model)
         self.sync_params()
 
         self.masters = {id(p): p.detach().float().clone() for p in self.params
                         if self.owner[id(p)] == self.rank and p.dtype != torch.float32}
-        self.chunks = self._make_chunks(groups, group_of, step_chunks, flag, factory, hparams, cost)
+        self.chunks = self._build_chunks()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
-        for mod in model.modules():
-            mine = [self._bucket_of[id(p)][0] for p in mod.parameters(recurse=False) if id(p) in self._bucket_of]
-            if mine:
-                self._hooks.append(mod.register_forward_pre_hook(self._make_pre_forward(mine)))
+        self._hooks += [m.register_forward_pre_hook(self._pre_forward) for m in self._modules]
 
     # ------------------------------------------------------------------------------------------- construction
     def _check_same_everywhere(self, groups: list[dict[str, Any]], name: str, hparams: dict[str, Any]) -> None:
@@ -208,35 +216,50 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         master = 0 if p.dtype == torch.float32 else 4 * p.numel()
         return master + (4 if is_matrix else 8) * p.numel()
 
-    def _make_buckets(self, cap_bytes: int, reduce_dtype: torch.dtype | None) -> list[Bucket]:
-        """Walk the parameters in backward order (reverse registration), filling one open bucket per (owner,
-        dtype); then number the buckets in forward order (by their first parameter)."""
-        index = {id(p): i for i, p in enumerate(self.params)}
+    def _arrange(self, arrival: list[int]) -> None:
+        """Bucket the parameters for gradients arriving in the order ``arrival`` (positions in ``self.params``),
+        and, once the owned parameters have their fp32 masters, split the owner's step into chunks to match."""
+        self.order = arrival
+        self.buckets = self._make_buckets(arrival)
+        self._bucket_of = {id(p): (b, k) for b in self.buckets for k, p in enumerate(b.params)}
+        self._next_grad = len(self.buckets) - 1  # gradients are reduced from the last bucket to the first
+        if self.chunks:
+            self._rechunk()
+        self._module_buckets = {
+            id(m): list({id(b): b for b in (self._bucket_of[id(p)][0] for p in m.parameters(recurse=False)
+                                             if id(p) in self._bucket_of)}.values())
+            for m in self._modules}
+
+    def _make_buckets(self, arrival: list[int]) -> list[Bucket]:
+        """Walk the parameters in the order their gradients arrive, filling one open bucket per (owner, dtype),
+        closed at the size cap; then number the buckets so that the last one is complete first: by when their
+        last gradient arrives, latest first. That is the order the next forward needs them in."""
+        when = {id(self.params[i]): t for t, i in enumerate(arrival)}
         open_: dict[tuple[int, torch.dtype], list[Tensor]] = {}
         closed: list[list[Tensor]] = []
-        for p in reversed(self.params):
+        for p in (self.params[i] for i in arrival):
             key = (self.owner[id(p)], p.dtype)
             cur = open_.setdefault(key, [])
             cur.append(p)
-            if sum(q.numel() for q in cur) * p.element_size() >= cap_bytes:
+            if sum(q.numel() for q in cur) * p.element_size() >= self._bucket_cap:
                 closed.append(open_.pop(key))
         closed += open_.values()
-        closed.sort(key=lambda ps: min(index[id(p)] for p in ps))
+        closed.sort(key=lambda ps: -max(when[id(p)] for p in ps))
         buckets = []
         for bi, ps in enumerate(closed):
-            ps = sorted(ps, key=lambda p: index[id(p)])
+            ps = sorted(ps, key=lambda p: -when[id(p)])
             offsets = [0]
             for p in ps:
                 offsets.append(offsets[-1] + p.numel())
-            dtype = reduce_dtype or ps[0].dtype
+            dtype = self._reduce_dtype or ps[0].dtype
             direct = len(ps) == 1 and dtype == ps[0].dtype
             grad = None if direct else torch.zeros(offsets[-1], dtype=dtype, device=ps[0].device)
             buckets.append(Bucket(bi, self.owner[id(ps[0])], ps, offsets[:-1], offsets[-1], grad, direct))
         return buckets
 
     def _make_chunks(self, groups: list[dict[str, Any]], group_of: dict[int, int], step_chunks: int,
-                     flag: str | None, factory: Callable[..., torch.optim.Optimizer], hparams: dict[str, Any],
-                     cost: Callable[[int, int], float]) -> list[Chunk]:
+                     flag: str | None, factory: Callable[..., torch.optim.Optimizer],
+                     hparams: dict[str, Any]) -> list[Chunk]:
         """Split this rank's buckets (in forward order) into up to ``step_chunks`` runs of about equal size, each
         stepped by its own inner optimizer built from the global groups' hyperparameters."""
         mine = [b for b in self.buckets if b.owner == self.rank]
@@ -273,6 +296,31 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             chunks.append(Chunk(inner, outer_index, masters, run[-1].index + 1))
         return chunks
 
+    def _rechunk(self) -> None:
+        """Chunks for new buckets, each owned parameter's optimizer state moved to its new chunk's optimizer."""
+        held = {t: c.optimizer.state[t] for c in self.chunks for t in list(c.optimizer.state)}
+        self.chunks = self._build_chunks()
+        for c in self.chunks:
+            for g in c.optimizer.param_groups:
+                for t in g["params"]:
+                    if t in held:
+                        c.optimizer.state[t] = held[t]
+
+    def _adopt_arrival_order(self) -> None:
+        """At the first step after a backward: rank 0's order of gradient arrival (parameters that got no gradient
+        last) becomes every rank's, and the buckets and chunks are rebuilt to it if it differs from the guess, so
+        that each bucket is reduced as soon as its own gradients exist, not behind a parameter registered out of
+        the order the model uses it in, and the next forward gets first what it needs first. Collective."""
+        seen = comm.all_gather_object(self._arrivals, self.group)[0]
+        if not seen:  # no backward reduced gradients yet: keep watching
+            self._arrivals = []
+            return
+        self._arrivals = None
+        seen = list(dict.fromkeys(seen))
+        order = seen + [i for i in self.order if i not in set(seen)]
+        if order != self.order:
+            self._arrange(order)
+
     def _inner_param(self, p: Tensor) -> Tensor:
         return self.masters.get(id(p), p)
 
@@ -298,6 +346,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if k in b.seen:
             raise RuntimeError(f"`{self.names[id(p)]}` received a second gradient before step(): wrap all but the "
                                f"last micro-batch's backward in `with opt.no_sync():` when accumulating gradients")
+        if self._arrivals is not None:
+            self._arrivals.append(self._position[id(p)])
         self._take_grad(b, k, p)
         self._launch_ready_grads()
 
@@ -418,6 +468,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.wait_params()
         self._finish_grad_sync()
+        if self._arrivals is not None:
+            self._adopt_arrival_order()
         if self._check_finite:
             self._agree_finite()
         self._push_hyperparameters()
@@ -476,12 +528,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         for b in self.buckets:
             self._wait_bucket(b)
 
-    def _make_pre_forward(self, buckets: list[Bucket]) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            self._refuse_if_stale()
-            for b in buckets:
-                self._wait_bucket(b)
-        return hook
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._refuse_if_stale()
+        for b in self._module_buckets[id(module)]:
+            self._wait_bucket(b)
 
     @torch.no_grad()
     def sync_params(self) -> None:
