@@ -12,8 +12,10 @@ FSDP2 parameters with fp32 reduction), then times the trainer's step on random t
 global-norm clipping at 1.0, ``optimizer.step()``. Per configuration it records
 
 - tokens/s of all ranks together and per GPU (``--tokens-per-gpu`` tokens per rank per step), from the wall time
-  of ``--iters`` back-to-back steps that sync only as the trainer does (the loss read each step), so
-  communication left on other streams (layer-wise broadcasts, FSDP prefetches) overlaps the next step,
+  of ``--iters`` back-to-back steps that sync only as the trainer does (the loss is read where it logs, so
+  between logs the host queues the next step behind the current one's GPU work, and only the optimizers' own
+  checks sync), so communication left on other streams (layer-wise broadcasts, FSDP prefetches) overlaps the
+  next step,
 - the optimizer step per rank: median time ``optimizer.step()`` occupies the compute stream (CUDA events, as the
   trainer's ``opt_s``), the slowest rank being the one that counts,
 - peak memory allocated per rank,
@@ -100,8 +102,7 @@ def run_config(spec: str, preset: str, args, device: torch.device, vocab: int) -
         opt_timer.start()
         opt.step()
         opt_timer.stop()
-        opt.zero_grad(set_to_none=True)
-        loss.item()  # as the trainer logs it: the host waits for this step's compute, not for other streams
+        opt.zero_grad(set_to_none=True)  # no loss.item(): the trainer reads losses only where it logs
 
     for _ in range(args.warmup):
         step()

@@ -69,4 +69,11 @@ def mean_over_ranks(value: Tensor, process_group: dist.ProcessGroup | None = Non
     return comm.all_reduce_sum(t, group) / comm.world_size(group)
 
 
-__all__ = ["PARALLEL", "LayerwiseOptimizer", "batch_slice", "layerwise", "mean_over_ranks", "setup"]
+def any_rank(flag: bool, host_group: dist.ProcessGroup) -> bool:
+    """Whether ``flag`` is set on any rank of ``host_group`` (from :func:`comm.host_group`): agreed on the host,
+    without waiting for queued GPU work. Collective."""
+    t = torch.tensor([float(flag)])
+    return comm.all_reduce_max(t, host_group).item() > 0
+
+
+__all__ = ["PARALLEL", "LayerwiseOptimizer", "any_rank", "batch_slice", "layerwise", "mean_over_ranks", "setup"]

@@ -68,6 +68,16 @@ def all_gather_object(obj: Any, group: Group) -> list[Any]:
     return out
 
 
+def host_group() -> Group:
+    """A group over all ranks whose collectives run on the host (gloo), e.g. to agree on a flag every step without
+    waiting for the GPU work queued so far: the default group if it is gloo, else a new gloo group. Collective:
+    every rank must call it, in the same order as its other group creations."""
+    require_initialized()
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo")
+
+
 def object_device(group: Group) -> torch.device:
     """Where small control tensors live for this group's backend (CUDA for NCCL)."""
     if dist.get_backend(group) == "nccl":

@@ -15,7 +15,10 @@
   uninterrupted run would (on CPU; bitwise up to nondeterministic kernels elsewhere).
 
 The loop per step: set each group's lr to its initial lr times the schedule, accumulate ``grad_accum``
-micro-batch gradients (bf16 autocast on CUDA), clip, step, log, evaluate, checkpoint.
+micro-batch gradients (bf16 autocast on CUDA), clip, step, log, evaluate, checkpoint. The step losses add up
+on the device; the host reads them (and checks they are finite) only at the steps it logs, evaluates,
+checkpoints or stops at, so between those it queues the next step's work without waiting for the GPU. Under
+data parallelism the ranks agree every step on a Ctrl-C through a host-side (gloo) group, for the same reason.
 
 Data parallel (``cfg.parallel`` other than "none", launched by torchrun, one process per rank): ``train``
 initializes the default process group if it is not yet (NCCL on CUDA, device ``cuda:LOCAL_RANK``; gloo on
@@ -512,10 +515,12 @@ def train(
     device, rank, world = init_parallel(cfg)
     mesh = device_mesh(cfg, device, world)
     rows = slice(None)  # this rank's rows of every global micro-batch
+    control = None  # the ranks agree each step on whether to stop through this host-side group
     if cfg.parallel != "none":
-        from matrixopt.distributed import batch_slice, mean_over_ranks
+        from matrixopt.distributed import any_rank, batch_slice, comm, mean_over_ranks
 
         rows = batch_slice(cfg.batch_size, mesh.get_group("dp") if mesh is not None else None)
+        control = comm.host_group()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if device.type == "cuda":
@@ -594,6 +599,9 @@ def train(
 
     bar = _progress(cfg.steps, step, progress and rank == 0, cfg.optim.name)
     window_t0, window_step = time.perf_counter(), step
+    # The step losses add up on the device and the host reads them only where it logs, evaluates, checkpoints or
+    # stops, so it does not wait for the GPU every step and can queue the next step's work behind this one's.
+    pending, pending_steps = torch.zeros((), device=device), 0
     with StopRequest() as stop, metrics_file:
         while step < cfg.steps:
             mult = lr_multiplier(step, cfg.steps, cfg.schedule)
@@ -616,18 +624,21 @@ def train(
             optimizer.step()
             opt_timer.stop()
             optimizer.zero_grad(set_to_none=True)
-            stopping = stop.requested
-            if cfg.parallel != "none":  # one collective: the mean loss, and whether any rank got Ctrl-C
-                agreed = mean_over_ranks(torch.stack([step_loss, torch.tensor(float(stopping), device=device)]))
-                step_loss, stopping = agreed[0], bool(agreed[1] > 0)
+            stopping = stop.requested if control is None else any_rank(stop.requested, control)
             step += 1
-            loss_sum += step_loss.item()
-            loss_count += 1
-            elapsed += time.perf_counter() - t0
-            if not math.isfinite(loss_sum):
-                raise ValueError(f"train loss is {loss_sum} at step {step}; lower --lr (now {cfg.optim.lr})")
-
+            pending += step_loss
+            pending_steps += 1
             is_eval = step % cfg.eval_every == 0 or step == cfg.steps
+            is_ckpt = bool(cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps
+            if step % cfg.log_every == 0 or is_eval or is_ckpt or stopping:  # the same steps on every rank
+                loss_sum += (pending if control is None else mean_over_ranks(pending)).item()
+                loss_count += pending_steps
+                pending.zero_()
+                pending_steps = 0
+                if not math.isfinite(loss_sum):
+                    raise ValueError(f"train loss is {loss_sum} by step {step}; lower --lr (now {cfg.optim.lr})")
+            elapsed += time.perf_counter() - t0
+
             if step % cfg.log_every == 0 or is_eval:
                 now = time.perf_counter()
                 record = dict(
@@ -643,7 +654,7 @@ def train(
                                 tok_s=f"{record['tokens_per_s']:.0f}")
                 window_t0, window_step = time.perf_counter(), step
             bar.update(1)
-            if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
+            if is_ckpt:
                 checkpoint()
                 window_t0 = time.perf_counter()
             if stopping:
