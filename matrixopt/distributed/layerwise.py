@@ -219,7 +219,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def _arrange(self, arrival: list[int]) -> None:
         """Bucket the parameters for gradients arriving in the order ``arrival`` (positions in ``self.params``),
         and, once the owned parameters have their fp32 masters, split the owner's step into chunks to match."""
-        self.order = arrival
+        self._order = arrival
         self.buckets = self._make_buckets(arrival)
         self._bucket_of = {id(p): (b, k) for b in self.buckets for k, p in enumerate(b.params)}
         self._next_grad = len(self.buckets) - 1  # gradients are reduced from the last bucket to the first
@@ -317,8 +317,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             return
         self._arrivals = None
         seen = list(dict.fromkeys(seen))
-        order = seen + [i for i in self.order if i not in set(seen)]
-        if order != self.order:
+        got = set(seen)
+        order = seen + [i for i in self._order if i not in got]
+        if order != self._order:
             self._arrange(order)
 
     def _inner_param(self, p: Tensor) -> Tensor:

@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import matrixopt.train.trainer as trainer
 from matrixopt.cli import main
+from matrixopt.train.model import GPT
 from matrixopt.train.trainer import CheckpointError, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,3 +103,24 @@ def test_damaged_checkpoint_is_detected_and_named(tmp_path, tiny, capsys, damage
     assert main(args(tmp_path, tiny, "--resume")) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(ckpt) in err and "delete" in err
+
+
+def test_nonfinite_loss_stops_before_it_reaches_a_checkpoint(tmp_path, tiny, monkeypatch, capsys):
+    """The host reads the losses only where it logs, evaluates or checkpoints: a NaN loss at step 3 (AdamW does
+    not check gradients) is caught at the step-4 checkpoint, before it is written; step 2's stays."""
+    real_forward, calls = GPT.forward, []
+
+    def nan_at_step_3(self, idx, targets=None):
+        logits, loss = real_forward(self, idx, targets)
+        if torch.is_grad_enabled():  # training, not evaluation
+            calls.append(1)
+            if len(calls) == 3:
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", nan_at_step_3)
+    cmd = ["train", "--optimizer", "adamw", "--steps", "8", "--eval-every", "100", "--ckpt-every", "2",
+           "--out", str(tmp_path), *tiny, "--log-every", "10"]  # fmt: skip
+    assert main(cmd) == 2
+    assert "train loss is nan by step 4" in capsys.readouterr().err
+    assert load_checkpoint(tmp_path / "ckpt.pt")["step"] == 2
