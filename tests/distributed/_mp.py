@@ -1,9 +1,10 @@
-"""Run a function on N CPU processes joined in a gloo process group (spawned, free TCP port).
+"""Run a function on N processes joined in a process group (spawned, free TCP port): gloo on CPU, or NCCL with
+one GPU per rank.
 
 ``run(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` in each process after
-``init_process_group("gloo")``; an exception in any rank fails the caller with that rank's traceback, and a
-run that exceeds ``timeout`` seconds is killed and fails. ``fn`` must be a module-level function (spawn pickles
-it by reference).
+``init_process_group(backend)`` (on NCCL with ``cuda:rank`` as the current device); an exception in any rank
+fails the caller with that rank's traceback, and a run that exceeds ``timeout`` seconds is killed and fails.
+``fn`` must be a module-level function (spawn pickles it by reference).
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, pg_timeout: float, args: tuple) -> None:
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, pg_timeout: float, backend: str,
+           args: tuple) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=pg_timeout))
     try:
         fn(rank, world_size, *args)
@@ -41,8 +45,9 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, pg_tim
     comm.leave(0)  # success: no interpreter teardown (gloo work objects outliving their group, see its docstring)
 
 
-def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, pg_timeout: float = 60.0) -> None:
-    ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), pg_timeout, args), nprocs=world_size,
+def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, pg_timeout: float = 60.0,
+        backend: str = "gloo") -> None:
+    ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), pg_timeout, backend, args), nprocs=world_size,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
