@@ -1,4 +1,5 @@
-"""A small per-shape autotuner shared by the Triton kernels.
+"""What the kernel families share: a small per-shape autotuner for the Triton kernels, and the switch that forces
+a family's backend.
 
 Triton's ``@triton.autotune`` times every config of a large space on the first call; here each kernel offers a
 few hand-picked candidates (a plain function of the problem shape), they are timed once per key with
@@ -8,7 +9,8 @@ Triton interpreter, used by the tests) the first candidate is taken without timi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import contextlib
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
@@ -41,3 +43,23 @@ def pick(key: Hashable, candidates: Sequence[C], launch: Callable[[C], object], 
 def chosen() -> dict[Hashable, object]:
     """A copy of every cached choice, ``{key: config}`` (for benchmark reports)."""
     return dict(_CHOSEN)
+
+
+class BackendSwitch:
+    """Which implementation a kernel family runs: ``"auto"`` (its dispatcher decides), ``"torch"`` (the
+    references) or ``"triton"``; :meth:`forced` sets it for a ``with`` block."""
+
+    CHOICES = ("auto", "torch", "triton")
+
+    def __init__(self, family: str) -> None:
+        self.family, self.name = family, "auto"
+
+    @contextlib.contextmanager
+    def forced(self, name: str) -> Iterator[None]:
+        if name not in self.CHOICES:
+            raise ValueError(f"unknown {self.family} backend {name!r}; use one of {self.CHOICES}")
+        previous, self.name = self.name, name
+        try:
+            yield
+        finally:
+            self.name = previous

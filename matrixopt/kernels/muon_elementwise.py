@@ -16,11 +16,13 @@ for a block of code (benchmarks; tests, where ``"triton"`` on CPU tensors runs T
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
 from torch import Tensor
+
+from matrixopt.kernels._tuning import BackendSwitch
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the fused kernels read and write
 
@@ -89,8 +91,8 @@ def apply_update_reference(params: Sequence[Tensor], Y: Tensor, scale: Callable[
 
 # ----------------------------------------------------------------------------------------------- dispatch
 
-BACKENDS = ("auto", "torch", "triton")
-_backend = "auto"
+BACKENDS = BackendSwitch.CHOICES
+_switch = BackendSwitch("elementwise")
 
 
 def _on_gpu(*tensors: Sequence[Tensor]) -> bool:
@@ -100,10 +102,10 @@ def _on_gpu(*tensors: Sequence[Tensor]) -> bool:
 def _kernels(auto: bool) -> ModuleType | None:
     """The kernels' module if the forced backend, else ``auto`` (whether the kernels suit these tensors on a
     GPU), asks for Triton and Triton is there; None for the torch references."""
-    if not (_backend == "triton" if _backend != "auto" else auto):
+    if not (_switch.name == "triton" if _switch.name != "auto" else auto):
         return None
     fused = fused_kernels()
-    if fused is None and _backend == "triton":
+    if fused is None and _switch.name == "triton":
         raise ImportError("elementwise_backend('triton') needs Triton: pip install triton")
     return fused
 
@@ -143,15 +145,7 @@ def frobenius_normalize(X: Tensor, dtype: torch.dtype) -> Tensor:
     return fused.frobenius_normalize_triton(X, dtype)
 
 
-@contextlib.contextmanager
-def elementwise_backend(name: str) -> Iterator[None]:
+def elementwise_backend(name: str) -> contextlib.AbstractContextManager[None]:
     """Force ``"torch"`` (foreach references), ``"triton"`` (any device; on the CPU only under
     ``TRITON_INTERPRET=1``) or ``"auto"`` inside a ``with`` block."""
-    global _backend
-    if name not in BACKENDS:
-        raise ValueError(f"unknown elementwise backend {name!r}; use one of {BACKENDS}")
-    previous, _backend = _backend, name
-    try:
-        yield
-    finally:
-        _backend = previous
+    return _switch.forced(name)

@@ -25,7 +25,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-BACKENDS = ("auto", "torch", "triton")
+from matrixopt.kernels._tuning import BackendSwitch
+
+BACKENDS = BackendSwitch.CHOICES
 
 # Keep Triton only where it beat cuBLAS by at least 2%: within that margin the timings are noise, and the
 # reference is the safer default.
@@ -35,7 +37,7 @@ TRITON_MARGIN = 0.98
 _MEASURE_CALLS = 3
 _MEASURE_REPS = 7
 
-_backend = "auto"
+_switch = BackendSwitch("Newton–Schulz")
 _decisions: dict[tuple, dict[str, float | str]] = {}
 
 
@@ -124,8 +126,8 @@ def _measure(X: Tensor, a: float, b: float, c: float, graphed: bool) -> dict[str
 
 
 def _choose(X: Tensor, a: float, b: float, c: float) -> str:
-    if _backend != "auto":
-        return _backend
+    if _switch.name != "auto":
+        return _switch.name
     if not X.is_cuda or X.dtype not in (torch.bfloat16, torch.float16) or torch.compiler.is_compiling():
         return "torch"
     capturing = torch.cuda.is_current_stream_capturing()
@@ -146,18 +148,10 @@ def ns_step(X: Tensor, a: float, b: float, c: float) -> Tensor:
     return ns_step_reference(X, a, b, c)
 
 
-@contextlib.contextmanager
-def ns_backend(name: str) -> Iterator[None]:
+def ns_backend(name: str) -> contextlib.AbstractContextManager[None]:
     """Force ``"torch"`` (reference), ``"triton"`` (any device; on the CPU only under ``TRITON_INTERPRET=1``)
     or ``"auto"`` inside a ``with`` block."""
-    global _backend
-    if name not in BACKENDS:
-        raise ValueError(f"unknown Newton–Schulz backend {name!r}; use one of {BACKENDS}")
-    previous, _backend = _backend, name
-    try:
-        yield
-    finally:
-        _backend = previous
+    return _switch.forced(name)
 
 
 @contextlib.contextmanager
