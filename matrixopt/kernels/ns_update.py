@@ -13,6 +13,10 @@ Blocked algorithm, one program per (output tile, matrix)::
 
 Output tiles are visited in groups of GROUP_M rows so that consecutive programs share B and X tiles in L2
 (the ordering of Triton's matrix-multiplication tutorial).
+
+As for the SYRK (``syrk.py``), two kernels compute the same tiles and the tuner times both where both apply: one
+program per tile with pointer loads (any strides), and a persistent grid with TMA loads and stores (contiguous
+last dimensions, 16-byte aligned rows, compute capability 9 or newer).
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError as e:  # pragma: no cover - exercised by the dispatcher test through ns_step
     raise ImportError("matrixopt.kernels.ns_update needs Triton: pip install triton (or pip install "
                       "matrixopt[triton])") from e
 
 from matrixopt.kernels._tuning import pick
+from matrixopt.kernels.syrk import num_sms, tma_compatible
 
 # ----------------------------------------------------------------------------------------------- autotune configs
 
@@ -42,14 +48,28 @@ class GemmConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    persistent: bool = False  # the persistent TMA kernel
 
 
-def get_ns_update_configs(batch: int, m: int, n: int) -> list[GemmConfig]:
-    """Candidates: Hopper-friendly 128 x 128 and 128 x 256 tiles, and 64 x 128 for small matrices."""
-    return [GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(64, 128, 64, 8, 4, 4)]
+def get_ns_update_configs(batch: int, m: int, n: int, tma: bool = False) -> list[GemmConfig]:
+    """Candidates: Hopper-friendly 128 x 128 and 128 x 256 tiles, and 64 x 128 for small matrices; with ``tma``
+    the persistent TMA kernel at 128 x 128 (4 and 8 warps) too."""
+    out = [GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(64, 128, 64, 8, 4, 4)]
+    if tma:  # 128 x 256 tiles with the TMA epilogue need more shared memory than an H100 has
+        out += [GemmConfig(128, 128, 64, 8, 4, 4, persistent=True), GemmConfig(128, 128, 64, 8, 8, 4, persistent=True)]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Output tile (pid_m, pid_n) of program ``pid``, visiting tiles in groups of GROUP_M tile rows."""
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    return first_m + ((pid % group) % size_m), (pid % group) // size_m
 
 
 @triton.jit
@@ -67,15 +87,8 @@ def _ns_update_kernel(
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     bid = tl.program_id(1).to(tl.int64)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % group) % size_m)
-    pid_n = (pid % group) // size_m
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -103,10 +116,56 @@ def _ns_update_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _ns_update_tma_kernel(
+    # tensor descriptors: B (batch, M, M) in (1, BLOCK_M, BLOCK_K) blocks; X (batch, M, N) in (1, BLOCK_K, BLOCK_N)
+    # blocks for the product and (1, BLOCK_M, BLOCK_N) for the epilogue; out (batch, M, N) in (1, BLOCK_M, BLOCK_N)
+    b_desc, x_desc, xe_desc, o_desc,
+    # sizes; tiles in the whole batch; programs in the grid
+    M, N, num_tiles, num_programs,
+    # runtime coefficient
+    a,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_matrix = num_m * num_n
+    for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=True):
+        bid = tile // tiles_per_matrix
+        pid_m, pid_n = _grouped_tile(tile - bid * tiles_per_matrix, num_m, num_n, GROUP_M)
+        row, col = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, M, BLOCK_K):  # reads past M are zero-filled by the copy engine
+            bt = b_desc.load([bid, row, k]).reshape(BLOCK_M, BLOCK_K)
+            xt = x_desc.load([bid, k, col]).reshape(BLOCK_K, BLOCK_N)
+            acc = tl.dot(bt, xt, acc)
+        acc += a * xe_desc.load([bid, row, col]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
+        o_desc.store([bid, row, col], acc.to(o_desc.dtype).reshape(1, BLOCK_M, BLOCK_N))
+
+
 # ----------------------------------------------------------------------------------------------- launcher
 
 
+def _launch_tma(B: Tensor, X: Tensor, out: Tensor, a: float, cfg: GemmConfig) -> None:
+    batch, m, n = X.shape
+    num_tiles = batch * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    programs = min(num_tiles, num_sms(X.device))
+    _ns_update_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(B, [1, cfg.block_m, cfg.block_k]),
+        TensorDescriptor.from_tensor(X, [1, cfg.block_k, cfg.block_n]),
+        TensorDescriptor.from_tensor(X, [1, cfg.block_m, cfg.block_n]),
+        TensorDescriptor.from_tensor(out, [1, cfg.block_m, cfg.block_n]),
+        m, n, num_tiles, programs, a,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
 def _launch(B: Tensor, X: Tensor, out: Tensor, a: float, cfg: GemmConfig) -> None:
+    if cfg.persistent:
+        _launch_tma(B, X, out, a, cfg)
+        return
     batch, m, n = X.shape
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), batch)
     _ns_update_kernel[grid](
@@ -128,9 +187,15 @@ def ns_update(B: Tensor, X: Tensor, a: float, *, config: GemmConfig | None = Non
         raise ValueError(f"ns_update takes B (batch, m, m) and X (batch, m, n); got B {tuple(B.shape)}, "
                          f"X {tuple(X.shape)}")
     out = torch.empty(X.shape, device=X.device, dtype=X.dtype)
+    tma = tma_compatible(B, X, out)
     if config is None:
-        key = ("ns_update", tuple(X.shape), X.stride(), B.stride(), X.dtype, X.device)
-        config = pick(key, get_ns_update_configs(*X.shape), lambda c: _launch(B, X, out, a, c), X.device)
+        key = ("ns_update", tuple(X.shape), X.stride(), B.stride(), X.dtype, X.device, tma)
+        config = pick(key, get_ns_update_configs(*X.shape, tma=tma), lambda c: _launch(B, X, out, a, c), X.device)
+    elif config.persistent and not tma:
+        raise ValueError("the persistent TMA update needs B and X with contiguous last dimensions and 16-byte "
+                         "aligned rows (m and n multiples of 8 in bf16) on a compute capability >= 9 GPU; got B "
+                         f"strides {B.stride()}, X of shape {tuple(X.shape)} and strides {X.stride()}: pass "
+                         "config=None to let the tuner choose")
     _launch(B, X, out, float(a), config)
     return out
 

@@ -16,6 +16,14 @@ Blocked algorithm, one program per (lower tile, matrix, K split)::
 When the tiles times the batch cannot fill the GPU (a single 1024 x 1024 Gram matrix is 36 tiles of 128 on 132
 SMs) the K range is split: each split writes its fp32 partial (mirrored) to a workspace and a second kernel sums
 the splits and applies alpha and beta. Coefficients are runtime arguments: a new (alpha, beta) never recompiles.
+
+Two kernels compute the same tiles; the tuner times both where both apply:
+- ``_syrk_kernel``: one program per tile, pointer loads (any strides, any sizes, split-K);
+- ``_syrk_tma_kernel``: a persistent grid (one program per SM walks the tiles of the whole batch, so the next
+  tile's loads overlap the last one's epilogue) with tensor-memory-accelerator (TMA) loads and stores through
+  tensor descriptors. The copy engine zero-fills reads past the edges and clips writes, so there are no masks.
+  TMA needs a contiguous last dimension, 16-byte aligned rows (m and k multiples of 8 in bf16) and, on the GPU,
+  a Hopper or newer device (compute capability 9).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError as e:  # pragma: no cover - exercised by the dispatcher test through ns_step
     raise ImportError("matrixopt.kernels.syrk needs Triton: pip install triton (or pip install matrixopt[triton])") \
         from e
@@ -44,15 +53,37 @@ class SyrkConfig:
     split_k: int
     num_warps: int
     num_stages: int
+    persistent: bool = False  # the persistent TMA kernel (split_k must be 1)
 
 
 NUM_SMS_H100 = 132
 
 
-def get_syrk_configs(batch: int, m: int, k: int, num_sms: int = NUM_SMS_H100) -> list[SyrkConfig]:
+def tma_compatible(*tensors: Tensor) -> bool:
+    """Whether TMA descriptors can address every tensor: contiguous last dimension, 16-byte aligned base and
+    strides, and (on CUDA) a device of compute capability 9 or newer. On the CPU (Triton's interpreter) only the
+    layout is checked."""
+    for t in tensors:
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+            return False
+    device = tensors[0].device
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the H100's count elsewhere: the interpreter has none)."""
+    if device.type != "cuda":
+        return NUM_SMS_H100
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def get_syrk_configs(batch: int, m: int, k: int, num_sms: int = NUM_SMS_H100, tma: bool = False) -> list[SyrkConfig]:
     """Candidates for one shape: 128-tiles (Hopper wgmma sweet spot) and 64-tiles (more programs for small m),
-    plus K splits when the lower-triangle tiles times the batch are fewer than the SMs."""
+    plus K splits when the lower-triangle tiles times the batch are fewer than the SMs, plus the persistent TMA
+    kernel at 128-tiles (two pipeline depths) when ``tma`` (see :func:`tma_compatible`)."""
     out = [SyrkConfig(128, 64, 1, 8, 4), SyrkConfig(64, 64, 1, 4, 4)]
+    if tma:
+        out += [SyrkConfig(128, 64, 1, 8, 4, persistent=True), SyrkConfig(128, 64, 1, 8, 3, persistent=True)]
     tiles = lambda blk: batch * (triton.cdiv(m, blk) * (triton.cdiv(m, blk) + 1) // 2)  # noqa: E731
     for split in (2, 4, 8):
         if tiles(128) * split <= 2 * num_sms and k // split >= 256:
@@ -63,6 +94,16 @@ def get_syrk_configs(batch: int, m: int, k: int, num_sms: int = NUM_SMS_H100) ->
 
 
 # ----------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _lower_tile(p):
+    """Lower-triangle tile (ti, tj), ti >= tj, numbered row by row: p = ti (ti + 1) / 2 + tj. The float root is
+    fixed up by one either way."""
+    ti = ((tl.sqrt(8.0 * p.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
+    ti = tl.where(ti * (ti + 1) // 2 > p, ti - 1, ti)
+    ti = tl.where((ti + 1) * (ti + 2) // 2 <= p, ti + 1, ti)
+    return ti, p - ti * (ti + 1) // 2
 
 
 @triton.jit
@@ -80,14 +121,9 @@ def _syrk_kernel(
     # meta-parameters
     BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_Y: tl.constexpr, PARTIAL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     bid = tl.program_id(1)
     sid = tl.program_id(2)
-    # lower-triangle tile (ti, tj), ti >= tj, with pid = ti (ti + 1) / 2 + tj; the float root is fixed up by one
-    ti = ((tl.sqrt(8.0 * pid.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
-    ti = tl.where(ti * (ti + 1) // 2 > pid, ti - 1, ti)
-    ti = tl.where((ti + 1) * (ti + 2) // 2 <= pid, ti + 1, ti)
-    tj = pid - ti * (ti + 1) // 2
+    ti, tj = _lower_tile(tl.program_id(0))
 
     offs_i = ti * BLOCK + tl.arange(0, BLOCK)
     offs_j = tj * BLOCK + tl.arange(0, BLOCK)
@@ -128,6 +164,37 @@ def _syrk_kernel(
 
 
 @triton.jit
+def _syrk_tma_kernel(
+    # tensor descriptors: X (batch, M, K) in (1, BLOCK, BLOCK_K) blocks, Y and out (batch, M, M) in (1, BLOCK, BLOCK)
+    x_desc, y_desc, o_desc,
+    # M x K matrices X; tiles in the whole batch, lower-triangle tiles per matrix; programs in the grid
+    M, K, num_tiles, tiles_per_matrix, num_programs,
+    # runtime coefficients
+    alpha, beta,
+    # meta-parameters
+    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_Y: tl.constexpr,
+):
+    # one program per SM; each walks tiles p, p + num_programs, ... of the batch. The flattened loop nest lets
+    # the compiler pipeline the next tile's loads under this tile's epilogue.
+    for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=True):
+        bid = tile // tiles_per_matrix
+        ti, tj = _lower_tile(tile - bid * tiles_per_matrix)
+        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            a = x_desc.load([bid, ti * BLOCK, k]).reshape(BLOCK, BLOCK_K)
+            b = x_desc.load([bid, tj * BLOCK, k]).reshape(BLOCK, BLOCK_K)
+            acc = tl.dot(a, b.T, acc)
+        acc = acc * alpha
+        if HAS_Y:
+            acc += beta * y_desc.load([bid, ti * BLOCK, tj * BLOCK]).reshape(BLOCK, BLOCK).to(tl.float32)
+        out = acc.to(o_desc.dtype)
+        o_desc.store([bid, ti * BLOCK, tj * BLOCK], out.reshape(1, BLOCK, BLOCK))
+        # the mirror (tj, ti); a diagonal tile's goes to row M, wholly outside C, where the copy engine writes
+        # nothing (a branch here would stop the compiler from flattening the loop nest)
+        o_desc.store([bid, tl.where(ti != tj, tj * BLOCK, M), ti * BLOCK], out.T.reshape(1, BLOCK, BLOCK))
+
+
+@triton.jit
 def _splitk_reduce_kernel(
     ws_ptr, y_ptr, out_ptr,  # ws: (SPLIT, N) fp32; y, out: N contiguous elements
     N, SPLIT,
@@ -148,7 +215,26 @@ def _splitk_reduce_kernel(
 # ----------------------------------------------------------------------------------------------- launcher
 
 
+def _launch_tma(X: Tensor, Y: Tensor | None, out: Tensor, alpha: float, beta: float, cfg: SyrkConfig) -> None:
+    batch, m, k = X.shape
+    T = triton.cdiv(m, cfg.block)
+    tiles_per_matrix = T * (T + 1) // 2
+    num_tiles = batch * tiles_per_matrix
+    programs = min(num_tiles, num_sms(X.device))
+    x_desc = TensorDescriptor.from_tensor(X, [1, cfg.block, cfg.block_k])
+    o_desc = TensorDescriptor.from_tensor(out, [1, cfg.block, cfg.block])
+    y_desc = TensorDescriptor.from_tensor(Y, [1, cfg.block, cfg.block]) if Y is not None else o_desc
+    _syrk_tma_kernel[(programs,)](
+        x_desc, y_desc, o_desc, m, k, num_tiles, tiles_per_matrix, programs, alpha, beta,
+        BLOCK=cfg.block, BLOCK_K=cfg.block_k, HAS_Y=Y is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
 def _launch(X: Tensor, Y: Tensor | None, out: Tensor, alpha: float, beta: float, cfg: SyrkConfig) -> None:
+    if cfg.persistent:
+        _launch_tma(X, Y, out, alpha, beta, cfg)
+        return
     batch, m, k = X.shape
     T = triton.cdiv(m, cfg.block)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -188,9 +274,16 @@ def syrk(X: Tensor, alpha: float = 1.0, beta: float = 0.0, Y: Tensor | None = No
         raise ValueError(f"syrk's Y must be a contiguous (batch, m, m) = {(batch, m, m)} tensor, got shape "
                          f"{tuple(Y.shape)} with strides {Y.stride()}")
     out = torch.empty((batch, m, m), device=X.device, dtype=X.dtype)
+    tma = tma_compatible(X, out) if Y is None else tma_compatible(X, Y, out)
     if config is None:
-        key = ("syrk", tuple(X.shape), X.stride(), X.dtype, X.device, Y is not None)
-        config = pick(key, get_syrk_configs(*X.shape), lambda c: _launch(X, Y, out, alpha, beta, c), X.device)
+        key = ("syrk", tuple(X.shape), X.stride(), X.dtype, X.device, Y is not None, tma)
+        config = pick(key, get_syrk_configs(*X.shape, num_sms=num_sms(X.device), tma=tma),
+                      lambda c: _launch(X, Y, out, alpha, beta, c), X.device)
+    elif config.persistent and not tma:
+        raise ValueError("the persistent TMA SYRK needs X with a contiguous last dimension and 16-byte aligned "
+                         "rows (m and k multiples of 8 in bf16) on a compute capability >= 9 GPU; got X of shape "
+                         f"{tuple(X.shape)}, strides {X.stride()}, {X.dtype}: pass config=None to let the tuner "
+                         "choose")
     _launch(X, Y, out, float(alpha), float(beta), config)
     return out
 

@@ -31,6 +31,26 @@ def test_syrk_and_update_on_gpu(shape):
     assert rel_err(out, 3.0 * X64 + B.double() @ X64) < BF16_TOL
 
 
+@pytest.mark.parametrize("shape", [(1, 1024, 4096), (24, 768, 3072), (3, 304, 520)])
+def test_every_persistent_tma_config_on_gpu(shape):
+    from matrixopt.kernels.ns_update import get_ns_update_configs, ns_update
+    from matrixopt.kernels.syrk import get_syrk_configs, syrk
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs compute capability 9")
+    X = torch.randn(shape, device="cuda").bfloat16()
+    X64 = X.double()
+    for cfg in [c for c in get_syrk_configs(*shape, tma=True) if c.persistent]:
+        A = syrk(X, config=cfg)
+        assert rel_err(A, X64 @ X64.mT) < BF16_TOL, cfg
+        B = syrk(A, alpha=0.5, beta=-2.0, Y=A, config=cfg)
+        A64 = A.double()
+        assert rel_err(B, -2.0 * A64 + 0.5 * A64 @ A64) < BF16_TOL, cfg
+    B = syrk(X) / shape[2]
+    for cfg in [c for c in get_ns_update_configs(*shape, tma=True) if c.persistent]:
+        assert rel_err(ns_update(B, X, 3.0, config=cfg), 3.0 * X64 + B.double() @ X64) < BF16_TOL, cfg
+
+
 @pytest.mark.parametrize("shape", [(12, 768, 2304), (2, 129, 333)])
 def test_dispatched_step_matches_float64(shape):
     from matrixopt.kernels import ns_step as ns

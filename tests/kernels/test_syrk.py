@@ -1,7 +1,8 @@
 """SYRK and the fused X update against float64 torch, on the CPU through Triton's interpreter (see conftest.py).
 
 Sizes are odd and not multiples of the tile, batched, and every code path is reached through explicit configs:
-one-pass and split-K SYRK (with and without the ``beta Y`` term), several GEMM tile shapes, transposed input.
+one-pass and split-K SYRK (with and without the ``beta Y`` term), several GEMM tile shapes, transposed input, and
+the persistent TMA kernels (sizes multiples of 8, as TMA needs, but not of the tile; more tiles than programs).
 """
 
 import os
@@ -25,6 +26,8 @@ TOL = {torch.float32: FP32_TOL, torch.bfloat16: BF16_TOL}
 
 SYRK_CONFIGS = [SyrkConfig(16, 16, 1, 4, 1), SyrkConfig(32, 16, 1, 4, 1), SyrkConfig(16, 16, 3, 4, 1)]
 GEMM_CONFIGS = [GemmConfig(16, 32, 16, 2, 4, 1), GemmConfig(32, 16, 16, 1, 4, 1)]
+SYRK_TMA = [SyrkConfig(16, 16, 1, 4, 1, persistent=True), SyrkConfig(32, 16, 1, 4, 1, persistent=True)]
+GEMM_TMA = [GemmConfig(16, 32, 16, 2, 4, 1, persistent=True), GemmConfig(32, 16, 16, 1, 4, 1, persistent=True)]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -85,3 +88,49 @@ def test_ns_update(shape, dtype, cfg):
 def test_ns_update_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="B \\(batch, m, m\\)"):
         ns_update(torch.randn(2, 5, 6), torch.randn(2, 5, 6), 1.0)
+
+
+@pytest.mark.parametrize("cfg", SYRK_TMA, ids=lambda c: f"b{c.block}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 40, 72), (1, 48, 16)])
+def test_persistent_tma_syrk(shape, dtype, cfg, monkeypatch):
+    import matrixopt.kernels.syrk as syrk_mod
+
+    monkeypatch.setattr(syrk_mod, "num_sms", lambda device: 4)  # fewer programs than tiles: each walks several
+    X = torch.randn(shape).to(dtype)
+    C = syrk(X, config=cfg)
+    assert C.shape == (shape[0], shape[1], shape[1]) and C.is_contiguous()
+    assert rel_err(C, syrk_reference(X.double())) < TOL[dtype]
+    A = (X.double() @ X.double().mT / shape[2]).to(dtype)
+    out = syrk(A, alpha=0.5000178, beta=-2.8089, Y=A, config=cfg)
+    A64 = A.double()
+    assert rel_err(out, -2.8089 * A64 + 0.5000178 * A64 @ A64) < TOL[dtype]
+
+
+@pytest.mark.parametrize("cfg", GEMM_TMA, ids=lambda c: f"{c.block_m}x{c.block_n}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 40, 72), (2, 24, 24)])
+def test_persistent_tma_ns_update(shape, dtype, cfg, monkeypatch):
+    import matrixopt.kernels.ns_update as upd_mod
+
+    monkeypatch.setattr(upd_mod, "num_sms", lambda device: 3)
+    B = torch.randn(shape[0], shape[1], shape[1]).to(dtype)
+    X = torch.randn(shape).to(dtype)
+    out = ns_update(B, X, 3.4445, config=cfg)
+    assert rel_err(out, ns_update_reference(B.double(), X.double(), 3.4445)) < TOL[dtype]
+
+
+def test_tma_configs_only_where_tma_can_address_the_tensors():
+    from matrixopt.kernels.syrk import tma_compatible
+
+    X = torch.randn(2, 40, 72).bfloat16()
+    assert tma_compatible(X)
+    assert not tma_compatible(torch.randn(2, 37, 75).bfloat16())  # rows of 150 bytes: not 16-byte aligned
+    assert not tma_compatible(X.mT)  # last dimension not contiguous
+    assert not tma_compatible(torch.randn(2 * 40 * 72 + 1).bfloat16()[1:].view(2, 40, 72))  # base 2 bytes off
+    assert not any(c.persistent for c in get_syrk_configs(2, 40, 72))
+    assert any(c.persistent for c in get_syrk_configs(2, 40, 72, tma=True))
+    with pytest.raises(ValueError, match="TMA"):
+        syrk(torch.randn(2, 37, 75).bfloat16(), config=SYRK_TMA[0])
+    with pytest.raises(ValueError, match="TMA"):
+        ns_update(torch.randn(2, 37, 37), torch.randn(2, 37, 75), 1.0, config=GEMM_TMA[0])
