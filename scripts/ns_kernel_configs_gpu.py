@@ -20,9 +20,10 @@ from matrixopt.kernels import ns_update, syrk
 
 SHAPES = [(24, 1024, 3072), (48, 1024, 4096), (24, 1024, 1024), (48, 2048, 8192), (24, 2048, 6144),
           (12, 768, 2304), (24, 768, 3072), (12, 768, 768), (1, 1024, 2048), (1, 1024, 4096), (1, 4096, 4096)]
-SYRK_GRID = [syrk.SyrkConfig(blk, bk, 1, w, st, persistent)
-             for persistent, blk, bk, w, st in itertools.product((False, True), (128, 64), (64, 128), (4, 8), (3, 4, 5))
-             if blk == 128 or w == 4]
+SYRK_GRID = [syrk.SyrkConfig(blk, bk, 1, w, st, persistent, pair)
+             for (persistent, pair), blk, bk, w, st in itertools.product(((False, False), (True, False), (True, True)),
+                                                                          (128, 64), (64, 128), (4, 8), (3, 4, 5))
+             if (blk == 128 or w == 4) and not (pair and (blk == 64 or w == 4))]
 UPDATE_GRID = [ns_update.GemmConfig(bm, bn, bk, 8, w, st, persistent) for persistent in (False, True)
                for bm, bn, bk, w, st in
                [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 64, 4, 4),
@@ -71,7 +72,8 @@ def main() -> None:
         if best:
             print(f"SYRK {b}x{m}x{k}: cuBLAS bmm {t_cublas * 1e3:.0f} us ({2 * b * m * m * k / t_cublas / 1e9:.0f} "
                   "TF/s) | best (real TF/s): "
-                  + best_lines(best, b * m * m * k, lambda c: f"{c.block}/{c.block_k}/w{c.num_warps}/s{c.num_stages}"),
+                  + best_lines(best, b * m * m * k,
+                               lambda c: f"{c.block}{'x2' * c.pair}/{c.block_k}/w{c.num_warps}/s{c.num_stages}"),
                   flush=True)
         B = torch.randn(b, m, m, device="cuda").bfloat16() / m
         upd = torch.empty_like(X)

@@ -25,6 +25,7 @@ from matrixopt.kernels.ns_step import dispatch_table
 BATCHES: dict[str, tuple[int, int, int]] = {"gpt2-small": (16, 1024, 50304), "gpt2-medium": (8, 1024, 50304),
                                             "1.3b": (4, 2048, 50304), "tiny-cpu": (2, 32, 512)}
 QKV_SPLITS = {r"attn\.c_attn\.weight$": 3}
+GRAPHED = "+graph"  # "muon+graph": Muon with cuda_graph=True (its matrix step replayed from one CUDA graph)
 
 
 def train_step(net: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
@@ -49,10 +50,12 @@ def _optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
         return Stepper(torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=1e-3, fused=fused))  # type: ignore
     if name == "adamw":
         return build_optimizer(model, "adamw", lr=6e-4, weight_decay=0.1)
-    return build_optimizer(model, name, lr=6e-4, weight_decay=0.1, splits=QKV_SPLITS)
+    extra = {"cuda_graph": True} if name.endswith(GRAPHED) else {}
+    return build_optimizer(model, name.removesuffix(GRAPHED), lr=6e-4, weight_decay=0.1, splits=QKV_SPLITS, **extra)
 
 
-def run(model: str = "gpt2-small", optimizers: tuple[str, ...] = ("adamw", "muon", "torch.optim.Muon"), *,
+def run(model: str = "gpt2-small",
+        optimizers: tuple[str, ...] = ("adamw", "muon", "muon" + GRAPHED, "torch.optim.Muon"), *,
         device: torch.device | None = None, steps: int = 10, reps: int = 3, warmup: int = 3,
         batch: int | None = None) -> dict[str, Any]:
     """Tokens/s of each optimizer's training step; returns the JSON record."""

@@ -3,13 +3,15 @@ a family's backend.
 
 Triton's ``@triton.autotune`` times every config of a large space on the first call; here each kernel offers a
 few hand-picked candidates (a plain function of the problem shape), they are timed once per key with
-``triton.testing.do_bench`` (median) and the winner is cached for the life of the process. On the CPU (the
-Triton interpreter, used by the tests) the first candidate is taken without timing.
+``triton.testing.do_bench`` (median) and the winner is cached for the life of the process. A candidate that does
+not fit the GPU (Triton's OutOfResources) is passed over. On the CPU (the Triton interpreter, used by the tests)
+the first candidate is taken without timing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TypeVar
 
@@ -31,10 +33,19 @@ def pick(key: Hashable, candidates: Sequence[C], launch: Callable[[C], object], 
     if len(candidates) == 1 or device.type != "cuda":
         best = candidates[0]
     else:
+        import triton
         import triton.testing
 
-        times = [triton.testing.do_bench(lambda c=c: launch(c), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS,
-                                         return_mode="median") for c in candidates]
+        times, failures = [], []
+        for c in candidates:
+            try:
+                times.append(triton.testing.do_bench(lambda c=c: launch(c), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS,
+                                                     return_mode="median"))
+            except triton.runtime.errors.OutOfResources as e:  # more shared memory or registers than there are
+                times.append(math.inf)
+                failures.append(f"{c}: {e}")
+        if len(failures) == len(candidates):
+            raise RuntimeError(f"no kernel config fits this GPU for {key}: " + "; ".join(failures))
         best = candidates[min(range(len(candidates)), key=times.__getitem__)]
     _CHOSEN[key] = best
     return best

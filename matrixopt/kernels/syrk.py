@@ -23,7 +23,10 @@ Two kernels compute the same tiles; the tuner times both where both apply:
   tile's loads overlap the last one's epilogue) with tensor-memory-accelerator (TMA) loads and stores through
   tensor descriptors. The copy engine zero-fills reads past the edges and clips writes, so there are no masks.
   TMA needs a contiguous last dimension, 16-byte aligned rows (m and k multiples of 8 in bf16) and, on the GPU,
-  a Hopper or newer device (compute capability 9).
+  a Hopper or newer device (compute capability 9). Its ``pair`` form computes two tiles of a row, (i, j) and
+  (i, j + 1), per work item: the row tile is loaded once for both, a 128 x 256 output like the widest fast GEMM
+  tiles. A row with an odd number of tiles ends in a pair whose second tile lies above the diagonal: it is
+  computed (at most one tile in T per row) but not stored.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class SyrkConfig:
     num_warps: int
     num_stages: int
     persistent: bool = False  # the persistent TMA kernel (split_k must be 1)
+    pair: bool = False  # persistent only: each program item is two tiles side by side on a row
 
 
 NUM_SMS_H100 = 132
@@ -80,10 +84,11 @@ def num_sms(device: torch.device) -> int:
 def get_syrk_configs(batch: int, m: int, k: int, num_sms: int = NUM_SMS_H100, tma: bool = False) -> list[SyrkConfig]:
     """Candidates for one shape: 128-tiles (Hopper wgmma sweet spot) and 64-tiles (more programs for small m),
     plus K splits when the lower-triangle tiles times the batch are fewer than the SMs, plus the persistent TMA
-    kernel at 128-tiles (two pipeline depths) when ``tma`` (see :func:`tma_compatible`)."""
+    kernel at 128-tiles (two pipeline depths, and in pairs) when ``tma`` (see :func:`tma_compatible`)."""
     out = [SyrkConfig(128, 64, 1, 8, 4), SyrkConfig(64, 64, 1, 4, 4)]
     if tma:
-        out += [SyrkConfig(128, 64, 1, 8, 4, persistent=True), SyrkConfig(128, 64, 1, 8, 3, persistent=True)]
+        out += [SyrkConfig(128, 64, 1, 8, 4, persistent=True), SyrkConfig(128, 64, 1, 8, 3, persistent=True),
+                SyrkConfig(128, 64, 1, 8, 3, persistent=True, pair=True)]
     tiles = lambda blk: batch * (triton.cdiv(m, blk) * (triton.cdiv(m, blk) + 1) // 2)  # noqa: E731
     for split in (2, 4, 8):
         if tiles(128) * split <= 2 * num_sms and k // split >= 256:
@@ -164,35 +169,63 @@ def _syrk_kernel(
 
 
 @triton.jit
+def _lower_pair(p):
+    """Tile pair (ti, tj), (ti, tj + 1) of the lower triangle, tj even; pairs numbered row by row. Rows 2r and
+    2r + 1 hold r + 1 pairs each, so rows before 2r hold r (r + 1); the float root is fixed up by one either way.
+    The pair's second tile is above the diagonal when tj = ti (and past the edge when tj + 1 = T)."""
+    r = ((tl.sqrt(4.0 * p.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
+    r = tl.where(r * (r + 1) > p, r - 1, r)
+    r = tl.where((r + 1) * (r + 2) <= p, r + 1, r)
+    q = p - r * (r + 1)
+    return 2 * r + q // (r + 1), 2 * (q % (r + 1))
+
+
+@triton.jit
+def _store_mirrored(o_desc, y_desc, bid, ti, tj, acc, M, alpha, beta,
+                    BLOCK: tl.constexpr, HAS_Y: tl.constexpr):
+    """Epilogue of tile (ti, tj): ``alpha acc + beta Y`` stored at (ti, tj) and mirrored to (tj, ti). A tile above
+    the diagonal (the unused half of a pair) and a diagonal tile's mirror go to row M, wholly outside C, where the
+    copy engine writes nothing (a branch here would stop the compiler from flattening the loop nest)."""
+    acc = acc * alpha
+    if HAS_Y:
+        acc += beta * y_desc.load([bid, ti * BLOCK, tj * BLOCK]).reshape(BLOCK, BLOCK).to(tl.float32)
+    out = acc.to(o_desc.dtype)
+    o_desc.store([bid, tl.where(tj <= ti, ti * BLOCK, M), tj * BLOCK], out.reshape(1, BLOCK, BLOCK))
+    o_desc.store([bid, tl.where(tj < ti, tj * BLOCK, M), ti * BLOCK], out.T.reshape(1, BLOCK, BLOCK))
+
+
+@triton.jit
 def _syrk_tma_kernel(
     # tensor descriptors: X (batch, M, K) in (1, BLOCK, BLOCK_K) blocks, Y and out (batch, M, M) in (1, BLOCK, BLOCK)
     x_desc, y_desc, o_desc,
-    # M x K matrices X; tiles in the whole batch, lower-triangle tiles per matrix; programs in the grid
-    M, K, num_tiles, tiles_per_matrix, num_programs,
+    # M x K matrices X; work items (tiles, or pairs of tiles) in the whole batch and per matrix; programs in the grid
+    M, K, num_items, items_per_matrix, num_programs,
     # runtime coefficients
     alpha, beta,
-    # meta-parameters
-    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_Y: tl.constexpr,
+    # meta-parameters; PAIR: each item is two tiles side by side on one row, (ti, tj) and (ti, tj + 1), which
+    # share the row tile's loads (a BLOCK x 2 BLOCK output, as wide as the GEMMs that run fastest on Hopper)
+    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_Y: tl.constexpr, PAIR: tl.constexpr,
 ):
-    # one program per SM; each walks tiles p, p + num_programs, ... of the batch. The flattened loop nest lets
-    # the compiler pipeline the next tile's loads under this tile's epilogue.
-    for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=True):
-        bid = tile // tiles_per_matrix
-        ti, tj = _lower_tile(tile - bid * tiles_per_matrix)
+    # one program per SM; each walks items p, p + num_programs, ... of the batch. The flattened loop nest lets
+    # the compiler pipeline the next item's loads under this item's epilogue.
+    for item in tl.range(tl.program_id(0), num_items, num_programs, flatten=True):
+        bid = item // items_per_matrix
+        if PAIR:
+            ti, tj = _lower_pair(item - bid * items_per_matrix)
+        else:
+            ti, tj = _lower_tile(item - bid * items_per_matrix)
         acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             a = x_desc.load([bid, ti * BLOCK, k]).reshape(BLOCK, BLOCK_K)
             b = x_desc.load([bid, tj * BLOCK, k]).reshape(BLOCK, BLOCK_K)
             acc = tl.dot(a, b.T, acc)
-        acc = acc * alpha
-        if HAS_Y:
-            acc += beta * y_desc.load([bid, ti * BLOCK, tj * BLOCK]).reshape(BLOCK, BLOCK).to(tl.float32)
-        out = acc.to(o_desc.dtype)
-        o_desc.store([bid, ti * BLOCK, tj * BLOCK], out.reshape(1, BLOCK, BLOCK))
-        # the mirror (tj, ti); a diagonal tile's goes to row M, wholly outside C, where the copy engine writes
-        # nothing (a branch here would stop the compiler from flattening the loop nest)
-        o_desc.store([bid, tl.where(ti != tj, tj * BLOCK, M), ti * BLOCK], out.T.reshape(1, BLOCK, BLOCK))
-
+            if PAIR:
+                b2 = x_desc.load([bid, (tj + 1) * BLOCK, k]).reshape(BLOCK, BLOCK_K)
+                acc2 = tl.dot(a, b2.T, acc2)
+        _store_mirrored(o_desc, y_desc, bid, ti, tj, acc, M, alpha, beta, BLOCK, HAS_Y)
+        if PAIR:
+            _store_mirrored(o_desc, y_desc, bid, ti, tj + 1, acc2, M, alpha, beta, BLOCK, HAS_Y)
 
 @triton.jit
 def _splitk_reduce_kernel(
@@ -218,15 +251,16 @@ def _splitk_reduce_kernel(
 def _launch_tma(X: Tensor, Y: Tensor | None, out: Tensor, alpha: float, beta: float, cfg: SyrkConfig) -> None:
     batch, m, k = X.shape
     T = triton.cdiv(m, cfg.block)
-    tiles_per_matrix = T * (T + 1) // 2
-    num_tiles = batch * tiles_per_matrix
-    programs = min(num_tiles, num_sms(X.device))
+    # row i holds i + 1 tiles, or i // 2 + 1 pairs
+    per_matrix = sum(i // 2 + 1 for i in range(T)) if cfg.pair else T * (T + 1) // 2
+    items = batch * per_matrix
+    programs = min(items, num_sms(X.device))
     x_desc = TensorDescriptor.from_tensor(X, [1, cfg.block, cfg.block_k])
     o_desc = TensorDescriptor.from_tensor(out, [1, cfg.block, cfg.block])
     y_desc = TensorDescriptor.from_tensor(Y, [1, cfg.block, cfg.block]) if Y is not None else o_desc
     _syrk_tma_kernel[(programs,)](
-        x_desc, y_desc, o_desc, m, k, num_tiles, tiles_per_matrix, programs, alpha, beta,
-        BLOCK=cfg.block, BLOCK_K=cfg.block_k, HAS_Y=Y is not None,
+        x_desc, y_desc, o_desc, m, k, items, per_matrix, programs, alpha, beta,
+        BLOCK=cfg.block, BLOCK_K=cfg.block_k, HAS_Y=Y is not None, PAIR=cfg.pair,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -194,7 +194,9 @@ class MatrixOptimizer(Optimizer):
                 self.skipped_updates += keep.count(False)
                 kept.append((g, [p for p, f in zip(params, keep) if f], [x for x, f in zip(grads, keep) if f]))
             work = kept
-        for group, params, grads in work:
+        # matrix groups first: after the check's host sync the GPU is idle, and their long kernels (Newton–Schulz)
+        # then run while the host issues the rest
+        for group, params, grads in sorted(work, key=lambda w: not w[0][self.matrix_flag]):
             if not params:
                 continue
             if group[self.matrix_flag]:

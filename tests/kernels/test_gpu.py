@@ -38,14 +38,22 @@ def test_every_persistent_tma_config_on_gpu(shape):
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs compute capability 9")
+    from triton.runtime.errors import OutOfResources
+
     X = torch.randn(shape, device="cuda").bfloat16()
     X64 = X.double()
+    ran = 0
     for cfg in [c for c in get_syrk_configs(*shape, tma=True) if c.persistent]:
         A = syrk(X, config=cfg)
         assert rel_err(A, X64 @ X64.mT) < BF16_TOL, cfg
-        B = syrk(A, alpha=0.5, beta=-2.0, Y=A, config=cfg)
         A64 = A.double()
+        try:  # the tuner passes over a config that does not fit (the paired tiles with the Y term may not)
+            B = syrk(A, alpha=0.5, beta=-2.0, Y=A, config=cfg)
+        except OutOfResources:
+            continue
         assert rel_err(B, -2.0 * A64 + 0.5 * A64 @ A64) < BF16_TOL, cfg
+        ran += 1
+    assert ran >= 2
     B = syrk(X) / shape[2]
     for cfg in [c for c in get_ns_update_configs(*shape, tma=True) if c.persistent]:
         assert rel_err(ns_update(B, X, 3.0, config=cfg), 3.0 * X64 + B.double() @ X64) < BF16_TOL, cfg

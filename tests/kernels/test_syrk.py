@@ -26,7 +26,8 @@ TOL = {torch.float32: FP32_TOL, torch.bfloat16: BF16_TOL}
 
 SYRK_CONFIGS = [SyrkConfig(16, 16, 1, 4, 1), SyrkConfig(32, 16, 1, 4, 1), SyrkConfig(16, 16, 3, 4, 1)]
 GEMM_CONFIGS = [GemmConfig(16, 32, 16, 2, 4, 1), GemmConfig(32, 16, 16, 1, 4, 1)]
-SYRK_TMA = [SyrkConfig(16, 16, 1, 4, 1, persistent=True), SyrkConfig(32, 16, 1, 4, 1, persistent=True)]
+SYRK_TMA = [SyrkConfig(16, 16, 1, 4, 1, persistent=True), SyrkConfig(32, 16, 1, 4, 1, persistent=True),
+            SyrkConfig(16, 16, 1, 4, 1, persistent=True, pair=True)]
 GEMM_TMA = [GemmConfig(16, 32, 16, 2, 4, 1, persistent=True), GemmConfig(32, 16, 16, 1, 4, 1, persistent=True)]
 
 
@@ -90,9 +91,9 @@ def test_ns_update_rejects_mismatched_shapes():
         ns_update(torch.randn(2, 5, 6), torch.randn(2, 5, 6), 1.0)
 
 
-@pytest.mark.parametrize("cfg", SYRK_TMA, ids=lambda c: f"b{c.block}")
+@pytest.mark.parametrize("cfg", SYRK_TMA, ids=lambda c: f"b{c.block}{'-pair' * c.pair}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(3, 40, 72), (1, 48, 16)])
+@pytest.mark.parametrize("shape", [(3, 40, 72), (1, 48, 16), (2, 64, 24)])  # 3, 3 and 4 tiles of 16 per side
 def test_persistent_tma_syrk(shape, dtype, cfg, monkeypatch):
     import matrixopt.kernels.syrk as syrk_mod
 
