@@ -9,8 +9,8 @@ to the matrix optimizer, the embeddings, head, norms and biases to AdamW. Compar
 - ``emerging_optimizers Muon`` when ``emerging_optimizers`` is installed (recorded as missing otherwise);
 - ``matrixopt <name>``: every matrix optimizer in ``matrixopt.OPTIMIZERS`` (muon, and shampoo / soap once they
   are registered) through ``build_optimizer``; Muon also with the Newton–Schulz dispatcher forced to cuBLAS or
-  to Triton, with its elementwise passes as foreach ops instead of the fused kernels, and with
-  ``cuda_graph=True``.
+  to Triton, with its elementwise passes as foreach ops instead of the fused kernels, with ``cuda_graph=True``,
+  and with ``deferred_nonfinite=True`` (no host sync in the step; what the trainer uses), alone and with the graph.
 
 Limit of a Muon step: the Newton–Schulz FLOPs at ``PEAK_BF16_TFLOPS`` plus the fewest bytes at ``COPY_TBPS``:
     FLOPs = sum over hidden matrices of steps * (4 m^2 n + 2 m^3), m <= n
@@ -119,6 +119,10 @@ def candidates(ps: ParamSet, device: torch.device) -> dict[str, Any]:
     out["matrixopt muon, Triton only"] = (lambda: build_optimizer(ps, "muon", lr=LR), lambda: ns_backend("triton"))
     out["matrixopt muon, CUDA graph"] = (lambda: build_optimizer(ps, "muon", lr=LR, cuda_graph=True),
                                          contextlib.nullcontext)
+    out["matrixopt muon, deferred check"] = (lambda: build_optimizer(ps, "muon", lr=LR, deferred_nonfinite=True),
+                                             contextlib.nullcontext)
+    out["matrixopt muon, deferred check, CUDA graph"] = (
+        lambda: build_optimizer(ps, "muon", lr=LR, deferred_nonfinite=True, cuda_graph=True), contextlib.nullcontext)
     out["matrixopt muon, unfused elementwise"] = (lambda: build_optimizer(ps, "muon", lr=LR),
                                                   lambda: elementwise_backend("torch"))
     return out

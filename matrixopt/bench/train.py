@@ -3,8 +3,9 @@
 The trainer's loop cut down for timing (as nanoGPT's ``bench.py`` is to its ``train.py``): the reference GPT
 of :mod:`matrixopt.train.model` with an untied head and vocab 50304 (512 for tiny-cpu), random tokens
 (throughput does not depend on the data), bf16 autocast on CUDA, forward, backward, gradient clipping at 1.0
-and ``optimizer.step()``. Each optimizer gets a freshly initialized model; ``warmup`` steps, then ``steps``
-timed steps in ``reps`` blocks (median block).
+and ``optimizer.step()``, with the trainer's optimizer options (``deferred_nonfinite=True`` where taken). Each
+optimizer gets a freshly initialized model; ``warmup`` steps, then ``steps`` timed steps in ``reps`` blocks (median
+block).
 
 MFU uses the model's ``estimate_flops_per_token`` (6 N + 12 L T d, PaLM appendix B) at ``PEAK_BF16_TFLOPS``.
 """
@@ -40,7 +41,7 @@ def train_step(net: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
 
 
 def _optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
-    from matrixopt.optim.registry import build_optimizer
+    from matrixopt.optim.registry import accepted, build_optimizer
 
     if name == "torch.optim.Muon":
         hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and ".h." in n]
@@ -50,8 +51,9 @@ def _optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
         return Stepper(torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=1e-3, fused=fused))  # type: ignore
     if name == "adamw":
         return build_optimizer(model, "adamw", lr=6e-4, weight_decay=0.1)
-    extra = {"cuda_graph": True} if name.endswith(GRAPHED) else {}
-    return build_optimizer(model, name.removesuffix(GRAPHED), lr=6e-4, weight_decay=0.1, splits=QKV_SPLITS, **extra)
+    base = name.removesuffix(GRAPHED)
+    extra = accepted(base, deferred_nonfinite=True) | ({"cuda_graph": True} if name.endswith(GRAPHED) else {})
+    return build_optimizer(model, base, lr=6e-4, weight_decay=0.1, splits=QKV_SPLITS, **extra)
 
 
 def run(model: str = "gpt2-small",

@@ -95,6 +95,8 @@ class ShardedMuon(Muon):
     by Muon, so a model can mix sharded and unsharded matrices. DTensor matrices must be 2-D.
     """
 
+    _skips_on_device = False  # the collective updates of sharded matrices check the gradients on the host
+
     def __init__(self, params: Iterable[Any], *args: Any, tp_mode: str = "auto", tp_mesh_dim: str = "tp",
                  tp_chunks: int = 4, tp_cost_model: CostModel | None = None, **kwargs: Any) -> None:
         if tp_mode not in MODES:

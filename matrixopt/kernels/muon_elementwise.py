@@ -110,29 +110,49 @@ def _kernels(auto: bool) -> ModuleType | None:
     return fused
 
 
+def skips_on_device(*tensors: Sequence[Tensor]) -> bool:
+    """Whether :func:`momentum_pack` and :func:`apply_update` run the fused kernels on these lists of matrices,
+    and so honour ``skip`` (a device flag) without a host sync; the torch references do not take it."""
+    return _kernels(_on_gpu(*tensors) and fusable(*tensors)) is not None
+
+
 def momentum_pack(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, momentum: float,
-                  nesterov: bool, transpose: bool | None = None) -> None:
+                  nesterov: bool, transpose: bool | None = None, skip: Tensor | None = None) -> None:
     """Momentum step on every matrix and its update packed short side first (module docstring).
 
     grads: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, one float dtype. bufs: their fp32 momentum,
     same shapes, updated in place. out: ``(k, s, l)`` contiguous; ``out[i]`` receives matrix i's update
     ``G + mu (B - G)`` (Nesterov) or ``B`` in out's dtype, transposed when tall (``transpose=None``; then
     ``s <= l``), or transposed for every matrix (``True``) or none (``False``), as a sharded stack that must be
-    laid out alike on every rank needs."""
+    laid out alike on every rank needs. skip: a 0-d float32 device flag, nonzero to write nothing; only where
+    :func:`skips_on_device` holds (else ValueError)."""
     fused = _kernels(_on_gpu(grads, bufs) and fusable(grads, bufs))
-    (fused.momentum_pack_triton if fused else momentum_pack_reference)(grads, bufs, out, momentum, nesterov,
-                                                                         transpose)
+    if fused:
+        fused.momentum_pack_triton(grads, bufs, out, momentum, nesterov, transpose, skip=skip)
+    else:
+        _no_skip(skip)
+        momentum_pack_reference(grads, bufs, out, momentum, nesterov, transpose)
 
 
 def apply_update(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int], float], lr: float | Tensor,
-                 weight_decay: float, transpose: bool | None = None) -> None:
+                 weight_decay: float, transpose: bool | None = None, skip: Tensor | None = None) -> None:
     """``W_i <- (1 - lr wd) W_i - lr scale(m_i, n_i) Y[i]`` (``Y[i]^T`` for tall ``W_i``, or for every ``W_i`` as
     ``transpose`` says, as in :func:`momentum_pack`), in place.
 
     params: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, one float dtype. Y: ``(k, s, l)``, any float
-    dtype and strides. lr: a float, or a 0-d tensor (no host sync on the GPU)."""
+    dtype and strides. lr: a float, or a 0-d tensor (no host sync on the GPU). skip: as in :func:`momentum_pack`."""
     fused = _kernels(_on_gpu(params) and fusable(params))
-    (fused.apply_update_triton if fused else apply_update_reference)(params, Y, scale, lr, weight_decay, transpose)
+    if fused:
+        fused.apply_update_triton(params, Y, scale, lr, weight_decay, transpose, skip=skip)
+    else:
+        _no_skip(skip)
+        apply_update_reference(params, Y, scale, lr, weight_decay, transpose)
+
+
+def _no_skip(skip: Tensor | None) -> None:
+    if skip is not None:
+        raise ValueError("skip (a device flag) needs the fused kernels: CUDA matrices with unit column stride and "
+                         "Triton (check skips_on_device first, and check the flag on the host where it is False)")
 
 
 def frobenius_normalize(X: Tensor, dtype: torch.dtype) -> Tensor:

@@ -81,8 +81,10 @@ def _momentum_pack_kernel(
     R, C,
     # runtime coefficients: 1 - mu (momentum) and mu (Nesterov)
     one_minus_mu, mu,
+    # 0-d float32 flag read when HAS_SKIP: nonzero skips every read and write (a step with non-finite gradients)
+    skip_ptr,
     # meta-parameters
-    G_DTYPE: tl.constexpr, NESTEROV: tl.constexpr, TALL: tl.constexpr,
+    G_DTYPE: tl.constexpr, NESTEROV: tl.constexpr, TALL: tl.constexpr, HAS_SKIP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -96,7 +98,8 @@ def _momentum_pack_kernel(
     n_c = tl.cdiv(C, BLOCK_C)
     offs_r = (pid // n_c) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = (pid % n_c) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (offs_r[:, None] < R) & (offs_c[None, :] < C)
+    rows = tl.where(tl.load(skip_ptr) == 0, R, 0) if HAS_SKIP else R  # no rows at all when skipping
+    mask = (offs_r[:, None] < rows) & (offs_c[None, :] < C)
     g = tl.load(g_ptr + offs_r[:, None] * g_rs + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
     b_ptrs = b_ptr + offs_r[:, None] * b_rs + offs_c[None, :]
     b = tl.load(b_ptrs, mask=mask, other=0.0)
@@ -123,8 +126,10 @@ def _apply_update_kernel(
     R, C,
     # runtime values: learning rate (or its address when LR_PTR), weight decay, update scale
     lr, weight_decay, scale,
+    # 0-d float32 flag read when HAS_SKIP: nonzero leaves every parameter as it is
+    skip_ptr,
     # meta-parameters
-    P_DTYPE: tl.constexpr, LR_PTR: tl.constexpr, TALL: tl.constexpr,
+    P_DTYPE: tl.constexpr, LR_PTR: tl.constexpr, TALL: tl.constexpr, HAS_SKIP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -140,7 +145,8 @@ def _apply_update_kernel(
     n_c = tl.cdiv(C, BLOCK_C)
     offs_r = (pid // n_c) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = (pid % n_c) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (offs_r[:, None] < R) & (offs_c[None, :] < C)
+    rows = tl.where(tl.load(skip_ptr) == 0, R, 0) if HAS_SKIP else R  # no rows at all when skipping
+    mask = (offs_r[:, None] < rows) & (offs_c[None, :] < C)
     y_base = y_ptr + slot * stride_yb
     if TALL:  # Y[slot] is (C, R): read the (c, r) tile along its rows and transpose it in registers
         y = tl.trans(tl.load(y_base + offs_c[:, None] * stride_ys + offs_r[None, :] * stride_yl,
@@ -245,14 +251,15 @@ def apply_rows(params: Sequence[Tensor], s: int, l: int,
 
 def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, momentum: float,
                          nesterov: bool, transpose: bool | None = None, *,
-                         tables: Sequence[Tensor] | None = None) -> None:
+                         tables: Sequence[Tensor] | None = None, skip: Tensor | None = None) -> None:
     """Momentum step on every matrix and its update packed short side first, by the Triton kernel.
 
     grads: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, ``s <= l``, all of one dtype (fp32, bf16 or
     fp16), unit column stride. bufs: their fp32 momentum, same shapes and unit column stride; updated in place.
     out: ``(k, s, l)`` contiguous, any supported dtype; ``out[i]`` receives matrix i's update, transposed when tall
     (``transpose=None``) or as ``transpose`` says for every matrix. tables: device copies of :func:`pack_rows`'
-    tables to read instead (static ones, for CUDA graphs)."""
+    tables to read instead (static ones, for CUDA graphs). skip: a 0-d float32 device flag; where nonzero at run
+    time, nothing is read or written (momentum and stack stay as they were)."""
     k, s, l = out.shape
     if not out.is_contiguous() or len(grads) != k:
         raise ValueError(f"momentum_pack needs k={len(grads)} gradients and a contiguous (k, s, l) output; got out "
@@ -262,20 +269,22 @@ def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: T
         R, C = (l, s) if tall else (s, l)
         table = tables[j] if tables is not None else _table(rows, out.device)
         grid = (triton.cdiv(R, TILE.block_r) * triton.cdiv(C, TILE.block_c), len(rows))
-        _momentum_pack_kernel[grid](table, out, R, C, 1.0 - momentum, momentum,
+        _momentum_pack_kernel[grid](table, out, R, C, 1.0 - momentum, momentum, table if skip is None else skip,
                                     G_DTYPE=_TL_DTYPES[grads[0].dtype], NESTEROV=nesterov, TALL=tall,
+                                    HAS_SKIP=skip is not None,
                                     BLOCK_R=TILE.block_r, BLOCK_C=TILE.block_c, num_warps=TILE.num_warps)
 
 
 def apply_update_triton(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int], float], lr: float | Tensor,
                         weight_decay: float, transpose: bool | None = None, *,
-                        tables: Sequence[Tensor] | None = None) -> None:
+                        tables: Sequence[Tensor] | None = None, skip: Tensor | None = None) -> None:
     """``W_i <- (1 - lr wd) W_i - lr scale(m_i, n_i) Y[i]`` (``Y[i]^T`` for tall ``W_i``, or for every ``W_i`` as
     ``transpose`` says), in place, by the Triton kernel.
 
     params: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, all of one dtype, unit column stride.
     Y: ``(k, s, l)``, any float dtype and strides. lr: a float, or a 0-d tensor on Y's device (no host sync).
-    tables: device copies of :func:`apply_rows`' tables to read instead (static ones, for CUDA graphs)."""
+    tables: device copies of :func:`apply_rows`' tables to read instead (static ones, for CUDA graphs). skip: a
+    0-d float32 device flag; where nonzero at run time, no parameter is written."""
     k, s, l = Y.shape
     if len(params) != k:
         raise ValueError(f"apply_update: {len(params)} parameters for a stack of {k}")
@@ -286,7 +295,9 @@ def apply_update_triton(params: Sequence[Tensor], Y: Tensor, scale: Callable[[in
         grid = (triton.cdiv(R, TILE.block_r) * triton.cdiv(C, TILE.block_c), len(rows))
         _apply_update_kernel[grid](table, Y, Y.stride(0), Y.stride(1), Y.stride(2), R, C,
                                    lr if lr_ptr else float(lr), float(weight_decay), float(scale(R, C)),
+                                   table if skip is None else skip,
                                    P_DTYPE=_TL_DTYPES[params[0].dtype], LR_PTR=lr_ptr, TALL=tall,
+                                   HAS_SKIP=skip is not None,
                                    BLOCK_R=TILE.block_r, BLOCK_C=TILE.block_c, num_warps=TILE.num_warps)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -20,7 +21,17 @@ from torch.optim import Optimizer
 
 
 class NonFiniteGradientError(FloatingPointError):
-    """A gradient holds NaN or Inf. Raised before any parameter or state is touched."""
+    """A gradient holds NaN or Inf. Raised before any parameter or state is touched (with
+    ``deferred_nonfinite=True``: at the next call after the step, which left everything as it was)."""
+
+
+@dataclass
+class _PendingCheck:
+    """A step's non-finite flags on their way to the host: a pinned copy that ``event`` completes."""
+
+    flags: Tensor  # (n,) float32 on the host (pinned when copied from a GPU), 1 where the gradient held NaN/Inf
+    event: torch.cuda.Event | None  # completes the copy from the GPU; None for CPU gradients
+    work: list[tuple[dict[str, Any], list[Tensor]]]  # the step's (group, params with gradients), for the message
 
 
 def nonfinite_flags(grads: list[Tensor], device: torch.device) -> Tensor:
@@ -88,13 +99,23 @@ class MatrixOptimizer(Optimizer):
     ``matrix_defaults`` and ``adamw_defaults`` fill in missing group keys of each kind."""
 
     matrix_flag = "use_muon"
+    # whether _matrix_update honours ``skip`` (a device flag) without a host sync; only such optimizers defer the
+    # non-finite check (``deferred_nonfinite``), others check on the host
+    _skips_on_device = False
+    deferred_nonfinite = False  # optimizers unpickled from before the option check on the host
 
     def __init__(self, params: Iterable[Any], matrix_defaults: dict[str, Any], adamw_defaults: dict[str, Any],
-                 *, skip_nonfinite: bool = False) -> None:
+                 *, skip_nonfinite: bool = False, deferred_nonfinite: bool = False) -> None:
         check_adamw_group(adamw_defaults)
         self._matrix_defaults = dict(matrix_defaults)
         self._adamw_defaults = dict(adamw_defaults)
         self.skip_nonfinite = bool(skip_nonfinite)
+        self.deferred_nonfinite = bool(deferred_nonfinite)
+        if self.skip_nonfinite and self.deferred_nonfinite:
+            raise ValueError("skip_nonfinite skips single parameters, which needs the flags on the host before the "
+                             "step; it can't be combined with deferred_nonfinite")
+        self._deferred_check: _PendingCheck | None = None
+        self._flags_host: Tensor | None = None  # pinned buffer the deferred check's flags are copied into
         self.skipped_updates = 0  # parameter updates skipped for non-finite gradients
         # False when a wrapper has already checked every gradient (the layer-wise optimizer, agreed across ranks):
         # the step then skips its own check and its host sync
@@ -105,7 +126,12 @@ class MatrixOptimizer(Optimizer):
         """torch.optim.Optimizer pickles only defaults, state and param_groups; keep our attributes too."""
         return super().__getstate__() | {k: self.__dict__[k] for k in
                                          ("_matrix_defaults", "_adamw_defaults", "skip_nonfinite",
-                                          "skipped_updates")}
+                                          "skipped_updates", "deferred_nonfinite")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_deferred_check", None)  # a pending check (an event, pinned memory) is not pickled
+        self.__dict__.setdefault("_flags_host", None)
 
     # ----------------------------------------------------------------------------------- param groups
     def _validate_matrix_group(self, group: dict[str, Any]) -> None:
@@ -160,30 +186,79 @@ class MatrixOptimizer(Optimizer):
             return []
         return (nonfinite_flags(grads, grads[0].device) == 0).tolist()
 
+    @staticmethod
+    def _nonfinite_labels(work: list[tuple[dict[str, Any], list[Tensor]]], finite: list[bool]) -> str:
+        """The labels of the parameters whose gradient is not finite (the first five)."""
+        bad = []
+        k = 0
+        for g, params in work:
+            for p in params:
+                if not finite[k]:
+                    idx = next(i for i, q in enumerate(g["params"]) if q is p)
+                    bad.append(param_label(g, idx, p))
+                k += 1
+        return f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
+
+    def raise_deferred_nonfinite(self) -> None:
+        """With ``deferred_nonfinite=True``: raise ``NonFiniteGradientError`` if the last step found a NaN/Inf
+        gradient (that step was skipped on the GPU: no parameter or state was written). ``step()`` and
+        ``state_dict()`` call it first; call it yourself to learn of a bad step before the next one. Waits for
+        the last step's check only (a few kernels at its start), not for the whole step."""
+        pending, self._deferred_check = self._deferred_check, None
+        if pending is None:
+            return
+        if pending.event is not None:
+            pending.event.synchronize()
+        finite = (pending.flags == 0).tolist()
+        if not all(finite):
+            raise NonFiniteGradientError(
+                f"non-finite (NaN/Inf) gradient in {self._nonfinite_labels(pending.work, finite)} at the last "
+                "step, which was skipped: no parameter or state was updated (deferred_nonfinite=True reports it "
+                "at the next call). Lower the learning rate, use gradient clipping or loss scaling.")
+
+    def _defer_check(self, work: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]],
+                     flat: list[Tensor]) -> Tensor:
+        """The deferred check: this step's flags start on their way to the host (read by the next
+        :meth:`raise_deferred_nonfinite`); returns the 0-d float32 device flag the updates skip on."""
+        flags = nonfinite_flags(flat, flat[0].device)
+        host, event = flags, None
+        if flags.is_cuda:
+            if self._flags_host is None or self._flags_host.numel() != flags.numel():
+                self._flags_host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host = self._flags_host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._deferred_check = _PendingCheck(host, event, [(g, params) for g, params, _ in work])
+        return flags.amax()
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One optimizer step over every group. A NaN/Inf gradient raises ``NonFiniteGradientError`` before
         anything is written (or, with ``skip_nonfinite=True``, that parameter's update is skipped and counted in
-        ``skipped_updates``)."""
+        ``skipped_updates``).
+
+        With ``deferred_nonfinite=True`` there is no host sync: a step with a NaN/Inf gradient is skipped
+        on the GPU (nothing written) and the error is raised by the next ``step()``, ``state_dict()`` or
+        :meth:`raise_deferred_nonfinite`. Optimizers whose matrix update can't skip on the GPU (MOP, sharded Muon)
+        check on the host as without the option, and so do Muon's updates off the fused kernels."""
+        self.raise_deferred_nonfinite()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         work = [(g, *self._gather(g)) for g in self.param_groups]
         flat = [gr for _, _, grads in work for gr in grads]
-        finite = self._finite_mask(flat) if getattr(self, "check_nonfinite", True) else [True] * len(flat)
+        check = getattr(self, "check_nonfinite", True)
+        skip = None
+        if (check and self.deferred_nonfinite and self._skips_on_device and flat
+                and all(type(g) is Tensor and g.device == flat[0].device for g in flat)):
+            skip = self._defer_check(work, flat)
+            check = False
+        finite = self._finite_mask(flat) if check else [True] * len(flat)
         if not all(finite):
             if not self.skip_nonfinite:
-                bad = []
-                k = 0
-                for g, params, _ in work:
-                    for p in params:
-                        if not finite[k]:
-                            idx = next(i for i, q in enumerate(g["params"]) if q is p)
-                            bad.append(param_label(g, idx, p))
-                        k += 1
                 raise NonFiniteGradientError(
-                    f"non-finite (NaN/Inf) gradient in {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; "
+                    f"non-finite (NaN/Inf) gradient in {self._nonfinite_labels([w[:2] for w in work], finite)}; "
                     "no parameter or state was updated. Lower the learning rate, use gradient clipping or loss "
                     "scaling, or pass skip_nonfinite=True to skip such updates.")
             k = 0
@@ -200,19 +275,27 @@ class MatrixOptimizer(Optimizer):
             if not params:
                 continue
             if group[self.matrix_flag]:
-                self._matrix_update(group, params, grads)
+                if skip is None:
+                    self._matrix_update(group, params, grads)
+                else:  # only where _skips_on_device
+                    self._matrix_update(group, params, grads, skip)
             else:
-                self._adamw_update(group, params, grads)
+                self._adamw_update(group, params, grads, skip)
         return loss
 
-    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                       skip: Tensor | None = None) -> None:
+        """The matrix algorithm's update of one group. ``skip`` (only where ``_skips_on_device``): a 0-d float32
+        device flag, nonzero when the step must write nothing."""
         raise NotImplementedError
 
     # ----------------------------------------------------------------------------------- AdamW
-    def _adamw_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+    def _adamw_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                      skip: Tensor | None = None) -> None:
         """Decoupled-weight-decay Adam. Float32 state for every parameter dtype; PyTorch's fused kernel when the
         parameters are float32 (outside torch.compile, whose functionalization can't trace it), a foreach path
-        otherwise."""
+        otherwise. ``skip``: a 0-d float32 device flag, nonzero to write nothing (the fused kernel's
+        ``found_inf``; the foreach path checks it on the host)."""
         exp_avgs, exp_avg_sqs, steps = [], [], []
         for p in params:
             st = self.state[p]
@@ -225,13 +308,19 @@ class MatrixOptimizer(Optimizer):
             steps.append(st["step"])
         beta1, beta2 = group["betas"]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        torch._foreach_add_(steps, 1.0)
         fused_ok = not torch.compiler.is_compiling()  # traced graphs can't functionalize _fused_adamw_
-        if fused_ok and all(p.dtype == torch.float32 and g.dtype == torch.float32 for p, g in zip(params, grads)):
+        fused = fused_ok and all(p.dtype == torch.float32 and g.dtype == torch.float32 for p, g in zip(params, grads))
+        if skip is not None and not fused:
+            self.raise_deferred_nonfinite()  # the foreach path can't skip on the device: check on the host now
+            skip = None
+        torch._foreach_add_(steps, 1.0)
+        if skip is not None:
+            torch._foreach_sub_(steps, [skip] * len(steps))
+        if fused:
             if isinstance(lr, Tensor):
                 lr = lr.to(params[0].device)
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                                weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+                                weight_decay=wd, eps=eps, amsgrad=False, maximize=False, found_inf=skip)
             return
         # foreach path (low-precision parameters): float32 math on 0-d step tensors (no host sync)
         g32 = [g.float() for g in grads]
@@ -247,7 +336,8 @@ class MatrixOptimizer(Optimizer):
     # ----------------------------------------------------------------------------------- state_dict
     def state_dict(self) -> dict[str, Any]:
         """PyTorch's structure ``{"state": {index: {...}}, "param_groups": [...]}`` plus ``"optimizer"``: the
-        class name, checked on load."""
+        class name, checked on load. Raises a deferred non-finite error first (:meth:`raise_deferred_nonfinite`)."""
+        self.raise_deferred_nonfinite()
         sd = super().state_dict()
         sd["optimizer"] = type(self).__name__
         return sd

@@ -9,7 +9,8 @@ step to step is read at run time, so one capture serves every step:
 - addresses (new gradient tensors after ``zero_grad(set_to_none=True)``, momentum buffers replaced by
   ``load_state_dict``): the fused kernels read them from int64 tables, and the graph reads static copies of those
   tables, refreshed before each replay when they changed;
-- the learning rate (a scheduler's): the update kernel reads it from a 0-d device tensor.
+- the learning rate (a scheduler's): the update kernel reads it from a 0-d device tensor;
+- whether to skip the step (the optimizer's deferred non-finite check): both fused kernels read a 0-d device flag.
 
 Everything else (shapes, dtypes, momentum, Nesterov, weight decay, the Newton–Schulz schedule and update scaling)
 is part of the graph; :class:`matrixopt.Muon` keys its graphs on them and captures anew when one changes.
@@ -38,6 +39,7 @@ class CapturedMuonStep:
         self._fused = muon_fused
         device = buckets[0].device
         self.lr = torch.zeros((), dtype=torch.float32, device=device)
+        self.skip = torch.zeros((), dtype=torch.float32, device=device)
         self._layouts = [self._layout(bk) for bk in buckets]
         self._tables = [tuple([torch.tensor(rows, dtype=torch.int64, device=device) for _, rows in part]
                               for part in layout) for layout in self._layouts]
@@ -49,22 +51,26 @@ class CapturedMuonStep:
         with torch.cuda.stream(side), for_cuda_graphs():  # Newton–Schulz paths chosen by their GPU time
             for bk, (_, apply_tables) in zip(buckets, self._tables):
                 Y = fn(torch.zeros((len(bk.params), bk.s, bk.l), dtype=dtype, device=device))
-                muon_fused.apply_update_triton(bk.params, Y, scale, self.lr, 0.0, tables=apply_tables)
+                muon_fused.apply_update_triton(bk.params, Y, scale, self.lr, 0.0, tables=apply_tables,
+                                               skip=self.skip)
         torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             for bk, (pack_tables, apply_tables) in zip(buckets, self._tables):
                 X = torch.empty((len(bk.params), bk.s, bk.l), dtype=dtype, device=device)
-                muon_fused.momentum_pack_triton(bk.grads, bk.bufs, X, momentum, nesterov, tables=pack_tables)
-                muon_fused.apply_update_triton(bk.params, fn(X), scale, self.lr, weight_decay, tables=apply_tables)
+                muon_fused.momentum_pack_triton(bk.grads, bk.bufs, X, momentum, nesterov, tables=pack_tables,
+                                                skip=self.skip)
+                muon_fused.apply_update_triton(bk.params, fn(X), scale, self.lr, weight_decay, tables=apply_tables,
+                                               skip=self.skip)
 
     def _layout(self, bk: Bucket) -> tuple[list, list]:
         """The pack and update tables' rows for this step's tensors."""
         return self._fused.pack_rows(bk.grads, bk.bufs, bk.s, bk.l), self._fused.apply_rows(bk.params, bk.s, bk.l)
 
-    def replay(self, buckets: list[Bucket], lr: float | Tensor) -> None:
-        """One step on ``buckets`` (the same parameters, shapes and dtypes as at capture, any addresses)."""
+    def replay(self, buckets: list[Bucket], lr: float | Tensor, skip: Tensor | None = None) -> None:
+        """One step on ``buckets`` (the same parameters, shapes and dtypes as at capture, any addresses); where
+        ``skip`` (a 0-d float32 device flag) is nonzero at run time, nothing is written."""
         for i, bk in enumerate(buckets):
             layout = self._layout(bk)
             if layout != self._layouts[i]:
@@ -76,4 +82,8 @@ class CapturedMuonStep:
             self.lr.copy_(lr, non_blocking=True)
         else:
             self.lr.fill_(lr)
+        if skip is None:
+            self.skip.zero_()
+        else:
+            self.skip.copy_(skip)
         self.graph.replay()

@@ -120,27 +120,30 @@ def momentum_buckets(params: list[Tensor], grads: list[Tensor],
     return list(buckets.values()), copies
 
 
-def orthogonalized_momentum_step(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], *, momentum: float,
+def orthogonalized_momentum_step(buckets: list[Bucket], copies: list[tuple[Tensor, Tensor]], *, momentum: float,
                                  nesterov: bool, fn: Callable[[Tensor], Tensor], dtype: torch.dtype,
-                                 scale: Callable[[int, int], float], lr: float | Tensor, weight_decay: float) -> None:
-    """Muon's step on every ``(m, n)`` matrix piece of every parameter, batching pieces of equal ``(s, l) =
-    (min(m, n), max(m, n))``:
+                                 scale: Callable[[int, int], float], lr: float | Tensor, weight_decay: float,
+                                 skip: Tensor | None = None) -> None:
+    """Muon's step on every ``(m, n)`` matrix piece of :func:`momentum_buckets`' buckets, one batch per bucket:
 
         B <- mu B + (1 - mu) G;   U = G + mu (B - G) (Nesterov) or B
         W <- (1 - lr weight_decay) W - lr scale(m, n) fn(U)
 
-    params, grads, bufs: parallel lists, ``grads[i]`` and the float32 momentum ``bufs[i]`` shaped like
-    ``params[i]``; ``bufs`` and ``params`` are updated in place. ``fn`` maps a stack ``(b, s, l)`` of updates laid
-    out short side first (tall pieces transposed), in ``dtype``, to its orthogonalization, same shape, any float
-    dtype. ``lr``: a float, or a 0-d tensor on the parameters' device (no host sync).
+    The buckets' momentum views (float32) and parameter views are updated in place, and ``copies`` written back.
+    ``fn`` maps a stack ``(b, s, l)`` of updates laid out short side first (tall pieces transposed), in ``dtype``,
+    to its orthogonalization, same shape, any float dtype. ``lr``: a float, or a 0-d tensor on the parameters'
+    device (no host sync). ``skip``: a 0-d float32 device flag; where nonzero at run time nothing is written. It
+    needs every bucket on the fused kernels (:func:`matrixopt.kernels.muon_elementwise.skips_on_device`) and no
+    copies.
 
     Per ``(s, l)`` bucket, a wide ``(768, 3072)`` and a tall ``(3072, 768)`` weight together: one fused pass
     writes the momentum and packs the updates into the stack, one ``fn`` call, one fused pass applies the scaled
     update and the decay (:mod:`matrixopt.kernels.muon_elementwise`; foreach references off the GPU)."""
-    buckets, copies = momentum_buckets(params, grads, bufs)
+    if skip is not None and copies:
+        raise ValueError("skip needs every matrix viewed in place (no copies written back)")
     for bk in buckets:
         X = torch.empty((len(bk.params), bk.s, bk.l), dtype=dtype, device=bk.device)
-        momentum_pack(bk.grads, bk.bufs, X, momentum, nesterov)
-        apply_update(bk.params, fn(X), scale, lr, weight_decay)
+        momentum_pack(bk.grads, bk.bufs, X, momentum, nesterov, skip=skip)
+        apply_update(bk.params, fn(X), scale, lr, weight_decay, skip=skip)
     for t, c in copies:
         t.copy_(c)

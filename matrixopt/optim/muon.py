@@ -32,7 +32,7 @@ from matrixopt.kernels import muon_elementwise
 from matrixopt.linalg.ortho import newton_schulz_short_side, polar, resolve_schedule
 from matrixopt.optim.base import MatrixOptimizer, _check_finite, check_lr, param_label
 from matrixopt.optim.graphed import CapturedMuonStep
-from matrixopt.optim.layout import momentum_buckets, orthogonalized_momentum_step
+from matrixopt.optim.layout import Bucket, momentum_buckets, orthogonalized_momentum_step
 
 SCALINGS = ("match_adamw", "original", "spectral")
 
@@ -64,6 +64,12 @@ class Muon(MatrixOptimizer):
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults of the AdamW groups (lr and weight decay
             default to ``lr`` and ``weight_decay``).
         skip_nonfinite: skip (and count) the update of a parameter whose gradient is NaN/Inf instead of raising.
+        deferred_nonfinite: check the gradients without a host sync: a step with a NaN/Inf gradient is skipped on
+            the GPU (no parameter or state written) and ``NonFiniteGradientError`` is raised by the next
+            ``step()``, ``state_dict()`` or ``raise_deferred_nonfinite()`` instead of by this one. The sync costs
+            a training loop its lead over the GPU (the next forward then waits on the host); the trainer sets
+            this. Matrices the fused kernels can't take (off CUDA, non-unit column stride) and AdamW parameters
+            that are not float32 still check on the host. Not with ``skip_nonfinite``.
         cuda_graph: on CUDA, capture the matrix groups' step (fused momentum pass, Newton–Schulz, fused update) in
             one CUDA graph per set of parameters, after one eager step, and replay it: one launch instead of ~20
             kernels per bucket, for models whose step is bound by the host (on an H100: 3.7x faster on a toy GPT,
@@ -78,6 +84,7 @@ class Muon(MatrixOptimizer):
     """
 
     cuda_graph = False  # MOP and optimizers unpickled from before the option keep the eager step
+    _skips_on_device = True  # the fused kernels (and the captured step) honour the deferred check's flag
 
     def __init__(self, params: Iterable[Any], lr: float | Tensor = 1e-3, momentum: float = 0.95,
                  nesterov: bool = True, weight_decay: float = 0.01, ns_steps: int = 5,
@@ -85,14 +92,15 @@ class Muon(MatrixOptimizer):
                  scaling: str = "match_adamw", *, adamw_lr: float | None = None,
                  adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None, skip_nonfinite: bool = False,
-                 cuda_graph: bool = False) -> None:
+                 deferred_nonfinite: bool = False, cuda_graph: bool = False) -> None:
         matrix_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
                                scaling=scaling)
         adamw_defaults = dict(lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                               weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
         self.cuda_graph = bool(cuda_graph)
-        super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite)
+        super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
+                         deferred_nonfinite=deferred_nonfinite)
 
     def __getstate__(self) -> dict[str, Any]:
         return super().__getstate__() | {"cuda_graph": self.cuda_graph}  # captured graphs are not pickled
@@ -142,7 +150,8 @@ class Muon(MatrixOptimizer):
         lr = group["lr"]
         return lr.to(device) if isinstance(lr, Tensor) else lr
 
-    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                       skip: Tensor | None = None) -> None:
         bufs = []
         for p in params:
             st = self.state[p]
@@ -150,17 +159,22 @@ class Muon(MatrixOptimizer):
                 st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32,
                                                          memory_format=torch.preserve_format)
             bufs.append(st["momentum_buffer"])
+        buckets, copies = momentum_buckets(params, grads, bufs)
+        if skip is not None and (copies or not all(muon_elementwise.skips_on_device(bk.params, bk.grads, bk.bufs)
+                                                   for bk in buckets)):
+            self.raise_deferred_nonfinite()  # these layouts can't skip on the device: check on the host now
+            skip = None
         lr = self._device_lr(group, params[0].device)
         step = dict(momentum=group["momentum"], nesterov=group["nesterov"],
                     fn=lambda X: self._orthogonalize(group, X), dtype=self._stack_dtype(group, params[0].device),
                     scale=lambda m, n: update_scale(group["scaling"], m, n), weight_decay=group["weight_decay"])
-        if not (self.cuda_graph and self._graph_step(group, params, grads, bufs, lr, step)):
-            orthogonalized_momentum_step(params, grads, bufs, lr=lr, **step)
+        if not (self.cuda_graph and self._graph_step(group, params, grads, buckets, copies, lr, skip, step)):
+            orthogonalized_momentum_step(buckets, copies, lr=lr, skip=skip, **step)
 
     _MAX_GRAPHS = 8  # captured steps kept per optimizer (one per set of parameters with gradients and settings)
 
-    def _graph_step(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], bufs: list[Tensor],
-                    lr: float | Tensor, step: dict[str, Any]) -> bool:
+    def _graph_step(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], buckets: list[Bucket],
+                    copies: list, lr: float | Tensor, skip: Tensor | None, step: dict[str, Any]) -> bool:
         """The step through a captured CUDA graph; False where it can't be (then the caller steps eagerly): off
         CUDA, without Triton, for subclasses that orthogonalize otherwise (MOP's SVD, collectives), for layouts the
         fused kernels don't take, and on the first step of a new set of parameters or settings, which runs eagerly
@@ -170,7 +184,6 @@ class Muon(MatrixOptimizer):
                 or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
                 or muon_elementwise.fused_kernels() is None or any(p.device != device for p in params)):
             return False
-        buckets, copies = momentum_buckets(params, grads, bufs)
         if copies or not all(muon_elementwise.fusable(bk.params, bk.grads, bk.bufs) for bk in buckets):
             return False
         key = (id(group), tuple(map(id, params)), tuple(g.dtype for g in grads), group["momentum"],
@@ -184,7 +197,7 @@ class Muon(MatrixOptimizer):
             return False
         if captured == "warm":
             captured = graphs[key] = CapturedMuonStep(buckets, **step)
-        captured.replay(buckets, lr)
+        captured.replay(buckets, lr, skip)
         return True
 
 
@@ -192,6 +205,8 @@ class MOP(Muon):
     """Momentum Orthogonalized by Polar decomposition: Muon with the exact polar factor ``U V^T`` from a
     float64 SVD instead of Newton–Schulz. Slow; the quality reference for Muon's approximation. Takes Muon's
     arguments except the Newton–Schulz ones."""
+
+    _skips_on_device = False  # an SVD of a NaN matrix fails: gradients are checked on the host first
 
     def __init__(self, params: Iterable[Any], lr: float | Tensor = 1e-3, momentum: float = 0.95,
                  nesterov: bool = True, weight_decay: float = 0.01, scaling: str = "match_adamw", *,

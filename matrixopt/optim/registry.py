@@ -7,6 +7,7 @@ with :func:`register_optimizer`.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -45,6 +46,13 @@ register_optimizer("muon", Muon)
 register_optimizer("mop", MOP)
 register_optimizer("shampoo", Shampoo)
 register_optimizer("soap", SOAP)
+
+
+def accepted(name: str, **hparams: Any) -> dict[str, Any]:
+    """The subset of ``hparams`` that the optimizer registered as ``name`` takes (by its signature), e.g.
+    ``accepted(name, deferred_nonfinite=True)`` for the options that only some optimizers have."""
+    params = inspect.signature(OPTIMIZERS[name]).parameters
+    return {k: v for k, v in hparams.items() if k in params}
 
 
 def build_optimizer(model: nn.Module, name: str, *, adamw: Sequence[str] = (), matrix: Sequence[str] = (),

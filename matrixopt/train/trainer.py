@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
 import io
 import json
 import math
@@ -258,15 +257,18 @@ def evaluate(model: nn.Module, tokens: np.ndarray, offsets: np.ndarray, cfg: Tra
 
 def optimizer_kwargs(cfg: TrainConfig) -> dict:
     """The config's hyperparameters for the registered optimizer. ``betas`` go to its AdamW: as ``betas`` where
-    it takes them, else as ``adamw_betas`` (Muon, MOP)."""
-    from matrixopt.optim.registry import OPTIMIZERS  # late: train/ sits above optim/
+    it takes them, else as ``adamw_betas`` (Muon, MOP). Where the optimizer has it, ``deferred_nonfinite=True``
+    (unless the config asks for ``skip_nonfinite``): no host sync per step, which would let the GPU run dry while
+    the host queues the next forward; a NaN/Inf gradient still stops the run, one step later, and never reaches a
+    checkpoint (``state_dict()`` raises it first)."""
+    from matrixopt.optim.registry import OPTIMIZERS, accepted  # late: train/ sits above optim/
 
     o = cfg.optim
     if o.name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {o.name!r}; choose from {', '.join(sorted(OPTIMIZERS))}")
-    accepts = inspect.signature(OPTIMIZERS[o.name]).parameters
-    betas_key = "adamw_betas" if "adamw_betas" in accepts else "betas"
-    return {"lr": o.lr, "weight_decay": o.weight_decay, betas_key: o.betas} | o.hparams
+    betas_key = "adamw_betas" if accepted(o.name, adamw_betas=None) else "betas"
+    deferred = {} if o.hparams.get("skip_nonfinite") else accepted(o.name, deferred_nonfinite=True)
+    return {"lr": o.lr, "weight_decay": o.weight_decay, betas_key: o.betas} | deferred | o.hparams
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -111,3 +111,44 @@ def test_frobenius_normalize_matches_float64_on_gpu():
     out = fused.frobenius_normalize_triton(X, torch.bfloat16)
     ref = ew.frobenius_normalize_reference(X.double(), torch.float64)
     torch.testing.assert_close(out.double(), ref, rtol=2**-8, atol=1e-6)
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_deferred_nonfinite_check_skips_the_step_on_gpu(cuda_graph):
+    from torch import nn
+
+    from matrixopt import Muon, NonFiniteGradientError
+
+    def setup(deferred):
+        torch.manual_seed(0)
+        ps = [nn.Parameter(torch.randn(s, device="cuda")) for s in [(64, 96), (96, 64), (64,)]]
+        opt = Muon([{"params": ps[:2]}, {"params": ps[2:], "use_muon": False}], lr=0.05, weight_decay=0.1,
+                   deferred_nonfinite=deferred, cuda_graph=cuda_graph)
+        return ps, opt
+
+    def grads(ps, seed, bad=False):
+        g = torch.Generator("cuda").manual_seed(seed)
+        for p in ps:
+            p.grad = torch.randn(p.shape, device="cuda", generator=g)
+        if bad:
+            ps[0].grad[1, 2] = float("inf")
+
+    ps, opt = setup(True)
+    ref_ps, ref = setup(False)
+    for seed in range(3):  # the graph is captured at the second step
+        for q, o in ((ps, opt), (ref_ps, ref)):
+            grads(q, seed)
+            o.step()
+    before = [p.detach().clone() for p in ps] + [v.clone() for st in opt.state.values() for v in st.values()]
+    grads(ps, 9, bad=True)
+    opt.step()
+    after = [p.detach().clone() for p in ps] + [v.clone() for st in opt.state.values() for v in st.values()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    with pytest.raises(NonFiniteGradientError, match="skipped"):
+        opt.step()
+    for seed in (3, 4):
+        for q, o in ((ps, opt), (ref_ps, ref)):
+            grads(q, seed)
+            o.step()
+    for a, b in zip(ps, ref_ps):
+        assert torch.equal(a, b)

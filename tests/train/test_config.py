@@ -44,3 +44,14 @@ def test_from_dict_builds_nested_configs_and_rejects_typos():
         from_dict(TrainConfig, {"steps": "5"})
     with pytest.raises(ValueError, match="schedule must be one of cosine, wsd, constant, got 'linear'"):
         from_dict(TrainConfig, {"schedule": {"schedule": "linear"}})
+
+
+def test_optimizer_kwargs_defer_the_nonfinite_check_where_the_optimizer_can():
+    from matrixopt.train.config import OptimConfig
+    from matrixopt.train.trainer import optimizer_kwargs
+
+    kw = lambda name, **hp: optimizer_kwargs(TrainConfig(optim=OptimConfig(name=name, hparams=hp)))  # noqa: E731
+    assert kw("muon")["deferred_nonfinite"] is True and kw("muon")["adamw_betas"] == (0.9, 0.99)
+    assert "deferred_nonfinite" not in kw("adamw") and "deferred_nonfinite" not in kw("shampoo")
+    assert "deferred_nonfinite" not in kw("muon", skip_nonfinite=True)
+    assert kw("muon", deferred_nonfinite=False)["deferred_nonfinite"] is False
