@@ -26,10 +26,13 @@ TUNE_REP_MS = 20
 _CHOSEN: dict[Hashable, object] = {}
 
 
-def pick(key: Hashable, candidates: Sequence[C], launch: Callable[[C], object], device: torch.device) -> C:
-    """The fastest of ``candidates`` for ``key``, timing ``launch(candidate)`` on the first call only."""
+def pick(key: Hashable, candidates: Callable[[], Sequence[C]], launch: Callable[[C], object],
+         device: torch.device) -> C:
+    """The fastest of ``candidates()`` for ``key``, timing ``launch(candidate)`` on the first call only (later
+    calls are one dictionary lookup: this runs on every kernel launch)."""
     if key in _CHOSEN:
         return _CHOSEN[key]  # type: ignore[return-value]
+    candidates = candidates()
     if len(candidates) == 1 or device.type != "cuda":
         best = candidates[0]
     else:

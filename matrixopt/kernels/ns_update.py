@@ -190,7 +190,8 @@ def ns_update(B: Tensor, X: Tensor, a: float, *, config: GemmConfig | None = Non
     tma = tma_compatible(B, X, out)
     if config is None:
         key = ("ns_update", tuple(X.shape), X.stride(), B.stride(), X.dtype, X.device, tma)
-        config = pick(key, get_ns_update_configs(*X.shape, tma=tma), lambda c: _launch(B, X, out, a, c), X.device)
+        config = pick(key, lambda: get_ns_update_configs(*X.shape, tma=tma), lambda c: _launch(B, X, out, a, c),
+                      X.device)
     elif config.persistent and not tma:
         raise ValueError("the persistent TMA update needs B and X with contiguous last dimensions and 16-byte "
                          "aligned rows (m and n multiples of 8 in bf16) on a compute capability >= 9 GPU; got B "

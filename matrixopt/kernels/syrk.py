@@ -31,6 +31,7 @@ Two kernels compute the same tiles; the tuner times both where both apply:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -71,14 +72,21 @@ def tma_compatible(*tensors: Tensor) -> bool:
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
             return False
     device = tensors[0].device
-    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type != "cuda" or _cuda_properties(device.index)[0] >= 9
+
+
+@functools.cache
+def _cuda_properties(index: int | None) -> tuple[int, int]:
+    """(major compute capability, multiprocessor count) of a CUDA device, read once: every launch asks."""
+    props = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())
+    return props.major, props.multi_processor_count
 
 
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (the H100's count elsewhere: the interpreter has none)."""
     if device.type != "cuda":
         return NUM_SMS_H100
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_properties(device.index)[1]
 
 
 def get_syrk_configs(batch: int, m: int, k: int, num_sms: int = NUM_SMS_H100, tma: bool = False) -> list[SyrkConfig]:
@@ -311,7 +319,7 @@ def syrk(X: Tensor, alpha: float = 1.0, beta: float = 0.0, Y: Tensor | None = No
     tma = tma_compatible(X, out) if Y is None else tma_compatible(X, Y, out)
     if config is None:
         key = ("syrk", tuple(X.shape), X.stride(), X.dtype, X.device, Y is not None, tma)
-        config = pick(key, get_syrk_configs(*X.shape, num_sms=num_sms(X.device), tma=tma),
+        config = pick(key, lambda: get_syrk_configs(*X.shape, num_sms=num_sms(X.device), tma=tma),
                       lambda c: _launch(X, Y, out, alpha, beta, c), X.device)
     elif config.persistent and not tma:
         raise ValueError("the persistent TMA SYRK needs X with a contiguous last dimension and 16-byte aligned "

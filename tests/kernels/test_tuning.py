@@ -25,14 +25,14 @@ def test_fastest_candidate_wins_and_is_cached(monkeypatch):
     calls = []
     launch = lambda c: calls.append(c) or c  # noqa: E731
     key = ("test", "fastest")
-    assert _tuning.pick(key, ["a", "b", "c"], launch, torch.device("cuda")) == "b"
-    assert _tuning.pick(key, ["a", "b", "c"], launch, torch.device("cuda")) == "b"
+    assert _tuning.pick(key, lambda: ["a", "b", "c"], launch, torch.device("cuda")) == "b"
+    assert _tuning.pick(key, lambda: ["a", "b", "c"], launch, torch.device("cuda")) == "b"
     assert calls == ["a", "b", "c"]  # timed once
 
 
 def test_candidates_that_do_not_fit_are_passed_over(monkeypatch):
     _fake_bench(monkeypatch, {"a": 2.0, "c": 3.0})
     launch = lambda c: _too_big(c) if c == "b" else c  # noqa: E731
-    assert _tuning.pick(("test", "oor"), ["a", "b", "c"], launch, torch.device("cuda")) == "a"
+    assert _tuning.pick(("test", "oor"), lambda: ["a", "b", "c"], launch, torch.device("cuda")) == "a"
     with pytest.raises(RuntimeError, match="no kernel config fits"):
-        _tuning.pick(("test", "all-oor"), ["b", "b"], launch, torch.device("cuda"))
+        _tuning.pick(("test", "all-oor"), lambda: ["b", "b"], launch, torch.device("cuda"))
