@@ -29,13 +29,12 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError as e:  # pragma: no cover - exercised by the dispatcher test through ns_step
     raise ImportError("matrixopt.kernels.ns_update needs Triton: pip install triton (or pip install "
                       "matrixopt[triton])") from e
 
 from matrixopt.kernels._tuning import pick
-from matrixopt.kernels.syrk import num_sms, tma_compatible
+from matrixopt.kernels.syrk import TensorDescriptor, num_sms, tma_compatible
 
 # ----------------------------------------------------------------------------------------------- autotune configs
 

@@ -40,10 +40,13 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError as e:  # pragma: no cover - exercised by the dispatcher test through ns_step
     raise ImportError("matrixopt.kernels.syrk needs Triton: pip install triton (or pip install matrixopt[triton])") \
         from e
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - Triton < 3.3 has no host-side tensor descriptors: pointer kernels only
+    TensorDescriptor = None
 
 from matrixopt.kernels._tuning import pick
 
@@ -67,7 +70,9 @@ NUM_SMS_H100 = 132
 def tma_compatible(*tensors: Tensor) -> bool:
     """Whether TMA descriptors can address every tensor: contiguous last dimension, 16-byte aligned base and
     strides, and (on CUDA) a device of compute capability 9 or newer. On the CPU (Triton's interpreter) only the
-    layout is checked."""
+    layout is checked. False with a Triton too old for tensor descriptors."""
+    if TensorDescriptor is None:
+        return False
     for t in tensors:
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
             return False
