@@ -193,7 +193,8 @@ def ns_update(B: Tensor, X: Tensor, a: float, *, config: GemmConfig | None = Non
                       X.device)
     elif config.persistent and not tma:
         raise ValueError("the persistent TMA update needs B and X with contiguous last dimensions and 16-byte "
-                         "aligned rows (m and n multiples of 8 in bf16) on a compute capability >= 9 GPU; got B "
+                         "aligned rows (m and n multiples of 8 in bf16), Triton >= 3.3 and a compute capability "
+                         ">= 9 GPU; got B "
                          f"strides {B.stride()}, X of shape {tuple(X.shape)} and strides {X.stride()}: pass "
                          "config=None to let the tuner choose")
     _launch(B, X, out, float(a), config)

@@ -328,7 +328,8 @@ def syrk(X: Tensor, alpha: float = 1.0, beta: float = 0.0, Y: Tensor | None = No
                       lambda c: _launch(X, Y, out, alpha, beta, c), X.device)
     elif config.persistent and not tma:
         raise ValueError("the persistent TMA SYRK needs X with a contiguous last dimension and 16-byte aligned "
-                         "rows (m and k multiples of 8 in bf16) on a compute capability >= 9 GPU; got X of shape "
+                         "rows (m and k multiples of 8 in bf16), Triton >= 3.3 and a compute capability >= 9 GPU; "
+                         "got X of shape "
                          f"{tuple(X.shape)}, strides {X.stride()}, {X.dtype}: pass config=None to let the tuner "
                          "choose")
     _launch(X, Y, out, float(alpha), float(beta), config)
