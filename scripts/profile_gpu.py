@@ -1,7 +1,7 @@
 """Single-GPU profiles behind the issue-5 notes (docs/results/bench/README.md). Prints short tables.
 
     python scripts/profile_gpu.py step gpt2-small        # Muon's step: kernel time by kernel, eager and graphed
-    python scripts/profile_gpu.py train gpt2-small adamw muon muon+graph
+    python scripts/profile_gpu.py train gpt2-small adamw muon muon+eager
                                                           # a training step: GPU busy vs span, largest idle gaps
     python scripts/profile_gpu.py launch                  # host time per eager launch of our kernels
 
@@ -128,7 +128,7 @@ def main() -> None:
     sub.add_parser("step").add_argument("model", nargs="?", default="gpt2-small")
     p = sub.add_parser("train")
     p.add_argument("model", nargs="?", default="gpt2-small")
-    p.add_argument("optimizers", nargs="*", default=["adamw", "muon", "muon+graph"])
+    p.add_argument("optimizers", nargs="*", default=["adamw", "muon", "muon+eager"])
     sub.add_parser("launch")
     args = parser.parse_args()
     if args.what == "step":

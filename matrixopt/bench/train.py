@@ -3,7 +3,8 @@
 The trainer's loop cut down for timing (as nanoGPT's ``bench.py`` is to its ``train.py``): the reference GPT
 of :mod:`matrixopt.train.model` with an untied head and vocab 50304 (512 for tiny-cpu), random tokens
 (throughput does not depend on the data), bf16 autocast on CUDA, forward, backward, gradient clipping at 1.0
-and ``optimizer.step()``, with the trainer's optimizer options (``deferred_nonfinite=True`` where taken). Each
+and ``optimizer.step()``, with the trainer's optimizer options (``deferred_nonfinite=True`` where taken, and
+``cuda_graph=True`` on a GPU; ``muon+eager`` is Muon without the graph). Each
 optimizer gets a freshly initialized model; ``warmup`` steps, then ``steps`` timed steps in ``reps`` blocks (median
 block).
 
@@ -26,7 +27,7 @@ from matrixopt.kernels.ns_step import dispatch_table
 BATCHES: dict[str, tuple[int, int, int]] = {"gpt2-small": (16, 1024, 50304), "gpt2-medium": (8, 1024, 50304),
                                             "1.3b": (4, 2048, 50304), "tiny-cpu": (2, 32, 512)}
 QKV_SPLITS = {r"attn\.c_attn\.weight$": 3}
-GRAPHED = "+graph"  # "muon+graph": Muon with cuda_graph=True (its matrix step replayed from one CUDA graph)
+EAGER = "+eager"  # "muon+eager": Muon without the trainer's CUDA graph (cuda_graph=False)
 
 
 def train_step(net: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
@@ -51,13 +52,14 @@ def _optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
         return Stepper(torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=1e-3, fused=fused))  # type: ignore
     if name == "adamw":
         return build_optimizer(model, "adamw", lr=6e-4, weight_decay=0.1)
-    base = name.removesuffix(GRAPHED)
-    extra = accepted(base, deferred_nonfinite=True) | ({"cuda_graph": True} if name.endswith(GRAPHED) else {})
+    base = name.removesuffix(EAGER)
+    graph = next(model.parameters()).is_cuda and not name.endswith(EAGER)
+    extra = accepted(base, deferred_nonfinite=True) | accepted(base, cuda_graph=graph)
     return build_optimizer(model, base, lr=6e-4, weight_decay=0.1, splits=QKV_SPLITS, **extra)
 
 
 def run(model: str = "gpt2-small",
-        optimizers: tuple[str, ...] = ("adamw", "muon", "muon" + GRAPHED, "torch.optim.Muon"), *,
+        optimizers: tuple[str, ...] = ("adamw", "muon", "muon" + EAGER, "torch.optim.Muon"), *,
         device: torch.device | None = None, steps: int = 10, reps: int = 3, warmup: int = 3,
         batch: int | None = None) -> dict[str, Any]:
     """Tokens/s of each optimizer's training step; returns the JSON record."""
