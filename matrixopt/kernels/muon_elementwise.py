@@ -112,7 +112,8 @@ def _kernels(auto: bool) -> ModuleType | None:
 
 def skips_on_device(*tensors: Sequence[Tensor]) -> bool:
     """Whether :func:`momentum_pack` and :func:`apply_update` run the fused kernels on these lists of matrices,
-    and so honour ``skip`` (a device flag) without a host sync; the torch references do not take it."""
+    and so honour ``skip`` (a device flag) without a host sync; the torch references do not take it. The dispatch
+    looks at the tensors' device and layout (:func:`fusable`) and at the forced backend."""
     return _kernels(_on_gpu(*tensors) and fusable(*tensors)) is not None
 
 

@@ -160,31 +160,30 @@ class Muon(MatrixOptimizer):
                                                          memory_format=torch.preserve_format)
             bufs.append(st["momentum_buffer"])
         buckets, copies = momentum_buckets(params, grads, bufs)
-        if skip is not None and (copies or not all(muon_elementwise.skips_on_device(bk.params, bk.grads, bk.bufs)
-                                                   for bk in buckets)):
+        # whether every bucket suits the fused kernels, judged once per step (the graph and the skip both ask)
+        fusable = not copies and all(muon_elementwise.fusable(bk.params, bk.grads, bk.bufs) for bk in buckets)
+        if skip is not None and not (fusable and all(muon_elementwise.skips_on_device(bk.params) for bk in buckets)):
             self.raise_deferred_nonfinite()  # these layouts can't skip on the device: check on the host now
             skip = None
         lr = self._device_lr(group, params[0].device)
         step = dict(momentum=group["momentum"], nesterov=group["nesterov"],
                     fn=lambda X: self._orthogonalize(group, X), dtype=self._stack_dtype(group, params[0].device),
                     scale=lambda m, n: update_scale(group["scaling"], m, n), weight_decay=group["weight_decay"])
-        if not (self.cuda_graph and self._graph_step(group, params, grads, buckets, copies, lr, skip, step)):
+        if not (self.cuda_graph and fusable and self._graph_step(group, params, grads, buckets, lr, skip, step)):
             orthogonalized_momentum_step(buckets, copies, lr=lr, skip=skip, **step)
 
     _MAX_GRAPHS = 8  # captured steps kept per optimizer (one per set of parameters with gradients and settings)
 
     def _graph_step(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], buckets: list[Bucket],
-                    copies: list, lr: float | Tensor, skip: Tensor | None, step: dict[str, Any]) -> bool:
-        """The step through a captured CUDA graph; False where it can't be (then the caller steps eagerly): off
-        CUDA, without Triton, for subclasses that orthogonalize otherwise (MOP's SVD, collectives), for layouts the
-        fused kernels don't take, and on the first step of a new set of parameters or settings, which runs eagerly
+                    lr: float | Tensor, skip: Tensor | None, step: dict[str, Any]) -> bool:
+        """The step through a captured CUDA graph, for buckets the fused kernels take; False where it can't be
+        (then the caller steps eagerly): off CUDA, without Triton, for subclasses that orthogonalize otherwise
+        (MOP's SVD, collectives), and on the first step of a new set of parameters or settings, which runs eagerly
         so that every kernel is compiled, tuned and dispatched before capture."""
         device = params[0].device
         if (device.type != "cuda" or type(self)._orthogonalize is not Muon._orthogonalize
                 or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
                 or muon_elementwise.fused_kernels() is None or any(p.device != device for p in params)):
-            return False
-        if copies or not all(muon_elementwise.fusable(bk.params, bk.grads, bk.bufs) for bk in buckets):
             return False
         key = (id(group), tuple(map(id, params)), tuple(g.dtype for g in grads), group["momentum"],
                group["nesterov"], group["weight_decay"], group["scaling"], group["ns_dtype"],
