@@ -68,7 +68,7 @@ def main() -> None:
         X = torch.randn(b, m, k, device="cuda").bfloat16() / k**0.5
         out = torch.empty(b, m, m, device="cuda", dtype=torch.bfloat16)
         t_cublas = ms(lambda X=X: torch.bmm(X, X.mT))
-        best = sweep(lambda cfg, X=X, out=out: syrk._launch(X, None, out, 1.0, 0.0, cfg), syrk_grid)
+        best = sweep(lambda cfg, X=X, out=out: syrk._launch(X, X, None, out, 1.0, 0.0, cfg), syrk_grid)
         if best:
             print(f"SYRK {b}x{m}x{k}: cuBLAS bmm {t_cublas * 1e3:.0f} us ({2 * b * m * m * k / t_cublas / 1e9:.0f} "
                   "TF/s) | best (real TF/s): "

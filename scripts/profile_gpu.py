@@ -112,8 +112,8 @@ def launch() -> None:
     rows = {
         "empty Triton kernel": lambda: _noop[(1,)](X),
         "torch.bmm X X^T (cuBLAS)": lambda: torch.bmm(X, X.mT),
-        "SYRK launch, pointer kernel": lambda: S._launch(X, None, out, 1.0, 0.0, S.SyrkConfig(128, 64, 1, 8, 4)),
-        "SYRK launch, TMA kernel": lambda: S._launch(X, None, out, 1.0, 0.0, S.SyrkConfig(128, 64, 1, 8, 4, True)),
+        "SYRK launch, pointer kernel": lambda: S._launch(X, X, None, out, 1.0, 0.0, S.SyrkConfig(128, 64, 1, 8, 4)),
+        "SYRK launch, TMA kernel": lambda: S._launch(X, X, None, out, 1.0, 0.0, S.SyrkConfig(128, 64, 1, 8, 4, True)),
         "syrk() (tuned)": lambda: S.syrk(X),
         "update launch, pointer kernel": lambda: U._launch(A, X, xo, 2.0, U.GemmConfig(128, 128, 64, 8, 4, 4)),
         "update launch, TMA kernel": lambda: U._launch(A, X, xo, 2.0, U.GemmConfig(128, 128, 64, 8, 4, 4, True)),

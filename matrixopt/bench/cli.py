@@ -46,9 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("train", parents=[common], help="end-to-end training tokens/s, ratio to AdamW")
     p.add_argument("--model", default="gpt2-small", choices=list(train.BATCHES))
-    p.add_argument("--optimizers", nargs="+", default=["adamw", "muon", "muon+eager", "torch.optim.Muon"],
-                   help="registry names (with the trainer's options), muon+eager (Muon without the CUDA graph), or "
-                        "torch.optim.Muon")
+    p.add_argument("--optimizers", nargs="+",
+                   default=["adamw", "muon", "muon+standard", "muon+eager", "torch.optim.Muon"],
+                   help="registry names (with the trainer's options), suffixed +eager (without the CUDA graph) "
+                        "and/or +standard (standard Newton–Schulz, not the Gram form), or torch.optim.Muon")
     p.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
     p.add_argument("--batch", type=int, default=None, help="override the preset's batch size")
 

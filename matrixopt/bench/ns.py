@@ -1,14 +1,16 @@
 """``matrixopt bench ns``: how fast is one Newton–Schulz orthogonalization, and how close to the exact polar factor?
 
 For each ``(batch, m, n)`` stack of fp32 matrices (m <= n), ``steps`` quintic iterations through
-:func:`matrixopt.newton_schulz` with the dispatcher on ``auto``, forced to cuBLAS (``torch``) and forced to Triton,
-against torch.optim.Muon's iteration (``torch.optim._muon._zeropower_via_newtonschulz``, one matrix at a time, as
+:func:`matrixopt.newton_schulz`: the default (the Gram form for wide shapes, in float16) with the dispatcher on
+``auto``, forced to cuBLAS (``torch``) and forced to Triton, and the standard form (``method="standard"``), against
+torch.optim.Muon's iteration (``torch.optim._muon._zeropower_via_newtonschulz``, one matrix at a time, as
 the optimizer runs it). Then the Gram matrix ``X X^T`` alone: cuBLAS ``bmm`` against the Triton SYRK.
 
 FLOPs (dense count, the work a GEMM library does; the SYRK does about half of the first two terms):
     per Newton–Schulz step on an (m, n) matrix: 2 m^2 n (X X^T) + 2 m^3 (A A) + 2 m^2 n (B X) = 4 m^2 n + 2 m^3
     Gram X X^T of an (m, k) matrix: 2 m^2 k
-``limit`` is the time those FLOPs take at ``PEAK_BF16_TFLOPS``; ``of_limit`` = limit / measured.
+``limit`` is the time those FLOPs take at ``PEAK_BF16_TFLOPS``; ``of_limit`` = limit / measured. The limit counts
+the standard form's FLOPs, so the Gram form, with fewer, can exceed 1.
 """
 
 from __future__ import annotations
@@ -52,13 +54,19 @@ def _rel_err(out: Tensor, ref: Tensor) -> float:
 
 
 def _methods(G: Tensor, steps: int) -> dict[str, Callable[[], Tensor]]:
+    """Ours (the default: Gram form for wide shapes, each product dispatched; then the standard form; then each
+    backend forced) and torch.optim.Muon's."""
+
     def ours(backend: str) -> Callable[[], Tensor]:
         def fn() -> Tensor:
             with ns_backend(backend):
                 return newton_schulz(G, steps, "quintic")
         return fn
 
-    methods = {"matrixopt": ours("auto"), "matrixopt cuBLAS only": ours("torch")}
+    def standard() -> Tensor:
+        return newton_schulz(G, steps, "quintic", method="standard")
+
+    methods = {"matrixopt": ours("auto"), "matrixopt standard form": standard, "matrixopt cuBLAS only": ours("torch")}
     if G.is_cuda and triton_available():
         methods["matrixopt Triton only"] = ours("triton")
     methods["torch.optim.Muon"] = lambda: torch_muon_ns(G, steps)

@@ -123,6 +123,12 @@ def candidates(ps: ParamSet, device: torch.device) -> dict[str, Any]:
                                              contextlib.nullcontext)
     out["matrixopt muon, deferred check, CUDA graph"] = (
         lambda: build_optimizer(ps, "muon", lr=LR, deferred_nonfinite=True, cuda_graph=True), contextlib.nullcontext)
+    out["matrixopt muon, standard NS, deferred check, CUDA graph"] = (
+        lambda: build_optimizer(ps, "muon", lr=LR, deferred_nonfinite=True, cuda_graph=True, ns_method="standard"),
+        contextlib.nullcontext)
+    out["matrixopt muon, standard NS, deferred check"] = (
+        lambda: build_optimizer(ps, "muon", lr=LR, deferred_nonfinite=True, ns_method="standard"),
+        contextlib.nullcontext)
     out["matrixopt muon, unfused elementwise"] = (lambda: build_optimizer(ps, "muon", lr=LR),
                                                   lambda: elementwise_backend("torch"))
     return out

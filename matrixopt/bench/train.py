@@ -27,7 +27,9 @@ from matrixopt.kernels.ns_step import dispatch_table
 BATCHES: dict[str, tuple[int, int, int]] = {"gpt2-small": (16, 1024, 50304), "gpt2-medium": (8, 1024, 50304),
                                             "1.3b": (4, 2048, 50304), "tiny-cpu": (2, 32, 512)}
 QKV_SPLITS = {r"attn\.c_attn\.weight$": 3}
-EAGER = "+eager"  # "muon+eager": Muon without the trainer's CUDA graph (cuda_graph=False)
+# suffixes of an optimizer name: "muon+eager" is Muon without the trainer's CUDA graph (cuda_graph=False),
+# "muon+standard" Muon with the standard Newton–Schulz form (ns_method="standard"); they combine
+VARIANTS = {"eager": {"cuda_graph": False}, "standard": {"ns_method": "standard"}}
 
 
 def train_step(net: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
@@ -52,14 +54,21 @@ def _optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
         return Stepper(torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=1e-3, fused=fused))  # type: ignore
     if name == "adamw":
         return build_optimizer(model, "adamw", lr=6e-4, weight_decay=0.1)
-    base = name.removesuffix(EAGER)
-    graph = next(model.parameters()).is_cuda and not name.endswith(EAGER)
-    extra = accepted(base, deferred_nonfinite=True) | accepted(base, cuda_graph=graph)
+    base, *variants = name.split("+")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown optimizer variant(s) {unknown} in {name!r}; use +{', +'.join(VARIANTS)}")
+    options = {"deferred_nonfinite": True, "cuda_graph": next(model.parameters()).is_cuda}
+    for v in variants:
+        options |= VARIANTS[v]
+    extra = {}
+    for k, v in options.items():
+        extra |= accepted(base, **{k: v})
     return build_optimizer(model, base, lr=6e-4, weight_decay=0.1, splits=QKV_SPLITS, **extra)
 
 
 def run(model: str = "gpt2-small",
-        optimizers: tuple[str, ...] = ("adamw", "muon", "muon" + EAGER, "torch.optim.Muon"), *,
+        optimizers: tuple[str, ...] = ("adamw", "muon", "muon+standard", "muon+eager", "torch.optim.Muon"), *,
         device: torch.device | None = None, steps: int = 10, reps: int = 3, warmup: int = 3,
         batch: int | None = None) -> dict[str, Any]:
     """Tokens/s of each optimizer's training step; returns the JSON record."""

@@ -210,7 +210,7 @@ class ShardedMuon(Muon):
             M = scale * tp_newton_schulz(M, sh.tp_dim, sh.tp_group, steps=group["ns_steps"],
                                          coefficients=group["ns_coefficients"], dtype=group["ns_dtype"],
                                          mode=self.tp_mode, chunks=self.tp_chunks, sizes=tp_sizes,
-                                         cost_model=self.tp_cost_model)
+                                         cost_model=self.tp_cost_model, method=group["ns_method"])
             return M.mT if transposed else M
         # polar(A^T) = polar(A)^T, so the layout does not matter; Newton–Schulz takes the short side first,
         # row-major (the Triton SYRK path takes row-major stacks; a transposed view would be copied every iteration)

@@ -219,7 +219,7 @@ def distributed_newton_schulz(X: Tensor, group: ProcessGroup | None, schedule: S
 def tp_newton_schulz(local: Tensor, partition_dim: int, group: ProcessGroup | None = None, *, steps: int = 5,
                      coefficients: str | Sequence[Sequence[float]] = "quintic", dtype: torch.dtype | None = None,
                      mode: str = "auto", chunks: int = 4, sizes: Sequence[int] | None = None,
-                     cost_model: CostModel | None = None) -> Tensor:
+                     cost_model: CostModel | None = None, method: str = "auto") -> Tensor:
     """Newton–Schulz of a matrix split over ``group`` along ``partition_dim``; returns this rank's shard of the
     result (same shape and dtype as ``local``).
 
@@ -227,8 +227,9 @@ def tp_newton_schulz(local: Tensor, partition_dim: int, group: ProcessGroup | No
     of such shards (``partition_dim`` counts within each matrix). Shards are in group-rank order and may be
     uneven. sizes: every rank's size along ``partition_dim``; None all-gathers them (one tiny collective).
     mode: one of ``MODES``. chunks: Gram row blocks whose all-reduce overlaps compute (distributed mode).
-    cost_model: for ``auto``; None measures one (collective, once per group). steps, coefficients, dtype: as
-    :func:`matrixopt.linalg.ortho.newton_schulz`. Every rank of the group must call this with the same
+    cost_model: for ``auto``; None measures one (collective, once per group). steps, coefficients, dtype, method:
+    as :func:`matrixopt.linalg.ortho.newton_schulz` (``method`` for the modes that iterate on whole matrices,
+    blockwise and duplicated). Every rank of the group must call this with the same
     arguments except ``local``."""
     if mode not in MODES:
         raise ValueError(f"Unknown TP Newton–Schulz mode {mode!r}; use one of {MODES}")
@@ -244,7 +245,7 @@ def tp_newton_schulz(local: Tensor, partition_dim: int, group: ProcessGroup | No
         dtype = torch.bfloat16 if local.is_cuda else torch.float32
     parts = dist.get_world_size(group)
     if mode == "blockwise" or parts == 1:
-        return newton_schulz(local, steps, coefficients, dtype=dtype) if local.numel() else local.clone()
+        return newton_schulz(local, steps, coefficients, dtype=dtype, method=method) if local.numel() else local.clone()
     X = local.unsqueeze(0) if local.ndim == 2 else local  # (b, m, n)
     X = X.mT if partition_dim == 0 else X  # (b, r, c_p): the sharded dim is the contracted (last) one
     if sizes is None:
@@ -262,7 +263,7 @@ def tp_newton_schulz(local: Tensor, partition_dim: int, group: ProcessGroup | No
     if mode == "duplicated":
         full = tp_comm.all_gather_last_dim(X, sizes, group)  # (b, r, c)
         start = sum(sizes[:me])
-        Y = newton_schulz(full, steps, coefficients, dtype=dtype)[..., start:start + sizes[me]]
+        Y = newton_schulz(full, steps, coefficients, dtype=dtype, method=method)[..., start:start + sizes[me]]
     else:
         if rows > cols:
             warnings.warn(f"distributed TP Newton–Schulz contracts the sharded dim, so this ({rows}, {cols}) "

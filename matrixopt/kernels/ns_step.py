@@ -1,13 +1,17 @@
-"""One Newton–Schulz step, X <- a X + (b A + c A^2) X with A = X X^T.
+"""The batched matrix products of Newton–Schulz, each dispatched between cuBLAS and our Triton kernels.
 
-This module is the single entry point the orthogonalization engine calls per iteration. :func:`ns_step` runs
-either the pure-PyTorch reference (three cuBLAS batched GEMMs on CUDA) or the Triton path (two SYRKs that compute
-only the lower-triangle tiles, and the X update with ``a X`` fused into its epilogue), choosing per shape by
-measurement. The module imports without Triton; the Triton kernels are imported on first use.
+This module is the single entry point the orthogonalization engine (``linalg/ortho.py``) calls for its products:
+- :func:`ns_step`: one step ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``;
+- for Gram Newton–Schulz: :func:`gram` (``X X^T``), :func:`sym_mul` (``alpha S T + beta S`` for commuting
+  symmetric S and T) and :func:`left_mul` (``a X + Q X``).
+Each runs either the pure-PyTorch reference (cuBLAS batched GEMMs on CUDA) or the Triton path (the SYRK, which
+computes only the lower-triangle tiles of a symmetric result, and the X update with ``a X`` fused into its
+epilogue), choosing per op and shape by measurement. The module imports without Triton; the Triton kernels are
+imported on first use.
 
 Dispatch (backend ``"auto"``, the default):
 - CPU tensors, dtypes other than bf16/fp16, no Triton, or inside ``torch.compile``: the reference.
-- CUDA bf16/fp16: the first call for each ``(batch, m, n, dtype, device)`` times both paths (median of a few
+- CUDA bf16/fp16: the first call of each op for each set of shapes, dtype and device times both paths (median of a few
   back-to-back runs with CUDA events, after the Triton kernels have compiled and tuned) and keeps the Triton
   path only if it was faster than cuBLAS by ``TRITON_MARGIN``; later calls reuse the decision. Under
   :func:`for_cuda_graphs` (and during capture) shapes are decided apart, by timing graph replays of both paths:
@@ -72,6 +76,43 @@ def ns_step_triton(X: Tensor, a: float, b: float, c: float) -> Tensor:
     return ns_update(B, X, a)  # a X + B X
 
 
+def gram_reference(X: Tensor) -> Tensor:
+    """``X X^T``: ``(batch, m, n)`` -> ``(batch, m, m)``, by cuBLAS on CUDA."""
+    return torch.bmm(X, X.mT)
+
+
+def gram_triton(X: Tensor) -> Tensor:
+    """``X X^T`` by the SYRK (lower tiles, mirrored); X row-major for 16-byte loads."""
+    from matrixopt.kernels.syrk import syrk
+
+    return syrk(X if X.stride(-1) == 1 else X.contiguous())
+
+
+def sym_mul_reference(S: Tensor, T: Tensor, alpha: float, beta: float) -> Tensor:
+    """``alpha S T + beta S`` for symmetric S, T that commute: ``(batch, m, m)`` twice -> ``(batch, m, m)``."""
+    return torch.baddbmm(S, S, T, beta=beta, alpha=alpha)
+
+
+def sym_mul_triton(S: Tensor, T: Tensor, alpha: float, beta: float) -> Tensor:
+    """``alpha S T + beta S`` computing only the lower tiles: S T is symmetric (S and T commute) and equals
+    ``S T^T`` (T is symmetric), the SYRK's two-operand form. S and T contiguous."""
+    from matrixopt.kernels.syrk import syrk
+
+    return syrk(S, alpha=alpha, beta=beta, Y=S, W=T)
+
+
+def left_mul_reference(Q: Tensor, X: Tensor, a: float) -> Tensor:
+    """``a X + Q X``: Q ``(batch, m, m)``, X ``(batch, m, n)`` -> ``(batch, m, n)``; X is not read when a = 0."""
+    return torch.baddbmm(X, Q, X, beta=a, alpha=1.0)
+
+
+def left_mul_triton(Q: Tensor, X: Tensor, a: float) -> Tensor:
+    """``a X + Q X`` by the update kernel (``a X`` in its epilogue)."""
+    from matrixopt.kernels.ns_update import ns_update
+
+    return ns_update(Q, X if X.stride(-1) == 1 else X.contiguous(), a)
+
+
 def triton_available() -> bool:
     """Whether the Triton kernels can be imported."""
     try:
@@ -84,33 +125,44 @@ def triton_available() -> bool:
 
 _for_graphs = False  # set by for_cuda_graphs(): decide for steps that will be replayed from a CUDA graph
 
+# op name -> (reference, Triton) implementations, looked up at call time so tests can replace them
+_OPS = {"step": ("ns_step_reference", "ns_step_triton"), "gram": ("gram_reference", "gram_triton"),
+        "sym_mul": ("sym_mul_reference", "sym_mul_triton"), "left_mul": ("left_mul_reference", "left_mul_triton")}
 
-def _key(X: Tensor, graphed: bool) -> tuple:
-    return (*X.shape, X.dtype, X.device, X.stride(-1) == 1, graphed)
+
+def _paths(op: str) -> dict[str, Callable[..., Tensor]]:
+    reference, triton_fn = _OPS[op]
+    return {"triton": globals()[triton_fn], "torch": globals()[reference]}
 
 
-def _replay(fn, X: Tensor, a: float, b: float, c: float) -> Callable[[], None]:
+def _key(op: str, args: tuple, graphed: bool) -> tuple:
+    tensors = [t for t in args if isinstance(t, Tensor)]
+    return (op, tuple((tuple(t.shape), t.stride(-1) == 1) for t in tensors), tensors[0].dtype, tensors[0].device,
+            graphed)
+
+
+def _replay(fn: Callable[..., Tensor], args: tuple) -> Callable[[], None]:
     """``_MEASURE_CALLS`` back-to-back calls of ``fn`` captured in one CUDA graph; returns its replay."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(_MEASURE_CALLS):
-            fn(X, a, b, c)
+            fn(*args)
     return graph.replay
 
 
-def _measure(X: Tensor, a: float, b: float, c: float, graphed: bool) -> dict[str, float | str]:
-    """Median ms of each path on X (after a warm-up that compiles and tunes), and the faster backend. Eager
-    timings include the host's launch overhead where it shows; ``graphed`` times replays of a CUDA graph, the GPU
-    time alone, as a captured step will run."""
-    paths = {"triton": ns_step_triton, "torch": ns_step_reference}
+def _measure(op: str, args: tuple, graphed: bool) -> dict[str, float | str]:
+    """Median ms of each path of ``op`` on ``args`` (after a warm-up that compiles and tunes), and the faster
+    backend. Eager timings include the host's launch overhead where it shows; ``graphed`` times replays of a CUDA
+    graph, the GPU time alone, as a captured step will run."""
+    paths = _paths(op)
     for fn in paths.values():
-        fn(X, a, b, c)
-        fn(X, a, b, c)
+        fn(*args)
+        fn(*args)
     if graphed:
-        torch.cuda.synchronize(X.device)
-        runs = {name: _replay(fn, X, a, b, c) for name, fn in paths.items()}
+        torch.cuda.synchronize(args[0].device)
+        runs = {name: _replay(fn, args) for name, fn in paths.items()}
     else:
-        runs = {name: (lambda fn=fn: [fn(X, a, b, c) for _ in range(_MEASURE_CALLS)]) for name, fn in paths.items()}
+        runs = {name: (lambda fn=fn: [fn(*args) for _ in range(_MEASURE_CALLS)]) for name, fn in paths.items()}
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(_MEASURE_REPS):
         for name, run in runs.items():
@@ -125,27 +177,47 @@ def _measure(X: Tensor, a: float, b: float, c: float, graphed: bool) -> dict[str
             "backend": "triton" if t_triton < TRITON_MARGIN * t_torch else "torch"}
 
 
-def _choose(X: Tensor, a: float, b: float, c: float) -> str:
+def _choose(op: str, args: tuple) -> str:
     if _switch.name != "auto":
         return _switch.name
+    X = args[0]
     if not X.is_cuda or X.dtype not in (torch.bfloat16, torch.float16) or torch.compiler.is_compiling():
         return "torch"
     capturing = torch.cuda.is_current_stream_capturing()
     graphed = capturing or _for_graphs
-    key = _key(X, graphed)
+    key = _key(op, args, graphed)
     decision = _decisions.get(key)
     if decision is None:
         if capturing or not triton_available():
             return "torch"
-        decision = _decisions[key] = _measure(X, a, b, c, graphed)
+        decision = _decisions[key] = _measure(op, args, graphed)
     return decision["backend"]  # type: ignore[return-value]
+
+
+def _run(op: str, *args) -> Tensor:
+    return _paths(op)[_choose(op, args)](*args)
 
 
 def ns_step(X: Tensor, a: float, b: float, c: float) -> Tensor:
     """Dispatching step: ``(batch, m, n)`` with ``m <= n`` -> same shape and dtype (see the module docstring)."""
-    if _choose(X, a, b, c) == "triton":
-        return ns_step_triton(X, a, b, c)
-    return ns_step_reference(X, a, b, c)
+    return _run("step", X, a, b, c)
+
+
+def gram(X: Tensor) -> Tensor:
+    """Dispatching ``X X^T``: ``(batch, m, n)`` -> ``(batch, m, m)`` in X's dtype, accumulated in fp32."""
+    return _run("gram", X)
+
+
+def sym_mul(S: Tensor, T: Tensor, alpha: float, beta: float) -> Tensor:
+    """Dispatching ``alpha S T + beta S`` for symmetric ``(batch, m, m)`` S and T that commute (polynomials in one
+    symmetric matrix, as in Gram Newton–Schulz): the Triton path computes only the lower tiles, reading T's rows
+    as its columns, so T must be symmetric to the bit, as every SYRK output is. Contiguous S, T."""
+    return _run("sym_mul", S, T, alpha, beta)
+
+
+def left_mul(Q: Tensor, X: Tensor, a: float) -> Tensor:
+    """Dispatching ``a X + Q X``: Q ``(batch, m, m)``, X ``(batch, m, n)`` -> ``(batch, m, n)``."""
+    return _run("left_mul", Q, X, a)
 
 
 def ns_backend(name: str) -> contextlib.AbstractContextManager[None]:
@@ -168,8 +240,12 @@ def for_cuda_graphs() -> Iterator[None]:
 
 
 def dispatch_table() -> dict[str, dict[str, float | str]]:
-    """The measured decisions so far, ``{"batch x m x n dtype device": {"triton_ms", "torch_ms", "backend"}}``
-    (keys end in "(graphed)" for decisions taken for CUDA graph replay)."""
-    return {f"{b}x{m}x{n} {str(dt).removeprefix('torch.')} {dev}{'' if row_major else ' (transposed)'}"
+    """The measured decisions so far, ``{"op shapes dtype device": {"triton_ms", "torch_ms", "backend"}}``, e.g.
+    ``"step 24x768x3072 bfloat16 cuda:0"``; a shape is marked "(transposed)" when not row-major, and keys end in
+    "(graphed)" for decisions taken for CUDA graph replay."""
+    def shape(dims: tuple, row_major: bool) -> str:
+        return "x".join(map(str, dims)) + ("" if row_major else " (transposed)")
+
+    return {f"{op} {' '.join(shape(*t) for t in tensors)} {str(dt).removeprefix('torch.')} {dev}"
             f"{' (graphed)' if graphed else ''}": dict(d)
-            for (b, m, n, dt, dev, row_major, graphed), d in _decisions.items()}
+            for (op, tensors, dt, dev, graphed), d in _decisions.items()}

@@ -1,17 +1,21 @@
 r"""Batched symmetric rank-k update (SYRK): ``C = alpha X X^T + beta Y`` for ``X (batch, m, k)``, ``Y (batch, m, m)``
-symmetric.
+symmetric; and its two-operand form ``C = alpha X W^T + beta Y`` for products known to be symmetric.
 
 Only the lower-triangle tiles of C are computed; each is stored at (i, j) and mirrored to (j, i). With T = m / BLOCK
 tiles per side that is T (T + 1) / 2 of T^2 tiles, about half the FLOPs of ``X @ X.mT``. Newton–Schulz uses it
 twice per step: ``A = X X^T`` and, because A is symmetric so that ``A^2 = A A^T``, ``b A + c A^2 = syrk(A, c, b, A)``.
+Gram Newton–Schulz (``linalg/ortho.py``) also multiplies symmetric matrices that commute (polynomials in one Gram
+matrix): ``S T`` is then symmetric and, T being symmetric, equals ``S T^T = syrk(S, W=T)``.
 
 Blocked algorithm, one program per (lower tile, matrix, K split)::
 
     tile (i, j), i >= j, from the program id p = i (i + 1) / 2 + j
     acc = 0                                          (BLOCK, BLOCK) fp32
     for k in this split's range, step BLOCK_K:
-        acc += X[i rows, k:k+BLOCK_K] @ X[j rows, k:k+BLOCK_K]^T
+        acc += X[i rows, k:k+BLOCK_K] @ W[j rows, k:k+BLOCK_K]^T           (W = X for X X^T)
     C[i, j] = alpha acc + beta Y[i, j];  C[j, i] = C[i, j]^T
+    (a diagonal tile keeps its lower half and mirrors it: C is exactly symmetric, which Gram Newton–Schulz
+    needs: with T symmetric only up to round-off, S T^T would not be S T)
 
 When the tiles times the batch cannot fill the GPU (a single 1024 x 1024 Gram matrix is 36 tiles of 128 on 132
 SMs) the K range is split: each split writes its fp32 partial (mirrored) to a workspace and a second kernel sums
@@ -127,11 +131,12 @@ def _lower_tile(p):
 @triton.jit
 def _syrk_kernel(
     # pointers
-    x_ptr, y_ptr, out_ptr,
-    # sizes: M rows of X (C is M x M), K columns of X, K_PER_SPLIT columns per split (a multiple of BLOCK_K)
+    x_ptr, w_ptr, y_ptr, out_ptr,
+    # sizes: M rows of X and W (C is M x M), K columns, K_PER_SPLIT columns per split (a multiple of BLOCK_K)
     M, K, K_PER_SPLIT,
     # strides (batch, row, col); out is C, or the (split * batch, M, M) workspace when PARTIAL
     stride_xb, stride_xm, stride_xk,
+    stride_wb, stride_wm, stride_wk,
     stride_yb, stride_ym, stride_yn,
     stride_ob, stride_om, stride_on,
     # runtime coefficients
@@ -150,9 +155,10 @@ def _syrk_kernel(
     rows_i = offs_i % M
     rows_j = offs_j % M
     k_start = sid * K_PER_SPLIT
-    xb = x_ptr + bid.to(tl.int64) * stride_xb
-    a_ptrs = xb + rows_i[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk  # (BLOCK, BLOCK_K)
-    bt_ptrs = xb + rows_j[None, :] * stride_xm + (k_start + offs_k)[:, None] * stride_xk  # (BLOCK_K, BLOCK)
+    a_ptrs = (x_ptr + bid.to(tl.int64) * stride_xb + rows_i[:, None] * stride_xm
+              + (k_start + offs_k)[None, :] * stride_xk)  # (BLOCK, BLOCK_K)
+    bt_ptrs = (w_ptr + bid.to(tl.int64) * stride_wb + rows_j[None, :] * stride_wm
+               + (k_start + offs_k)[:, None] * stride_wk)  # (BLOCK_K, BLOCK)
 
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     for k in range(0, K_PER_SPLIT, BLOCK_K):
@@ -161,7 +167,7 @@ def _syrk_kernel(
         bt = tl.load(bt_ptrs, mask=kmask[:, None], other=0.0)
         acc = tl.dot(a, bt, acc)
         a_ptrs += BLOCK_K * stride_xk
-        bt_ptrs += BLOCK_K * stride_xk
+        bt_ptrs += BLOCK_K * stride_wk
 
     mask = (offs_i[:, None] < M) & (offs_j[None, :] < M)
     mask_t = (offs_j[:, None] < M) & (offs_i[None, :] < M)
@@ -176,6 +182,8 @@ def _syrk_kernel(
                         + offs_j[None, :] * stride_yn, mask=mask, other=0.0)
             acc += beta * y.to(tl.float32)
         tile = acc.to(out_ptr.dtype.element_ty)
+    if ti == tj:  # a diagonal tile's upper half mirrors its lower half, so C is exactly symmetric
+        tile = tl.where(offs_i[:, None] < offs_j[None, :], tl.trans(tile), tile)
     tl.store(ob + offs_i[:, None] * stride_om + offs_j[None, :] * stride_on, tile, mask=mask)
     if ti != tj:
         tl.store(ob + offs_j[:, None] * stride_om + offs_i[None, :] * stride_on, tl.trans(tile), mask=mask_t)
@@ -196,21 +204,27 @@ def _lower_pair(p):
 @triton.jit
 def _store_mirrored(o_desc, y_desc, bid, ti, tj, acc, M, alpha, beta,
                     BLOCK: tl.constexpr, HAS_Y: tl.constexpr):
-    """Epilogue of tile (ti, tj): ``alpha acc + beta Y`` stored at (ti, tj) and mirrored to (tj, ti). A tile above
-    the diagonal (the unused half of a pair) and a diagonal tile's mirror go to row M, wholly outside C, where the
-    copy engine writes nothing (a branch here would stop the compiler from flattening the loop nest)."""
+    """Epilogue of tile (ti, tj): ``alpha acc + beta Y`` stored at (ti, tj) and mirrored to (tj, ti). A diagonal
+    tile's upper half is its lower half mirrored, so C is exactly symmetric. A tile above the diagonal (the unused
+    half of a pair) and a diagonal tile's mirror go to row M, wholly outside C, where the copy engine writes nothing
+    (a branch here would stop the compiler from flattening the loop nest)."""
     acc = acc * alpha
     if HAS_Y:
         acc += beta * y_desc.load([bid, ti * BLOCK, tj * BLOCK]).reshape(BLOCK, BLOCK).to(tl.float32)
     out = acc.to(o_desc.dtype)
+    out_t = out.T
+    rows = ti * BLOCK + tl.arange(0, BLOCK)
+    cols = tj * BLOCK + tl.arange(0, BLOCK)
+    out = tl.where(rows[:, None] < cols[None, :], out_t, out)  # above the diagonal only within a diagonal tile
     o_desc.store([bid, tl.where(tj <= ti, ti * BLOCK, M), tj * BLOCK], out.reshape(1, BLOCK, BLOCK))
-    o_desc.store([bid, tl.where(tj < ti, tj * BLOCK, M), ti * BLOCK], out.T.reshape(1, BLOCK, BLOCK))
+    o_desc.store([bid, tl.where(tj < ti, tj * BLOCK, M), ti * BLOCK], out_t.reshape(1, BLOCK, BLOCK))
 
 
 @triton.jit
 def _syrk_tma_kernel(
-    # tensor descriptors: X (batch, M, K) in (1, BLOCK, BLOCK_K) blocks, Y and out (batch, M, M) in (1, BLOCK, BLOCK)
-    x_desc, y_desc, o_desc,
+    # tensor descriptors: X and W (batch, M, K) in (1, BLOCK, BLOCK_K) blocks, Y and out (batch, M, M) in
+    # (1, BLOCK, BLOCK)
+    x_desc, w_desc, y_desc, o_desc,
     # M x K matrices X; work items (tiles, or pairs of tiles) in the whole batch and per matrix; programs in the grid
     M, K, num_items, items_per_matrix, num_programs,
     # runtime coefficients
@@ -231,10 +245,10 @@ def _syrk_tma_kernel(
         acc2 = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             a = x_desc.load([bid, ti * BLOCK, k]).reshape(BLOCK, BLOCK_K)
-            b = x_desc.load([bid, tj * BLOCK, k]).reshape(BLOCK, BLOCK_K)
+            b = w_desc.load([bid, tj * BLOCK, k]).reshape(BLOCK, BLOCK_K)
             acc = tl.dot(a, b.T, acc)
             if PAIR:
-                b2 = x_desc.load([bid, (tj + 1) * BLOCK, k]).reshape(BLOCK, BLOCK_K)
+                b2 = w_desc.load([bid, (tj + 1) * BLOCK, k]).reshape(BLOCK, BLOCK_K)
                 acc2 = tl.dot(a, b2.T, acc2)
         _store_mirrored(o_desc, y_desc, bid, ti, tj, acc, M, alpha, beta, BLOCK, HAS_Y)
         if PAIR:
@@ -261,7 +275,8 @@ def _splitk_reduce_kernel(
 # ----------------------------------------------------------------------------------------------- launcher
 
 
-def _launch_tma(X: Tensor, Y: Tensor | None, out: Tensor, alpha: float, beta: float, cfg: SyrkConfig) -> None:
+def _launch_tma(X: Tensor, W: Tensor, Y: Tensor | None, out: Tensor, alpha: float, beta: float,
+                cfg: SyrkConfig) -> None:
     batch, m, k = X.shape
     T = triton.cdiv(m, cfg.block)
     # row i holds i + 1 tiles, or i // 2 + 1 pairs
@@ -269,18 +284,20 @@ def _launch_tma(X: Tensor, Y: Tensor | None, out: Tensor, alpha: float, beta: fl
     items = batch * per_matrix
     programs = min(items, num_sms(X.device))
     x_desc = TensorDescriptor.from_tensor(X, [1, cfg.block, cfg.block_k])
+    w_desc = x_desc if W is X else TensorDescriptor.from_tensor(W, [1, cfg.block, cfg.block_k])
     o_desc = TensorDescriptor.from_tensor(out, [1, cfg.block, cfg.block])
     y_desc = TensorDescriptor.from_tensor(Y, [1, cfg.block, cfg.block]) if Y is not None else o_desc
     _syrk_tma_kernel[(programs,)](
-        x_desc, y_desc, o_desc, m, k, items, per_matrix, programs, alpha, beta,
+        x_desc, w_desc, y_desc, o_desc, m, k, items, per_matrix, programs, alpha, beta,
         BLOCK=cfg.block, BLOCK_K=cfg.block_k, HAS_Y=Y is not None, PAIR=cfg.pair,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
-def _launch(X: Tensor, Y: Tensor | None, out: Tensor, alpha: float, beta: float, cfg: SyrkConfig) -> None:
+def _launch(X: Tensor, W: Tensor, Y: Tensor | None, out: Tensor, alpha: float, beta: float,
+            cfg: SyrkConfig) -> None:
     if cfg.persistent:
-        _launch_tma(X, Y, out, alpha, beta, cfg)
+        _launch_tma(X, W, Y, out, alpha, beta, cfg)
         return
     batch, m, k = X.shape
     T = triton.cdiv(m, cfg.block)
@@ -290,8 +307,9 @@ def _launch(X: Tensor, Y: Tensor | None, out: Tensor, alpha: float, beta: float,
     partial = split > 1
     dst = torch.empty((split * batch, m, m), device=X.device, dtype=torch.float32) if partial else out
     _syrk_kernel[(T * (T + 1) // 2, batch, split)](
-        X, y, dst, m, k, k_per_split,
+        X, W, y, dst, m, k, k_per_split,
         X.stride(0), X.stride(1), X.stride(2),
+        W.stride(0), W.stride(1), W.stride(2),
         y.stride(0), y.stride(1), y.stride(2),
         dst.stride(0), dst.stride(1), dst.stride(2),
         alpha, beta,
@@ -305,14 +323,16 @@ def _launch(X: Tensor, Y: Tensor | None, out: Tensor, alpha: float, beta: float,
             dst, y, out, n, split, alpha, beta, HAS_Y=Y is not None, BLOCK=block, num_warps=4)
 
 
-def syrk(X: Tensor, alpha: float = 1.0, beta: float = 0.0, Y: Tensor | None = None, *,
+def syrk(X: Tensor, alpha: float = 1.0, beta: float = 0.0, Y: Tensor | None = None, *, W: Tensor | None = None,
          config: SyrkConfig | None = None) -> Tensor:
-    """``alpha X X^T + beta Y`` for a batch of matrices, computing only the lower-triangle tiles.
+    """``alpha X W^T + beta Y`` for a batch of matrices, computing only the lower-triangle tiles (W = X by default:
+    ``alpha X X^T + beta Y``).
 
-    X: ``(batch, m, k)``, bf16 or fp16 (fp32 works, with Triton's tf32 dot), any strides. Y: ``(batch, m, m)``
-    symmetric, contiguous, or None. alpha, beta: Python floats (runtime values, no recompilation).
-    Returns a contiguous ``(batch, m, m)`` tensor in X's dtype, accumulated in fp32. ``config`` overrides the
-    tuned choice (tests use it to reach every code path at small sizes).
+    X: ``(batch, m, k)``, bf16 or fp16 (fp32 works, with Triton's tf32 dot), any strides. W: None, or a tensor of
+    X's shape and dtype with ``X W^T`` symmetric (the caller's promise: the upper tiles are mirrors of the lower
+    ones, never computed). Y: ``(batch, m, m)`` symmetric, contiguous, or None. alpha, beta: Python floats (runtime
+    values, no recompilation). Returns a contiguous ``(batch, m, m)`` tensor in X's dtype, accumulated in fp32.
+    ``config`` overrides the tuned choice (tests use it to reach every code path at small sizes).
     """
     if X.ndim != 3:
         raise ValueError(f"syrk takes a (batch, m, k) tensor, got shape {tuple(X.shape)}")
@@ -320,27 +340,33 @@ def syrk(X: Tensor, alpha: float = 1.0, beta: float = 0.0, Y: Tensor | None = No
     if Y is not None and (Y.shape != (batch, m, m) or not Y.is_contiguous()):
         raise ValueError(f"syrk's Y must be a contiguous (batch, m, m) = {(batch, m, m)} tensor, got shape "
                          f"{tuple(Y.shape)} with strides {Y.stride()}")
+    if W is not None and (W.shape != X.shape or W.dtype != X.dtype or W.device != X.device):
+        raise ValueError(f"syrk's W must match X: shape {tuple(X.shape)}, {X.dtype} on {X.device}; got shape "
+                         f"{tuple(W.shape)}, {W.dtype} on {W.device}")
+    W = X if W is None else W
     out = torch.empty((batch, m, m), device=X.device, dtype=X.dtype)
-    tma = tma_compatible(X, out) if Y is None else tma_compatible(X, Y, out)
+    tma = tma_compatible(X, W, out) if Y is None else tma_compatible(X, W, Y, out)
     if config is None:
-        key = ("syrk", tuple(X.shape), X.stride(), X.dtype, X.device, Y is not None, tma)
+        key = ("syrk", tuple(X.shape), X.stride(), W.stride(), X.dtype, X.device, Y is not None, tma)
         config = pick(key, lambda: get_syrk_configs(*X.shape, num_sms=num_sms(X.device), tma=tma),
-                      lambda c: _launch(X, Y, out, alpha, beta, c), X.device)
+                      lambda c: _launch(X, W, Y, out, alpha, beta, c), X.device)
     elif config.persistent and not tma:
-        raise ValueError("the persistent TMA SYRK needs X with a contiguous last dimension and 16-byte aligned "
-                         "rows (m and k multiples of 8 in bf16), Triton >= 3.3 and a compute capability >= 9 GPU; "
-                         "got X of shape "
-                         f"{tuple(X.shape)}, strides {X.stride()}, {X.dtype}: pass config=None to let the tuner "
-                         "choose")
-    _launch(X, Y, out, float(alpha), float(beta), config)
+        raise ValueError("the persistent TMA SYRK needs X (and W) with a contiguous last dimension and 16-byte "
+                         "aligned rows (m and k multiples of 8 in bf16), Triton >= 3.3 and a compute capability "
+                         f">= 9 GPU; got X of shape {tuple(X.shape)}, strides {X.stride()}, {X.dtype}: pass "
+                         "config=None to let the tuner choose")
+    _launch(X, W, Y, out, float(alpha), float(beta), config)
     return out
 
 
 # ----------------------------------------------------------------------------------------------- torch reference
 
 
-def syrk_reference(X: Tensor, alpha: float = 1.0, beta: float = 0.0, Y: Tensor | None = None) -> Tensor:
-    """``alpha X X^T + beta Y`` by ``torch.baddbmm`` (cuBLAS on CUDA): ``(batch, m, k)`` -> ``(batch, m, m)``."""
+def syrk_reference(X: Tensor, alpha: float = 1.0, beta: float = 0.0, Y: Tensor | None = None, *,
+                   W: Tensor | None = None) -> Tensor:
+    """``alpha X W^T + beta Y`` (W = X by default) by ``torch.baddbmm`` (cuBLAS on CUDA): ``(batch, m, k)`` ->
+    ``(batch, m, m)``, every tile computed."""
+    Wt = (X if W is None else W).mT
     if Y is None:
-        return torch.bmm(X, X.mT) if alpha == 1.0 else torch.bmm(X, X.mT).mul_(alpha)
-    return torch.baddbmm(Y, X, X.mT, beta=beta, alpha=alpha)
+        return torch.bmm(X, Wt) if alpha == 1.0 else torch.bmm(X, Wt).mul_(alpha)
+    return torch.baddbmm(Y, X, Wt, beta=beta, alpha=alpha)

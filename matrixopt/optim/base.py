@@ -360,10 +360,14 @@ class MatrixOptimizer(Optimizer):
                                  f"has {len(g['params'])}: it comes from a different model")
             if bool(sg.get(self.matrix_flag, True)) != bool(g[self.matrix_flag]):
                 raise ValueError(f"param group {gi}: {self.matrix_flag} differs between state dict and optimizer")
-            missing = [k for k in g if k not in sg and k not in ("params", "names")]
+            # an option added after the state dict was saved keeps this optimizer's value
+            missing = [k for k in g if k not in sg and k not in ("params", "names") and k not in self._added_options]
             if missing:
                 raise ValueError(f"param group {gi} of the state dict lacks {missing}: it was saved by a "
                                  f"different optimizer")
+        saved_groups = [{**{k: v for k, v in g.items() if k != "params"}, **sg}
+                        for sg, g in zip(saved_groups, self.param_groups)]
+        state_dict = {**state_dict, "param_groups": saved_groups}
         id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
                           chain.from_iterable(g["params"] for g in self.param_groups)))
         for pid, st in state_dict["state"].items():
@@ -381,3 +385,5 @@ class MatrixOptimizer(Optimizer):
                              for k, v in st.items()}
 
     _shaped_state_keys = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+    # group options newer than some saved state dicts: loading one without them keeps this optimizer's values
+    _added_options: tuple[str, ...] = ()

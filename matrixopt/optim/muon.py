@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from matrixopt.kernels import muon_elementwise
-from matrixopt.linalg.ortho import newton_schulz_short_side, polar, resolve_schedule
+from matrixopt.linalg.ortho import check_method, newton_schulz_short_side, polar, resolve_schedule
 from matrixopt.optim.base import MatrixOptimizer, _check_finite, check_lr, param_label
 from matrixopt.optim.graphed import CapturedMuonStep
 from matrixopt.optim.layout import Bucket, momentum_buckets, orthogonalized_momentum_step
@@ -60,6 +60,10 @@ class Muon(MatrixOptimizer):
         ns_steps: Newton–Schulz iterations (default 5).
         ns_coefficients: "quintic" (default), "simple", "polar_express", "cans" or a list of (a, b, c).
         ns_dtype: iteration dtype; None means bfloat16 on CUDA, float32 on CPU.
+        ns_method: "auto" (default), "standard" or "gram": how Newton–Schulz is computed. "gram" iterates on
+            each matrix's ``(s, s)`` Gram matrix (:func:`matrixopt.linalg.ortho.gram_newton_schulz`): the same
+            iterates with up to 42% fewer FLOPs for wide or tall matrices, run in float16 where ``ns_dtype`` is
+            bfloat16. "auto" takes it for matrices at least 1.5 times longer than wide.
         scaling: "match_adamw" (default), "original" or "spectral".
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults of the AdamW groups (lr and weight decay
             default to ``lr`` and ``weight_decay``).
@@ -85,6 +89,7 @@ class Muon(MatrixOptimizer):
 
     cuda_graph = False  # MOP and optimizers unpickled from before the option keep the eager step
     _skips_on_device = True  # the fused kernels (and the captured step) honour the deferred check's flag
+    _added_options = ("ns_method",)
 
     def __init__(self, params: Iterable[Any], lr: float | Tensor = 1e-3, momentum: float = 0.95,
                  nesterov: bool = True, weight_decay: float = 0.01, ns_steps: int = 5,
@@ -92,10 +97,10 @@ class Muon(MatrixOptimizer):
                  scaling: str = "match_adamw", *, adamw_lr: float | None = None,
                  adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None, skip_nonfinite: bool = False,
-                 deferred_nonfinite: bool = False, cuda_graph: bool = False) -> None:
+                 deferred_nonfinite: bool = False, cuda_graph: bool = False, ns_method: str = "auto") -> None:
         matrix_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
-                               scaling=scaling)
+                               ns_method=ns_method, scaling=scaling)
         adamw_defaults = dict(lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                               weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
         self.cuda_graph = bool(cuda_graph)
@@ -133,11 +138,12 @@ class Muon(MatrixOptimizer):
         if not isinstance(group["ns_steps"], int) or group["ns_steps"] < 1:
             raise ValueError(f"Invalid ns_steps: {group['ns_steps']!r} (must be an int >= 1)")
         resolve_schedule(group["ns_coefficients"], group["ns_steps"])
+        check_method(group["ns_method"])
 
     def _orthogonalize(self, group: dict[str, Any], X: Tensor) -> Tensor:
         """``polar(X)`` approximated: ``(b, s, l)`` short side first -> same shape, in the iteration dtype."""
         return newton_schulz_short_side(X, resolve_schedule(group["ns_coefficients"], group["ns_steps"]),
-                                        Muon._stack_dtype(self, group, X.device))
+                                        Muon._stack_dtype(self, group, X.device), group["ns_method"])
 
     def _stack_dtype(self, group: dict[str, Any], device: torch.device) -> torch.dtype:
         """The dtype updates are packed in for ``_orthogonalize``: Newton–Schulz's iteration dtype (``ns_dtype``,
@@ -186,7 +192,7 @@ class Muon(MatrixOptimizer):
                 or muon_elementwise.fused_kernels() is None or any(p.device != device for p in params)):
             return False
         key = (id(group), tuple(map(id, params)), tuple(g.dtype for g in grads), group["momentum"],
-               group["nesterov"], group["weight_decay"], group["scaling"], group["ns_dtype"],
+               group["nesterov"], group["weight_decay"], group["scaling"], group["ns_dtype"], group["ns_method"],
                resolve_schedule(group["ns_coefficients"], group["ns_steps"]))
         graphs = self.__dict__.setdefault("_graphs", {})
         captured = graphs.get(key)

@@ -22,7 +22,8 @@ from matrixopt.kernels.syrk import SyrkConfig, get_syrk_configs, syrk, syrk_refe
 # for these sizes) after fp32 accumulation; METHOD.md's band for bf16 operands is 1e-3..1e-2.
 FP32_TOL = 1e-5
 BF16_TOL = 1e-2
-TOL = {torch.float32: FP32_TOL, torch.bfloat16: BF16_TOL}
+FP16_TOL = 2e-3  # unit round-off 2^-11
+TOL = {torch.float32: FP32_TOL, torch.bfloat16: BF16_TOL, torch.float16: FP16_TOL}
 
 SYRK_CONFIGS = [SyrkConfig(16, 16, 1, 4, 1), SyrkConfig(32, 16, 1, 4, 1), SyrkConfig(16, 16, 3, 4, 1)]
 GEMM_CONFIGS = [GemmConfig(16, 32, 16, 2, 4, 1), GemmConfig(32, 16, 16, 1, 4, 1)]
@@ -55,6 +56,28 @@ def test_syrk_with_y_is_b_a_plus_c_a_squared(dtype, cfg):
     out = syrk(A, alpha=c, beta=b, Y=A, config=cfg)
     A64 = A.double()
     assert rel_err(out, b * A64 + c * A64 @ A64) < TOL[dtype]
+
+
+@pytest.mark.parametrize("cfg", SYRK_CONFIGS + SYRK_TMA,
+                         ids=lambda c: f"b{c.block}-split{c.split_k}{'-tma' * c.persistent}{'-pair' * c.pair}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_syrk_two_operands_multiplies_commuting_symmetric_matrices(dtype, cfg, monkeypatch):
+    import matrixopt.kernels.syrk as syrk_mod
+
+    monkeypatch.setattr(syrk_mod, "num_sms", lambda device: 4)
+    G = torch.randn(2, 40, 72, dtype=torch.float64)
+    R = G @ G.mT / 72
+    S, T = (R + 0.5 * R @ R).to(dtype), (2 * R - R @ R @ R / 8).to(dtype)  # polynomials in R: S T = T S
+    out = syrk(S, alpha=0.75, beta=3.0, Y=S, W=T, config=cfg)  # 0.75 S T + 3 S, not S S^T
+    assert torch.equal(out, out.mT)  # exactly symmetric, though the rounded S and T do not quite commute
+    S64, T64 = S.double(), T.double()
+    assert rel_err(out, 0.75 * S64 @ T64 + 3.0 * S64) < TOL[dtype]
+    assert rel_err(syrk_reference(S, 0.75, 3.0, S, W=T).double(), 0.75 * S64 @ T64 + 3.0 * S64) < TOL[dtype]
+
+
+def test_syrk_rejects_w_unlike_x():
+    with pytest.raises(ValueError, match="W must match X"):
+        syrk(torch.randn(2, 8, 8), W=torch.randn(2, 8, 9))
 
 
 def test_syrk_transposed_input_and_alpha():

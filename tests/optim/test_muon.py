@@ -33,19 +33,21 @@ def ref_muon(W0, grads, lr, mu, wd, nesterov, scaling, ortho):
 
 
 def ns64(X):
-    """The same Newton–Schulz iteration (quintic, 5 steps) in float64, for the reference."""
-    return newton_schulz(X, 5, "quintic", dtype=torch.float64)
+    """The same Newton–Schulz iteration (quintic, 5 steps) in float64, in its standard form, for the reference."""
+    return newton_schulz(X, 5, "quintic", dtype=torch.float64, method="standard")
 
 
 @pytest.mark.parametrize("shape", [(32, 32), (24, 56), (56, 24), (8, 3, 3, 3)])
 @pytest.mark.parametrize("scaling", ["match_adamw", "original", "spectral"])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_muon_matches_reference(shape, scaling, nesterov):
+@pytest.mark.parametrize("ns_method", ["auto", "standard", "gram"])
+def test_muon_matches_reference(shape, scaling, nesterov, ns_method):
     torch.manual_seed(0)
     W0 = torch.randn(shape)
     grads = [torch.randn(shape) for _ in range(4)]
     p = nn.Parameter(W0.clone())
-    opt = Muon([p], lr=0.02, momentum=0.9, nesterov=nesterov, weight_decay=0.1, scaling=scaling)
+    opt = Muon([p], lr=0.02, momentum=0.9, nesterov=nesterov, weight_decay=0.1, scaling=scaling,
+               ns_method=ns_method)
     for g in grads:
         p.grad = g.clone()
         opt.step()
@@ -209,6 +211,22 @@ def test_load_state_dict_from_other_optimizer_or_model_fails():
         o2.load_state_dict(o.state_dict())
 
 
+def test_load_state_dict_saved_before_an_option_existed():
+    m = _tiny_model()
+    o = matrixopt.build_optimizer(m, "muon")
+    _train(m, o, 1)
+    sd = o.state_dict()
+    for g in sd["param_groups"]:
+        g.pop("ns_method", None)  # as saved before ns_method was an option
+    o2 = matrixopt.build_optimizer(copy.deepcopy(m), "muon", ns_method="standard")
+    o2.load_state_dict(sd)
+    assert all(g["ns_method"] == "standard" for g in o2.param_groups if g["use_muon"])
+    assert "ns_method" not in sd["param_groups"][0]  # the caller's dict is left as it was
+    del sd["param_groups"][0]["momentum"]  # a missing key that is not an option of this optimizer's still fails
+    with pytest.raises(ValueError, match="lacks"):
+        o2.load_state_dict(sd)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(lr=-1.0), "learning rate"),
     (dict(lr=float("nan")), "learning rate"),
@@ -217,6 +235,7 @@ def test_load_state_dict_from_other_optimizer_or_model_fails():
     (dict(weight_decay=float("inf")), "weight_decay"),
     (dict(ns_coefficients="bogus"), "schedule"),
     (dict(ns_steps=0), "ns_steps"),
+    (dict(ns_method="fast"), "Newton–Schulz method 'fast'"),
     (dict(scaling="wide"), "scaling"),
     (dict(adamw_betas=(0.9, 1.0)), "beta"),
 ])
