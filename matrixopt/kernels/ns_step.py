@@ -177,6 +177,12 @@ def _measure(op: str, args: tuple, graphed: bool) -> dict[str, float | str]:
             "backend": "triton" if t_triton < TRITON_MARGIN * t_torch else "torch"}
 
 
+def launches_replayed() -> bool:
+    """Whether the products issued now will be replayed from a CUDA graph (during capture, or under
+    :func:`for_cuda_graphs`): each launch then costs the GPU a few microseconds and the host nothing."""
+    return _for_graphs or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def _choose(op: str, args: tuple) -> str:
     if _switch.name != "auto":
         return _switch.name

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from matrixopt.kernels.muon_elementwise import frobenius_normalize
-from matrixopt.kernels.ns_step import gram, left_mul, ns_step, sym_mul
+from matrixopt.kernels.ns_step import gram, launches_replayed, left_mul, ns_step, sym_mul
 
 Coefficients = tuple[float, float, float]
 
@@ -190,6 +190,11 @@ METHODS = ("auto", "standard", "gram")
 # "auto" takes the Gram form for matrices at least this much wider than tall (long / short side). Below it the
 # FLOPs saved (3r + 7 against 7.5r + 2.5, see the module docstring) do not pay for the extra, smaller launches.
 GRAM_MIN_ASPECT = 1.5
+# Launched eagerly on CUDA, the Gram form's ~22 launches for five steps (against 15) cost the host more than its
+# FLOPs save on small stacks. Measured on an H100 (docs/results/bench, run 14): 1 x 1024 x 4096 took 1.29 ms against
+# 0.60, 12 x 768 x 2304 1.32 against 1.20, while 24 x 768 x 3072 took 2.10 against 2.36. So eagerly "auto" also
+# needs batch * m^2 * n of at least this; replayed from a CUDA graph, launches are cheap and the aspect suffices.
+GRAM_MIN_EAGER_WORK = 2**34
 
 # Gram Newton–Schulz restarts every three steps. Measured in float16 against a float64 iteration (256 x 1024,
 # singular values spread over 1e-2..1e-5, quintic and Polar Express): restarting after steps 3 (phases 3 + 2)
@@ -204,9 +209,12 @@ def check_method(method: str) -> str:
     return method
 
 
-def uses_gram(method: str, m: int, n: int) -> bool:
-    """Whether ``method`` runs an ``(m, n)`` matrix (m <= n) in the Gram form."""
-    return check_method(method) == "gram" or (method == "auto" and n >= GRAM_MIN_ASPECT * m)
+def uses_gram(method: str, batch: int, m: int, n: int, eager_cuda: bool = False) -> bool:
+    """Whether ``method`` runs a ``(batch, m, n)`` stack (m <= n) in the Gram form; ``eager_cuda``: launched on
+    CUDA and not replayed from a graph (see :data:`GRAM_MIN_EAGER_WORK`)."""
+    if check_method(method) != "auto":
+        return method == "gram"
+    return n >= GRAM_MIN_ASPECT * m and (not eager_cuda or batch * m * m * n >= GRAM_MIN_EAGER_WORK)
 
 
 def gram_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -258,9 +266,10 @@ def newton_schulz_short_side(X: Tensor, schedule: Sequence[Coefficients], dtype:
     ``dtype``, except float16 for the Gram form asked for bfloat16 (:func:`gram_dtype`). Each matrix is divided
     by its Frobenius norm, accumulated in float64 so that gradients of any finite scale (1e-30 to 1e30) neither
     overflow nor underflow, and cast to the iteration dtype in the same pass. ``method``: "standard", "gram" or
-    "auto" (the Gram form for ``n >= GRAM_MIN_ASPECT m``).
+    "auto" (the Gram form for ``n >= GRAM_MIN_ASPECT m``, and eagerly on CUDA for stacks of at least
+    ``GRAM_MIN_EAGER_WORK``).
     """
-    if uses_gram(method, X.size(-2), X.size(-1)):
+    if uses_gram(method, *X.shape, eager_cuda=X.is_cuda and not launches_replayed()):
         return gram_newton_schulz(frobenius_normalize(X, gram_dtype(dtype)), schedule)
     Y = frobenius_normalize(X, dtype)  # every singular value in [0, 1]; keeps X's layout (see ns_step)
     for a, b, c in schedule:
@@ -278,7 +287,7 @@ def newton_schulz(G: Tensor, steps: int = 5, coefficients: str | Sequence[Sequen
     A zero matrix maps to zero. ``coefficients``: "simple", "quintic" (default), "polar_express", "cans", or a
     list of (a, b, c); a list shorter than ``steps`` repeats its last entry. ``method``: "standard", "gram" (the
     Gram form, in float16 where ``dtype`` is bfloat16) or "auto" (default: Gram for matrices whose long side is at
-    least ``GRAM_MIN_ASPECT`` times the short one).
+    least ``GRAM_MIN_ASPECT`` times the short one, see :func:`uses_gram`).
     """
     if G.ndim not in (2, 3):
         raise ValueError(f"newton_schulz takes (m, n) or (b, m, n) input, got shape {tuple(G.shape)}")

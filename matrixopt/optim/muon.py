@@ -63,7 +63,8 @@ class Muon(MatrixOptimizer):
         ns_method: "auto" (default), "standard" or "gram": how Newton–Schulz is computed. "gram" iterates on
             each matrix's ``(s, s)`` Gram matrix (:func:`matrixopt.linalg.ortho.gram_newton_schulz`): the same
             iterates with up to 42% fewer FLOPs for wide or tall matrices, run in float16 where ``ns_dtype`` is
-            bfloat16. "auto" takes it for matrices at least 1.5 times longer than wide.
+            bfloat16. "auto" takes it for matrices at least 1.5 times longer than wide (launched eagerly on CUDA,
+            only for large stacks, whose FLOPs saved outweigh its extra launches: ``ortho.uses_gram``).
         scaling: "match_adamw" (default), "original" or "spectral".
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults of the AdamW groups (lr and weight decay
             default to ``lr`` and ``weight_decay``).

@@ -182,8 +182,11 @@ def test_gram_form_in_float16_beats_bfloat16_and_needs_its_restart(monkeypatch):
 def test_gram_phases_and_auto_rule():
     assert gram_phases(5) == [3, 2] and gram_phases(7) == [3, 3, 1] and gram_phases(1) == [1]
     assert gram_phases(6) == [3, 3]
-    assert uses_gram("auto", 100, 150) and not uses_gram("auto", 100, 149)
-    assert uses_gram("gram", 64, 64) and not uses_gram("standard", 10, 1000)
+    assert uses_gram("auto", 1, 100, 150) and not uses_gram("auto", 1, 100, 149)
+    assert uses_gram("gram", 1, 64, 64) and not uses_gram("standard", 1, 10, 1000)
+    # launched eagerly on CUDA, small stacks stay standard: the Gram form's extra launches cost more than it saves
+    assert not uses_gram("auto", 1, 1024, 4096, eager_cuda=True) and uses_gram("auto", 24, 768, 3072, eager_cuda=True)
+    assert uses_gram("gram", 1, 1024, 4096, eager_cuda=True)
     with pytest.raises(ValueError, match="Unknown Newton–Schulz method 'fast'"):
         newton_schulz(torch.randn(4, 8), method="fast")
 
