@@ -227,6 +227,17 @@ def gram_phases(steps: int) -> list[int]:
     return [GRAM_PHASE] * (steps // GRAM_PHASE) + ([steps % GRAM_PHASE] if steps % GRAM_PHASE else [])
 
 
+def newton_schulz_flops(m: int, n: int, steps: int = 5, method: str = "auto") -> float:
+    """FLOPs of ``steps`` iterations on one ``(m, n)`` matrix as :func:`newton_schulz` computes it (dense count,
+    2 per multiply-add; the SYRK halves the symmetric products). Standard form, per step: ``4 s^2 l + 2 s^3``
+    (``X X^T``, ``A^2``, ``B X``), with ``s = min(m, n)``, ``l = max(m, n)``. Gram form, per phase of k steps: a
+    Gram matrix and a final ``Q X`` (``4 s^2 l``) and ``4 k - 3`` products of ``(s, s)`` matrices (``2 s^3`` each)."""
+    s, l = min(m, n), max(m, n)
+    if not uses_gram(method, 1, s, l):
+        return steps * (4 * s * s * l + 2 * s**3)
+    return sum(4 * s * s * l + (4 * k - 3) * 2 * s**3 for k in gram_phases(steps))
+
+
 def _plus_identity(Z: Tensor, a: float) -> Tensor:
     Q = Z.clone()
     Q.diagonal(dim1=-2, dim2=-1).add_(a)

@@ -179,6 +179,14 @@ def test_gram_form_in_float16_beats_bfloat16_and_needs_its_restart(monkeypatch):
     assert torch.linalg.svdvals(newton_schulz(G.float(), dtype=torch.bfloat16, method="gram").double()).max() > 1.5
 
 
+def test_flop_counts_of_both_forms():
+    s = 512
+    assert ortho.newton_schulz_flops(s, 4 * s, 5, "standard") == 5 * (16 + 2) * s**3
+    assert ortho.newton_schulz_flops(4 * s, s, 5, "gram") == 2 * 16 * s**3 + (9 + 5) * 2 * s**3  # phases 3 + 2
+    assert ortho.newton_schulz_flops(s, 4 * s) == ortho.newton_schulz_flops(s, 4 * s, method="gram")
+    assert ortho.newton_schulz_flops(s, s) == ortho.newton_schulz_flops(s, s, method="standard")
+
+
 def test_gram_phases_and_auto_rule():
     assert gram_phases(5) == [3, 2] and gram_phases(7) == [3, 3, 1] and gram_phases(1) == [1]
     assert gram_phases(6) == [3, 3]
