@@ -95,6 +95,11 @@ class Stepper:
             o.step()
 
 
+def _one_stream(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    opt.overlap_adamw = False  # AdamW after the matrix groups, on the same stream
+    return opt
+
+
 def candidates(ps: ParamSet, device: torch.device) -> dict[str, Any]:
     """name -> (factory of a stepper, context) or a string saying why it is missing."""
     fused = device.type == "cuda"
@@ -123,6 +128,9 @@ def candidates(ps: ParamSet, device: torch.device) -> dict[str, Any]:
                                              contextlib.nullcontext)
     out["matrixopt muon, deferred check, CUDA graph"] = (
         lambda: build_optimizer(ps, "muon", lr=LR, deferred_nonfinite=True, cuda_graph=True), contextlib.nullcontext)
+    out["matrixopt muon, deferred check, CUDA graph, one stream"] = (
+        lambda: _one_stream(build_optimizer(ps, "muon", lr=LR, deferred_nonfinite=True, cuda_graph=True)),
+        contextlib.nullcontext)
     out["matrixopt muon, standard NS, deferred check, CUDA graph"] = (
         lambda: build_optimizer(ps, "muon", lr=LR, deferred_nonfinite=True, cuda_graph=True, ns_method="standard"),
         contextlib.nullcontext)

@@ -269,11 +269,20 @@ class MatrixOptimizer(Optimizer):
                 self.skipped_updates += keep.count(False)
                 kept.append((g, [p for p, f in zip(params, keep) if f], [x for x, f in zip(grads, keep) if f]))
             work = kept
+        work = [w for w in work if w[1]]
+        side = self._adamw_stream(work)
+        if side is not None:
+            # AdamW (bound by memory bandwidth) on a side stream, beside the matrix groups' GEMMs
+            main = torch.cuda.current_stream(side.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                for group, params, grads in work:
+                    if not group[self.matrix_flag]:
+                        self._adamw_update(group, params, grads, skip)
+            work = [w for w in work if w[0][self.matrix_flag]]
         # matrix groups first: after the check's host sync the GPU is idle, and their long kernels (Newton–Schulz)
         # then run while the host issues the rest
         for group, params, grads in sorted(work, key=lambda w: not w[0][self.matrix_flag]):
-            if not params:
-                continue
             if group[self.matrix_flag]:
                 if skip is None:
                     self._matrix_update(group, params, grads)
@@ -281,7 +290,26 @@ class MatrixOptimizer(Optimizer):
                     self._matrix_update(group, params, grads, skip)
             else:
                 self._adamw_update(group, params, grads, skip)
+        if side is not None:
+            main.wait_stream(side)
         return loss
+
+    overlap_adamw = True  # set False on an instance to run AdamW after the matrix groups on one stream
+
+    def _adamw_stream(self, work: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]]) -> Any:
+        """The side stream AdamW runs on (one per optimizer and device), or None: off CUDA, during capture or
+        compilation, with ``overlap_adamw`` False, or unless both kinds of group have work on one device."""
+        params = [p for _, ps, _ in work for p in ps]
+        if (not self.overlap_adamw or not params or params[0].device.type != "cuda"
+                or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
+                or any(p.device != params[0].device for p in params)
+                or len({bool(g[self.matrix_flag]) for g, _, _ in work}) < 2):
+            return None
+        streams = self.__dict__.setdefault("_side_streams", {})
+        device = params[0].device
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device)
+        return streams[device]
 
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                        skip: Tensor | None = None) -> None:

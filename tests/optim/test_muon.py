@@ -354,3 +354,37 @@ def test_cuda_graph_step_matches_eager_step_on_gpu():
     assert any(isinstance(g, CapturedMuonStep) for g in opt._graphs.values()), "nothing was captured"
     for a, b in zip(eager, graphed):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("deferred", [False, True])
+def test_adamw_on_a_side_stream_equals_one_stream_on_gpu(deferred):
+    """AdamW runs beside the matrix groups on its own stream: same results, bit for bit, as one stream; a NaN
+    gradient under the deferred check still writes nothing, AdamW's parameters included."""
+    def run(overlap, nan_at=None):
+        torch.manual_seed(3)
+        model = _tiny_model().cuda()
+        opt = matrixopt.build_optimizer(model, "muon", lr=1e-2, deferred_nonfinite=deferred)
+        opt.overlap_adamw = overlap
+        assert opt._adamw_stream([(g, g["params"], []) for g in opt.param_groups]) is not None or not overlap
+        gen = torch.Generator("cuda").manual_seed(4)
+        for t in range(4):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, device="cuda", generator=gen)
+            if t == nan_at:
+                next(model.parameters()).grad[0, 0] = float("nan")
+                before = [p.detach().clone() for p in model.parameters()]
+                try:
+                    opt.step()
+                    opt.raise_deferred_nonfinite()
+                except NonFiniteGradientError:
+                    pass
+                assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+                continue
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
+    run(True, nan_at=2)
