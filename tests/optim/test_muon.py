@@ -312,13 +312,13 @@ def test_zero_gradient_gives_no_nan():
     assert torch.equal(p.detach(), before)
 
 
-def _graph_run(device, cuda_graph, reload_at=None, steps=6):
+def _graph_run(device, cuda_graph, reload_at=None, steps=6, ns_method="auto"):
     """Muon on a small set of matrices (two buckets, tall and wide, a fused split) with a scheduler, fresh
     gradient tensors every step and, optionally, a state_dict round trip; returns the parameters."""
     torch.manual_seed(7)
     params = [nn.Parameter(torch.randn(s, device=device)) for s in [(48, 80), (80, 48), (32, 32), (96, 32)]]
     matrixopt.mark_split(params[3], 3)
-    opt = Muon(params, lr=0.02, weight_decay=0.1, cuda_graph=cuda_graph)
+    opt = Muon(params, lr=0.02, weight_decay=0.1, cuda_graph=cuda_graph, ns_method=ns_method)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
     gen = torch.Generator(device).manual_seed(8)
     keep = []
@@ -344,13 +344,15 @@ def test_cuda_graph_option_steps_eagerly_off_cuda_and_pickles():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_step_matches_eager_step_on_gpu():
+@pytest.mark.parametrize("ns_method", ["standard", "gram"])
+def test_cuda_graph_step_matches_eager_step_on_gpu(ns_method):
     from matrixopt.kernels.ns_step import ns_backend
     from matrixopt.optim.graphed import CapturedMuonStep
 
-    with ns_backend("triton"):  # one Newton–Schulz path for both (auto decides graphed shapes apart)
-        eager, _ = _graph_run("cuda", False, reload_at=3)
-        graphed, opt = _graph_run("cuda", True, reload_at=3)
+    # one Newton–Schulz path for both: "auto" decides graphed shapes apart, backend and form alike
+    with ns_backend("triton"):
+        eager, _ = _graph_run("cuda", False, reload_at=3, ns_method=ns_method)
+        graphed, opt = _graph_run("cuda", True, reload_at=3, ns_method=ns_method)
     assert any(isinstance(g, CapturedMuonStep) for g in opt._graphs.values()), "nothing was captured"
     for a, b in zip(eager, graphed):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
