@@ -40,7 +40,7 @@ def step(model: str) -> None:
             per[name] = per.get(name, 0.0) + (e - s) / 5 / 1e3
         print(f"== {model} Muon, deferred check, cuda_graph={graph}: step {t['median']:.3f} ms (median), "
               f"kernels {sum(per.values()):.3f} ms")
-        for name, ms in sorted(per.items(), key=lambda kv: -kv[1])[:12]:
+        for name, ms in sorted(per.items(), key=lambda kv: -kv[1])[:20]:
             print(f"   {ms:7.3f} ms  {name[:100]}")
         del opt
         torch.cuda.empty_cache()
