@@ -238,12 +238,6 @@ def newton_schulz_flops(m: int, n: int, steps: int = 5, method: str = "auto") ->
     return sum(4 * s * s * l + (4 * k - 3) * 2 * s**3 for k in gram_phases(steps))
 
 
-def _plus_identity(Z: Tensor, a: float) -> Tensor:
-    Q = Z.clone()
-    Q.diagonal(dim1=-2, dim2=-1).add_(a)
-    return Q
-
-
 def gram_newton_schulz(Y: Tensor, schedule: Sequence[Coefficients]) -> Tensor:
     """The Newton–Schulz iterates of a normalized batch computed in the Gram form, restarting per
     :func:`gram_phases`.
@@ -263,9 +257,13 @@ def gram_newton_schulz(Y: Tensor, schedule: Sequence[Coefficients]) -> Tensor:
                 # the last step of a phase needs no new R; with Q = I it is the standard step a Y + Z Y
                 Y = left_mul(Z, Y, a) if Q is None else left_mul(sym_mul(Q, Z, 1.0, a), Y, 0.0)
                 break
-            Q = _plus_identity(Z, a) if Q is None else sym_mul(Q, Z, 1.0, a)  # Q (a I + Z)
             RP = sym_mul(R, Z, 1.0, a)  # R (a I + Z)
             R = sym_mul(RP, Z, 1.0, a)  # (a I + Z) R (a I + Z): the Gram matrix of (a I + Z) Y
+            if Q is None:  # Q = a I + Z, written over Z, which is not needed any more (no copy)
+                Q = Z
+                Q.diagonal(dim1=-2, dim2=-1).add_(a)
+            else:
+                Q = sym_mul(Q, Z, 1.0, a)  # Q (a I + Z)
     return Y
 
 
