@@ -1,7 +1,8 @@
 """matrixopt: matrix-aware optimizers (Muon, MOP, Shampoo, SOAP) for PyTorch.
 
 Public API:
-    newton_schulz(G, steps=5, coefficients="quintic", *, dtype=None)  approximate polar factor, (m, n) or (b, m, n)
+    newton_schulz(G, steps=5, coefficients="quintic", *, dtype=None, method="auto")
+                                                                      approximate polar factor, (m, n) or (b, m, n)
     polar(G)                                                          exact polar factor via float64 SVD
     Muon, MOP                                                         torch.optim.Optimizer subclasses
     Shampoo, SOAP                                                     Kronecker-factored preconditioning (same routing)
