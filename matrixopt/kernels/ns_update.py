@@ -34,7 +34,7 @@ except ImportError as e:  # pragma: no cover - exercised by the dispatcher test 
                       "matrixopt[triton])") from e
 
 from matrixopt.kernels._tuning import pick
-from matrixopt.kernels.syrk import TensorDescriptor, num_sms, tma_compatible
+from matrixopt.kernels.syrk import NUM_SMS_H100, TensorDescriptor, num_sms, tma_compatible
 
 # ----------------------------------------------------------------------------------------------- autotune configs
 
@@ -50,12 +50,17 @@ class GemmConfig:
     persistent: bool = False  # the persistent TMA kernel
 
 
-def get_ns_update_configs(batch: int, m: int, n: int, tma: bool = False) -> list[GemmConfig]:
-    """Candidates: Hopper-friendly 128 x 128 and 128 x 256 tiles, and 64 x 128 for small matrices; with ``tma``
-    the persistent TMA kernel at 128 x 128 (4 and 8 warps) too."""
-    out = [GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(128, 256, 64, 8, 8, 3), GemmConfig(64, 128, 64, 8, 4, 4)]
+def get_ns_update_configs(batch: int, m: int, n: int, num_sms: int = NUM_SMS_H100,
+                          tma: bool = False) -> list[GemmConfig]:
+    """Candidates: Hopper-friendly 128 x 128 and 128 x 256 tiles; 64 x 128 only where 128 x 128 tiles cannot fill
+    the SMs; with ``tma`` the persistent TMA kernel at 128 x 128 too. As for the SYRK (``get_syrk_configs``) every
+    candidate costs a compile on a shape's first call: a persistent 8-warp variant never won over the 18 update
+    decisions of ``docs/results/bench/ns_run14.json`` and is gone."""
+    out = [GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(128, 256, 64, 8, 8, 3)]
+    if batch * triton.cdiv(m, 128) * triton.cdiv(n, 128) < num_sms:
+        out.append(GemmConfig(64, 128, 64, 8, 4, 4))
     if tma:  # 128 x 256 tiles with the TMA epilogue need more shared memory than an H100 has
-        out += [GemmConfig(128, 128, 64, 8, 4, 4, persistent=True), GemmConfig(128, 128, 64, 8, 8, 4, persistent=True)]
+        out.append(GemmConfig(128, 128, 64, 8, 4, 4, persistent=True))
     return out
 
 
@@ -189,8 +194,8 @@ def ns_update(B: Tensor, X: Tensor, a: float, *, config: GemmConfig | None = Non
     tma = tma_compatible(B, X, out)
     if config is None:
         key = ("ns_update", tuple(X.shape), X.stride(), B.stride(), X.dtype, X.device, tma)
-        config = pick(key, lambda: get_ns_update_configs(*X.shape, tma=tma), lambda c: _launch(B, X, out, a, c),
-                      X.device)
+        config = pick(key, lambda: get_ns_update_configs(*X.shape, num_sms=num_sms(X.device), tma=tma),
+                      lambda c: _launch(B, X, out, a, c), X.device)
     elif config.persistent and not tma:
         raise ValueError("the persistent TMA update needs B and X with contiguous last dimensions and 16-byte "
                          "aligned rows (m and n multiples of 8 in bf16), Triton >= 3.3 and a compute capability "

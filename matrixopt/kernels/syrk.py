@@ -99,14 +99,19 @@ def num_sms(device: torch.device) -> int:
 
 
 def get_syrk_configs(batch: int, m: int, k: int, num_sms: int = NUM_SMS_H100, tma: bool = False) -> list[SyrkConfig]:
-    """Candidates for one shape: 128-tiles (Hopper wgmma sweet spot) and 64-tiles (more programs for small m),
-    plus K splits when the lower-triangle tiles times the batch are fewer than the SMs, plus the persistent TMA
-    kernel at 128-tiles (two pipeline depths, and in pairs) when ``tma`` (see :func:`tma_compatible`)."""
-    out = [SyrkConfig(128, 64, 1, 8, 4), SyrkConfig(64, 64, 1, 4, 4)]
-    if tma:
-        out += [SyrkConfig(128, 64, 1, 8, 4, persistent=True), SyrkConfig(128, 64, 1, 8, 3, persistent=True),
-                SyrkConfig(128, 64, 1, 8, 3, persistent=True, pair=True)]
+    """Candidates for one shape: 128-tiles (Hopper wgmma sweet spot); 64-tiles only where the 128-tiles cannot
+    fill the SMs (more programs for a single small matrix); K splits when even those are fewer than the SMs; and
+    the persistent TMA kernel at 128-tiles, alone and in pairs, when ``tma`` (see :func:`tma_compatible`).
+
+    Every candidate costs a compile on a shape's first call, so the list holds only configs that won somewhere:
+    over the 36 shape decisions of ``docs/results/bench/ns_run14.json`` the 64-tiles won only for single 1024-row
+    matrices (36 tiles of 128 on 132 SMs), and a 3-stage persistent variant never won, so it is gone."""
     tiles = lambda blk: batch * (triton.cdiv(m, blk) * (triton.cdiv(m, blk) + 1) // 2)  # noqa: E731
+    out = [SyrkConfig(128, 64, 1, 8, 4)]
+    if tiles(128) < num_sms:
+        out.append(SyrkConfig(64, 64, 1, 4, 4))
+    if tma:
+        out += [SyrkConfig(128, 64, 1, 8, 4, persistent=True), SyrkConfig(128, 64, 1, 8, 3, persistent=True, pair=True)]
     for split in (2, 4, 8):
         if tiles(128) * split <= 2 * num_sms and k // split >= 256:
             out.append(SyrkConfig(128, 64, split, 8, 4))

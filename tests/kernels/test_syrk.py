@@ -95,6 +95,9 @@ def test_syrk_rejects_bad_y():
 def test_syrk_configs_split_only_small_problems():
     assert all(c.split_k == 1 for c in get_syrk_configs(24, 768, 3072))
     assert any(c.split_k > 1 for c in get_syrk_configs(1, 1024, 4096))
+    # 64-tiles only where 128-tiles cannot fill the SMs: a single 1024-row matrix has 36, 24 x 768 rows 504
+    assert any(c.block == 64 for c in get_syrk_configs(1, 1024, 4096))
+    assert all(c.block == 128 for c in get_syrk_configs(24, 768, 3072))
 
 
 @pytest.mark.parametrize("cfg", GEMM_CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}")
