@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from matrixopt import newton_schulz, polar
 import matrixopt.linalg.ortho as ortho
+from matrixopt import newton_schulz, polar
 from matrixopt.linalg.ortho import (
     QUINTIC,
     SCHEDULES,
