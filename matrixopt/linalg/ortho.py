@@ -203,23 +203,52 @@ GRAM_MIN_EAGER_WORK = 2**34
 GRAM_PHASE = 3
 
 
+# The Gram form runs in float16 only while every matrix it forms stays below this (in absolute value, for inputs
+# with singular values in [0, 1]): the named schedules peak at 41-140 (Q's eigenvalues for the smallest singular
+# values), which float16 holds to about 0.07. A schedule peaking higher would lose accuracy, then overflow (65504).
+GRAM_FLOAT16_PEAK = 1024.0
+
+
 def check_method(method: str) -> str:
     if method not in METHODS:
         raise ValueError(f"Unknown Newton–Schulz method {method!r}; use one of {METHODS}")
     return method
 
 
-def uses_gram(method: str, batch: int, m: int, n: int, eager_cuda: bool = False) -> bool:
+@functools.lru_cache(maxsize=64)
+def gram_peak(schedule: tuple[Coefficients, ...]) -> float:
+    """The largest absolute value the Gram form's matrices (R, Z, R (a I + Z), Q) reach for an input with singular
+    values in [0, 1]. Each is a polynomial in the input's singular values, evaluated here on a float64 grid."""
+    x = torch.linspace(0, 1, 4097, dtype=torch.float64)  # the input's singular values
+    peak, t = 0.0, 0
+    for length in gram_phases(len(schedule)):
+        r, q = x * x, torch.ones_like(x)  # eigenvalues of R and Q
+        for a, b, c in schedule[t:t + length]:
+            z = b * r + c * r * r
+            for v in (r, z, r * (a + z), q * (a + z)):
+                peak = max(peak, v.abs().max().item())
+            r, q = r * (a + z) ** 2, q * (a + z)
+        x, t = q * x, t + length
+    return peak
+
+
+def uses_gram(method: str, batch: int, m: int, n: int, eager_cuda: bool = False,
+              schedule: tuple[Coefficients, ...] | None = None) -> bool:
     """Whether ``method`` runs a ``(batch, m, n)`` stack (m <= n) in the Gram form; ``eager_cuda``: launched on
-    CUDA and not replayed from a graph (see :data:`GRAM_MIN_EAGER_WORK`)."""
+    CUDA and not replayed from a graph (see :data:`GRAM_MIN_EAGER_WORK`). "auto" also keeps the standard form for
+    a ``schedule`` whose Gram form would not fit float16 (:data:`GRAM_FLOAT16_PEAK`)."""
     if check_method(method) != "auto":
         return method == "gram"
-    return n >= GRAM_MIN_ASPECT * m and (not eager_cuda or batch * m * m * n >= GRAM_MIN_EAGER_WORK)
+    return (n >= GRAM_MIN_ASPECT * m and (not eager_cuda or batch * m * m * n >= GRAM_MIN_EAGER_WORK)
+            and (schedule is None or gram_peak(tuple(schedule)) <= GRAM_FLOAT16_PEAK))
 
 
-def gram_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The Gram form's iteration dtype: float16 where bfloat16 is asked for (see the module docstring)."""
-    return torch.float16 if dtype == torch.bfloat16 else dtype
+def gram_dtype(dtype: torch.dtype, schedule: Sequence[Coefficients] = ()) -> torch.dtype:
+    """The Gram form's iteration dtype: float16 where bfloat16 is asked for (see the module docstring); float32
+    instead of either 16-bit type for a schedule whose matrices would not fit float16 (:func:`gram_peak`)."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return torch.float16 if gram_peak(tuple(schedule)) <= GRAM_FLOAT16_PEAK else torch.float32
+    return dtype
 
 
 def gram_phases(steps: int) -> list[int]:
@@ -272,14 +301,16 @@ def newton_schulz_short_side(X: Tensor, schedule: Sequence[Coefficients], dtype:
     """The iteration proper, on a batch already laid out short side first.
 
     X: ``(b, m, n)`` with ``m <= n``, any float dtype. Returns ``(b, m, n)`` in the iteration dtype (no cast back):
-    ``dtype``, except float16 for the Gram form asked for bfloat16 (:func:`gram_dtype`). Each matrix is divided
+    ``dtype``, except float16 for the Gram form asked for bfloat16 (or float32 for a schedule float16 can't hold,
+    :func:`gram_dtype`). Each matrix is divided
     by its Frobenius norm, accumulated in float64 so that gradients of any finite scale (1e-30 to 1e30) neither
     overflow nor underflow, and cast to the iteration dtype in the same pass. ``method``: "standard", "gram" or
     "auto" (the Gram form for ``n >= GRAM_MIN_ASPECT m``, and eagerly on CUDA for stacks of at least
     ``GRAM_MIN_EAGER_WORK``).
     """
-    if uses_gram(method, *X.shape, eager_cuda=X.is_cuda and not launches_replayed()):
-        return gram_newton_schulz(frobenius_normalize(X, gram_dtype(dtype)), schedule)
+    schedule = tuple(schedule)
+    if uses_gram(method, *X.shape, eager_cuda=X.is_cuda and not launches_replayed(), schedule=schedule):
+        return gram_newton_schulz(frobenius_normalize(X, gram_dtype(dtype, schedule)), schedule)
     Y = frobenius_normalize(X, dtype)  # every singular value in [0, 1]; keeps X's layout (see ns_step)
     for a, b, c in schedule:
         Y = ns_step(Y, a, b, c)

@@ -199,6 +199,18 @@ def test_gram_phases_and_auto_rule():
         newton_schulz(torch.randn(4, 8), method="fast")
 
 
+def test_gram_form_stays_in_float16_only_for_schedules_it_fits():
+    for name in SCHEDULES:  # the named schedules peak at 41-140
+        schedule = resolve_schedule(name, 5)
+        assert 40 < ortho.gram_peak(schedule) < 150 and ortho.gram_dtype(torch.bfloat16, schedule) == torch.float16
+    wild = ((30.0, -60.0, 31.0),) * 5  # Q's eigenvalues grow past float16's range
+    assert ortho.gram_peak(wild) > ortho.GRAM_FLOAT16_PEAK
+    assert ortho.gram_dtype(torch.bfloat16, wild) == torch.float32  # an explicit "gram" then iterates in float32
+    assert not uses_gram("auto", 1, 64, 256, schedule=wild) and uses_gram("auto", 1, 64, 256, schedule=QUINTIC)
+    X = ortho.newton_schulz_short_side(torch.randn(2, 8, 24), wild, torch.bfloat16, "gram")
+    assert X.dtype == torch.float32
+
+
 def test_gram_form_keeps_zero_matrices_and_its_float16_output():
     assert torch.equal(newton_schulz(torch.zeros(2, 8, 24), method="gram"), torch.zeros(2, 8, 24))
     X = ortho.newton_schulz_short_side(torch.randn(2, 8, 24), resolve_schedule("quintic", 5), torch.bfloat16, "gram")
