@@ -91,6 +91,17 @@ def _strip(groups: Sequence[dict[str, Any]], keep_names: bool) -> list[dict[str,
     return [{k: v for k, v in g.items() if keep_names or k != "names"} for g in groups]
 
 
+@dataclass
+class _PendingAgreement:
+    """A deferred agreement on finiteness on its way to the host: ``flags`` is ``[agreed count, this rank's flag per
+    owned gradient...]`` (pinned when copied from a GPU), completed by ``event``; ``names`` are the owned gradients'
+    parameters."""
+
+    flags: Tensor
+    event: torch.cuda.Event | None
+    names: list[str]
+
+
 class LayerwiseOptimizer(torch.optim.Optimizer):
     """The optimizer registered as ``name`` (``matrixopt.OPTIMIZERS``), distributed layer-wise over
     ``process_group``. Construct it on every rank with the same model (same parameter names, shapes and dtypes)
@@ -145,6 +156,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         ref = factory(_strip(groups, keep_names=flag is not None), **hparams)
         outer = [dict(rg, names=g["names"]) for rg, g in zip(ref.param_groups, groups)]
         self._check_finite = isinstance(ref, MatrixOptimizer) and not ref.skip_nonfinite
+        # deferred_nonfinite=True (the trainer's setting): the ranks agree on the device and the owners' updates
+        # skip on the agreed flag; the error comes from the next step() or state_dict() (raise_deferred_nonfinite)
+        self._deferred = self._check_finite and bool(getattr(ref, "deferred_nonfinite", False))
+        self._pending: _PendingAgreement | None = None
         super().__init__(outer, dict(ref.defaults))
         del ref
         if verbose and self.rank == 0:
@@ -443,6 +458,44 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             "; no parameter or state was updated on any rank. Lower the learning rate, clip gradients or pass "
             "skip_nonfinite=True to skip such updates.")
 
+    def _agree_finite_deferred(self) -> Tensor:
+        """:meth:`_agree_finite` without the host sync: the ranks' counts are all-reduced on the device, the result
+        starts on its way to the host for :meth:`raise_deferred_nonfinite`, and the returned 0-d float32 device flag
+        (nonzero when any rank's gradient holds NaN/Inf) makes every owner's updates write nothing."""
+        owned = [(self.names[id(p)], self._inner_param(p).grad) for p in self.params
+                 if self.owner[id(p)] == self.rank and self._inner_param(p).grad is not None]
+        dev = comm.object_device(self.group)
+        bad_mask = nonfinite_flags([g for _, g in owned], dev)
+        total = comm.all_reduce_sum(bad_mask.sum().reshape(1), self.group)
+        flags, event = torch.cat([total, bad_mask]), None
+        if flags.is_cuda:
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            flags, event = host.copy_(flags, non_blocking=True), torch.cuda.Event()
+            event.record()
+        self._pending = _PendingAgreement(flags, event, [n for n, _ in owned])
+        return (total[0] > 0).to(torch.float32)
+
+    def raise_deferred_nonfinite(self) -> None:
+        """With ``deferred_nonfinite=True``: raise ``NonFiniteGradientError`` if some rank's gradients held NaN/Inf
+        at the last step, which every rank then skipped (no parameter or state written). Every rank raises (the
+        count was agreed); each names its own parameters. ``step()`` and ``state_dict()`` call it first. Not
+        collective."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.event is not None:
+            pending.event.synchronize()
+        total, *mask = pending.flags.tolist()
+        if total == 0:
+            return
+        bad = [n for n, b in zip(pending.names, mask) if b]
+        here = (f"{', '.join(f'`{n}`' for n in bad[:5])}{' ...' if len(bad) > 5 else ''} on this rank" if bad else
+                "parameters owned by other ranks")
+        raise NonFiniteGradientError(
+            f"non-finite (NaN/Inf) gradient at the last step in {int(total)} parameter(s): {here}. That step was "
+            "skipped: no parameter or state was updated on any rank (deferred_nonfinite=True reports it at the next "
+            "call). Lower the learning rate, clip gradients or use loss scaling.")
+
     def _drop_grads(self) -> None:
         """Forget all gradients: finish reductions in flight (every rank launched the same ones) and reset."""
         for b in reversed(self.buckets):
@@ -463,6 +516,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """Reduce the gradients (if backward has not finished that), step the owned parameters chunk by chunk and
         broadcast each finished bucket; the next forward waits for the buckets it needs. Collective."""
         self._refuse_if_stale()
+        try:
+            self.raise_deferred_nonfinite()
+        except NonFiniteGradientError:
+            self._drop_grads()  # this step's reductions, launched by backward, are finished and forgotten
+            raise
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -471,14 +529,21 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._finish_grad_sync()
         if self._arrivals is not None:
             self._adopt_arrival_order()
-        if self._check_finite:
+        skip = None
+        if self._deferred:
+            skip = self._agree_finite_deferred()
+        elif self._check_finite:
             self._agree_finite()
         self._push_hyperparameters()
         launched = 0
         for chunk in self.chunks:
-            chunk.optimizer.step()
+            chunk.optimizer.external_skip = skip
+            try:
+                chunk.optimizer.step()
+            finally:
+                chunk.optimizer.external_skip = None
             for p, master in chunk.masters:
-                p.copy_(master)
+                p.copy_(master if skip is None else torch.where(skip > 0, p, master))
             launched = self._launch_param_broadcasts(launched, chunk.bucket_end)
         self._launch_param_broadcasts(launched, len(self.buckets))
         self._drop_grads()
@@ -574,7 +639,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's part, keyed by parameter name: ``{"state": {name: {key: value}}, "param_groups": [...]}``
         with the state of the parameters this rank owns and the global groups' hyperparameters. Not collective.
-        For a whole checkpoint use :func:`matrixopt.distributed.checkpoint.save`."""
+        For a whole checkpoint use :func:`matrixopt.distributed.checkpoint.save`. Raises a deferred non-finite
+        error first (:meth:`raise_deferred_nonfinite`)."""
+        self.raise_deferred_nonfinite()
         state = {}
         for p in self.params:
             if self.owner[id(p)] != self.rank:

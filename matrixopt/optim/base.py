@@ -120,6 +120,10 @@ class MatrixOptimizer(Optimizer):
         # False when a wrapper has already checked every gradient (the layer-wise optimizer, agreed across ranks):
         # the step then skips its own check and its host sync
         self.check_nonfinite = True
+        # set by a wrapper that agreed on finiteness on the device (the layer-wise optimizer, deferred): the 0-d
+        # float32 flag this step's writes skip on, nonzero when some rank's gradient held NaN/Inf. The wrapper
+        # reports the error; the step only writes nothing.
+        self.external_skip: Tensor | None = None
         super().__init__(params, dict(matrix_defaults))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -132,6 +136,7 @@ class MatrixOptimizer(Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_deferred_check", None)  # a pending check (an event, pinned memory) is not pickled
         self.__dict__.setdefault("_flags_host", None)
+        self.__dict__.setdefault("external_skip", None)
 
     # ----------------------------------------------------------------------------------- param groups
     def _validate_matrix_group(self, group: dict[str, Any]) -> None:
@@ -216,6 +221,15 @@ class MatrixOptimizer(Optimizer):
                 "step, which was skipped: no parameter or state was updated (deferred_nonfinite=True reports it "
                 "at the next call). Lower the learning rate, use gradient clipping or loss scaling.")
 
+    def _skip_on_host(self) -> bool:
+        """For an update that can't skip on the device, mid-step: whether it must write nothing, read on the host.
+        The step's own deferred check raises here (nothing of this step is written but what the device skips); a
+        wrapper's agreed flag (``external_skip``) is read, and the wrapper reports the error itself."""
+        if self.external_skip is not None:
+            return bool(self.external_skip.item())
+        self.raise_deferred_nonfinite()
+        return False
+
     def _defer_check(self, work: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]],
                      flat: list[Tensor]) -> Tensor:
         """The deferred check: this step's flags start on their way to the host (read by the next
@@ -250,7 +264,14 @@ class MatrixOptimizer(Optimizer):
         flat = [gr for _, _, grads in work for gr in grads]
         check = getattr(self, "check_nonfinite", True)
         skip = None
-        if (check and self.deferred_nonfinite and self._skips_on_device and flat
+        external = self.external_skip
+        if external is not None:
+            check = False
+            if self._skips_on_device and all(type(g) is Tensor and g.device == external.device for g in flat):
+                skip = external
+            elif bool(external.item()):  # these updates can't skip on the device: read the flag now
+                return loss
+        elif (check and self.deferred_nonfinite and self._skips_on_device and flat
                 and all(type(g) is Tensor and g.device == flat[0].device for g in flat)):
             skip = self._defer_check(work, flat)
             check = False
@@ -338,8 +359,9 @@ class MatrixOptimizer(Optimizer):
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         fused_ok = not torch.compiler.is_compiling()  # traced graphs can't functionalize _fused_adamw_
         fused = fused_ok and all(p.dtype == torch.float32 and g.dtype == torch.float32 for p, g in zip(params, grads))
-        if skip is not None and not fused:
-            self.raise_deferred_nonfinite()  # the foreach path can't skip on the device: check on the host now
+        if skip is not None and not fused:  # the foreach path can't skip on the device: check on the host now
+            if self._skip_on_host():
+                return
             skip = None
         torch._foreach_add_(steps, 1.0)
         if skip is not None:

@@ -170,7 +170,8 @@ class Muon(MatrixOptimizer):
         # whether every bucket suits the fused kernels, judged once per step (the graph and the skip both ask)
         fusable = not copies and all(muon_elementwise.fusable(bk.params, bk.grads, bk.bufs) for bk in buckets)
         if skip is not None and not (fusable and all(muon_elementwise.skips_on_device(bk.params) for bk in buckets)):
-            self.raise_deferred_nonfinite()  # these layouts can't skip on the device: check on the host now
+            if self._skip_on_host():  # these layouts can't skip on the device: check on the host now
+                return
             skip = None
         lr = self._device_lr(group, params[0].device)
         step = dict(momentum=group["momentum"], nesterov=group["nesterov"],

@@ -263,6 +263,54 @@ def test_faults_mismatch_nonfinite_dead_rank():
     run(_faults_worker, 2)
 
 
+def _deferred_nonfinite_worker(rank: int, world: int) -> None:
+    """deferred_nonfinite=True: the ranks agree on the device, a NaN step writes nothing on any rank and raises at
+    the next step() or state_dict() on every rank; training then goes on as if the bad step never happened."""
+    import copy
+
+    def run_steps(nan_at: int | None, raise_by: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model, opt = mdist.layerwise(Net(), "muon", lr=0.01, deferred_nonfinite=True)
+        assert opt._deferred and not any(c.optimizer.check_nonfinite for c in opt.chunks)
+        for s in range(4):
+            idx, tgt = batch(s, "net")
+            bad = s == nan_at
+            loss = loss_of(model, idx, tgt) * (float("nan") if bad and rank == 1 else 1.0)
+            loss.backward()
+            if not bad:
+                opt.step()
+                continue
+            params = [p.detach().clone() for p in model.parameters()]
+            states = [{id(p): copy.deepcopy(st) for p, st in c.optimizer.state.items()} for c in opt.chunks]
+            opt.step()  # no error yet, nothing written
+            assert all(torch.equal(a, b.detach()) for a, b in zip(params, model.parameters()))
+            for before, c in zip(states, opt.chunks):
+                after = {id(p): st for p, st in c.optimizer.state.items()}
+                assert before.keys() == after.keys()
+                for k, st in before.items():
+                    assert all(torch.equal(v, after[k][n]) for n, v in st.items() if isinstance(v, torch.Tensor))
+            with pytest.raises(NonFiniteGradientError, match="at the last step .* skipped: no parameter or state"):
+                if raise_by == "state_dict":
+                    opt.state_dict()
+                else:  # the next step raises before anything, its gradients dropped; the step after runs
+                    loss_of(model, *batch(s, "net")).backward()
+                    opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    torch.manual_seed(0)
+    model, opt = mdist.layerwise(Net(), "muon", lr=0.01, deferred_nonfinite=True)
+    for s in (0, 1, 3):  # the run without the bad step
+        loss_of(model, *batch(s, "net")).backward()
+        opt.step()
+    for raise_by in ("state_dict", "step"):
+        for a, b in zip(run_steps(2, raise_by), model.parameters()):
+            assert torch.equal(a, b.detach()), raise_by
+
+
+def test_deferred_nonfinite_agreement():
+    run(_deferred_nonfinite_worker, 2)
+
+
 def _arrival_order_worker(rank: int, world: int) -> None:
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)  # wpe: registered last, used first
 
