@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from matrixopt.distributed import comm
 from matrixopt.distributed.balance import MATRIX_COSTS, Assignment, assign, muon_cost
-from matrixopt.optim.base import MatrixOptimizer, NonFiniteGradientError, nonfinite_flags
+from matrixopt.optim.base import HostMirror, MatrixOptimizer, NonFiniteGradientError, nonfinite_flags
 from matrixopt.optim.registry import OPTIMIZERS
 from matrixopt.optim.routing import param_groups, routing_summary
 
@@ -160,6 +160,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         # skip on the agreed flag; the error comes from the next step() or state_dict() (raise_deferred_nonfinite)
         self._deferred = self._check_finite and bool(getattr(ref, "deferred_nonfinite", False))
         self._pending: _PendingAgreement | None = None
+        self._flags_host = HostMirror()
         super().__init__(outer, dict(ref.defaults))
         del ref
         if verbose and self.rank == 0:
@@ -415,8 +416,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._next_grad = -1  # reductions done; reset to the last bucket when the step consumes the gradients
 
     def _owned_grads(self) -> list[Tensor]:
-        return [self._inner_param(p).grad for p in self.params
-                if self.owner[id(p)] == self.rank and self._inner_param(p).grad is not None]
+        return [g for _, g in self._owned_named_grads()]
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -441,13 +441,16 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             torch._foreach_mul_(grads, coef.to(grads[0].device))
         return total
 
+    def _owned_named_grads(self) -> list[tuple[str, Tensor]]:
+        """``(name, reduced gradient)`` of the parameters this rank owns that have one."""
+        return [(self.names[id(p)], self._inner_param(p).grad) for p in self.params
+                if self.owner[id(p)] == self.rank and self._inner_param(p).grad is not None]
+
     def _agree_finite(self) -> None:
         """Raise NonFiniteGradientError on every rank if any rank's gradients hold NaN/Inf (checked before any
         parameter or state is written), so no rank steps while another raises."""
-        owned = [(self.names[id(p)], self._inner_param(p).grad) for p in self.params
-                 if self.owner[id(p)] == self.rank and self._inner_param(p).grad is not None]
-        dev = comm.object_device(self.group)
-        bad_mask = nonfinite_flags([g for _, g in owned], dev)
+        owned = self._owned_named_grads()
+        bad_mask = nonfinite_flags([g for _, g in owned], comm.object_device(self.group))
         if comm.all_reduce_sum(bad_mask.sum(), self.group).item() == 0:  # the step's one host sync
             return
         bad_local = [n for (n, _), b in zip(owned, bad_mask.tolist()) if b]
@@ -462,16 +465,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """:meth:`_agree_finite` without the host sync: the ranks' counts are all-reduced on the device, the result
         starts on its way to the host for :meth:`raise_deferred_nonfinite`, and the returned 0-d float32 device flag
         (nonzero when any rank's gradient holds NaN/Inf) makes every owner's updates write nothing."""
-        owned = [(self.names[id(p)], self._inner_param(p).grad) for p in self.params
-                 if self.owner[id(p)] == self.rank and self._inner_param(p).grad is not None]
-        dev = comm.object_device(self.group)
-        bad_mask = nonfinite_flags([g for _, g in owned], dev)
+        owned = self._owned_named_grads()
+        bad_mask = nonfinite_flags([g for _, g in owned], comm.object_device(self.group))
         total = comm.all_reduce_sum(bad_mask.sum().reshape(1), self.group)
-        flags, event = torch.cat([total, bad_mask]), None
-        if flags.is_cuda:
-            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-            flags, event = host.copy_(flags, non_blocking=True), torch.cuda.Event()
-            event.record()
+        flags, event = self._flags_host.send(torch.cat([total, bad_mask]))
         self._pending = _PendingAgreement(flags, event, [n for n, _ in owned])
         return (total[0] > 0).to(torch.float32)
 

@@ -34,6 +34,26 @@ class _PendingCheck:
     work: list[tuple[dict[str, Any], list[Tensor]]]  # the step's (group, params with gradients), for the message
 
 
+class HostMirror:
+    """A pinned host buffer that small device tensors (non-finite flags) are copied into without a host sync,
+    reused from step to step (pinned allocations are slow). Read the copy after its event completes, and before
+    the next :meth:`send` overwrites it."""
+
+    def __init__(self) -> None:
+        self._buffer: Tensor | None = None
+
+    def send(self, t: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+        """``(host copy, event completing it)``; a CPU tensor is its own copy, with no event."""
+        if not t.is_cuda:
+            return t, None
+        if self._buffer is None or self._buffer.shape != t.shape or self._buffer.dtype != t.dtype:
+            self._buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host = self._buffer.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+
 def nonfinite_flags(grads: list[Tensor], device: torch.device) -> Tensor:
     """``(len(grads),)`` float32 on ``device``: 1 where a gradient holds a NaN or Inf, else 0. One max-abs pass per
     (device, dtype) present and no host sync, so a caller can reduce the flags across ranks before reading them."""
@@ -115,7 +135,7 @@ class MatrixOptimizer(Optimizer):
             raise ValueError("skip_nonfinite skips single parameters, which needs the flags on the host before the "
                              "step; it can't be combined with deferred_nonfinite")
         self._deferred_check: _PendingCheck | None = None
-        self._flags_host: Tensor | None = None  # pinned buffer the deferred check's flags are copied into
+        self._flags_host = HostMirror()  # where the deferred check's flags are copied
         self.skipped_updates = 0  # parameter updates skipped for non-finite gradients
         # False when a wrapper has already checked every gradient (the layer-wise optimizer, agreed across ranks):
         # the step then skips its own check and its host sync
@@ -135,7 +155,7 @@ class MatrixOptimizer(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_deferred_check", None)  # a pending check (an event, pinned memory) is not pickled
-        self.__dict__.setdefault("_flags_host", None)
+        self.__dict__.setdefault("_flags_host", HostMirror())
         self.__dict__.setdefault("external_skip", None)
 
     # ----------------------------------------------------------------------------------- param groups
@@ -235,13 +255,7 @@ class MatrixOptimizer(Optimizer):
         """The deferred check: this step's flags start on their way to the host (read by the next
         :meth:`raise_deferred_nonfinite`); returns the 0-d float32 device flag the updates skip on."""
         flags = nonfinite_flags(flat, flat[0].device)
-        host, event = flags, None
-        if flags.is_cuda:
-            if self._flags_host is None or self._flags_host.numel() != flags.numel():
-                self._flags_host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-            host = self._flags_host.copy_(flags, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+        host, event = self._flags_host.send(flags)
         self._deferred_check = _PendingCheck(host, event, [(g, params) for g, params, _ in work])
         return flags.amax()
 
