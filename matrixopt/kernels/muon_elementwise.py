@@ -3,7 +3,8 @@ Triton kernels (:mod:`matrixopt.kernels.muon_fused` and :mod:`matrixopt.kernels.
 blocked algorithms) and the torch references here.
 
 - :func:`momentum_pack`: ``B <- B + (1 - mu)(G - B)``; the update ``G + mu (B - G)`` (Nesterov) or ``B`` packed into
-  a ``(k, s, l)`` stack short side first (tall matrices transposed).
+  a ``(k, s, l)`` stack short side first (tall matrices transposed); the fused kernel also sums the squares of
+  what it packs, so that the normalization reads the stack once.
 - :func:`frobenius_normalize`: each stacked matrix divided by its Frobenius norm, summed in float64.
 - :func:`apply_update`: ``W <- (1 - lr wd) W - lr s(m, n) Y`` from the Newton–Schulz output, transposed back for
   tall matrices.
@@ -66,9 +67,12 @@ def _dense_layout(X: Tensor) -> Tensor | None:
 # ----------------------------------------------------------------------------------------------- torch references
 
 
-def frobenius_normalize_reference(X: Tensor, dtype: torch.dtype) -> Tensor:
+def frobenius_normalize_reference(X: Tensor, dtype: torch.dtype, parts: Tensor | None = None) -> Tensor:
     """``muon_fused.frobenius_normalize_triton`` in torch: the norm accumulated in float64, any layout."""
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)  # (b, 1, 1)
+    if parts is None:
+        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)  # (b, 1, 1)
+    else:
+        norm = parts.sum(1).sqrt()[:, None, None]
     inv = torch.where(norm > 0, norm.reciprocal(), 0.0).clamp(max=torch.finfo(torch.float32).max).float()
     Y = torch.empty_like(X, dtype=dtype)  # keeps X's layout (a transposed view stays one)
     torch.mul(X, inv, out=Y)
@@ -130,7 +134,7 @@ def skips_on_device(*tensors: Sequence[Tensor]) -> bool:
 
 
 def momentum_pack(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, momentum: float,
-                  nesterov: bool, transpose: bool | None = None, skip: Tensor | None = None) -> None:
+                  nesterov: bool, transpose: bool | None = None, skip: Tensor | None = None) -> Tensor | None:
     """Momentum step on every matrix and its update packed short side first (module docstring).
 
     grads: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, one float dtype. bufs: their fp32 momentum,
@@ -138,13 +142,19 @@ def momentum_pack(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, 
     ``G + mu (B - G)`` (Nesterov) or ``B`` in out's dtype, transposed when tall (``transpose=None``; then
     ``s <= l``), or transposed for every matrix (``True``) or none (``False``), as a sharded stack that must be
     laid out alike on every rank needs. skip: a 0-d float32 device flag, nonzero to write nothing; only where
-    :func:`skips_on_device` holds (else ValueError)."""
+    :func:`skips_on_device` holds (else ValueError).
+
+    Returns, from the fused kernel, ``(k, T)`` float64 partial sums of squares of the packed values (rows summing to
+    each ``||out[i]||_F^2``) for :func:`frobenius_normalize`'s ``parts``, which then skips a pass over the stack;
+    None from the torch reference."""
     fused = _kernels(_on_gpu(grads, bufs) and fusable(grads, bufs))
-    if fused:
-        fused.momentum_pack_triton(grads, bufs, out, momentum, nesterov, transpose, skip=skip)
-    else:
+    if fused is None:
         _no_skip(skip)
         momentum_pack_reference(grads, bufs, out, momentum, nesterov, transpose)
+        return None
+    parts = torch.empty((out.shape[0], fused.pack_tiles(*out.shape[1:])), dtype=torch.float64, device=out.device)
+    fused.momentum_pack_triton(grads, bufs, out, momentum, nesterov, transpose, skip=skip, parts=parts)
+    return parts
 
 
 def apply_update(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int], float], lr: float | Tensor,
@@ -178,14 +188,15 @@ def _no_skip(skip: Tensor | None) -> None:
                          "Triton (check skips_on_device first, and check the flag on the host where it is False)")
 
 
-def frobenius_normalize(X: Tensor, dtype: torch.dtype) -> Tensor:
+def frobenius_normalize(X: Tensor, dtype: torch.dtype, parts: Tensor | None = None) -> Tensor:
     """Each matrix of ``X (b, m, n)`` (any float dtype) divided by its Frobenius norm, returned in ``dtype`` with
     X's layout; a zero matrix stays zero. The norm is accumulated in float64, so inputs of any finite scale
-    (1e-30 to 1e30) neither overflow nor underflow."""
+    (1e-30 to 1e30) neither overflow nor underflow. ``parts``: ``(b, T)`` float64 whose rows sum to each matrix's
+    squared norm, as :func:`momentum_pack` returns them; the norm is then not computed again."""
     fused = _kernels(_on_gpu([X]) and X.dtype in KERNEL_DTYPES and dtype in KERNEL_DTYPES)
     if fused is None or _dense_layout(X) is None:
-        return frobenius_normalize_reference(X, dtype)
-    return fused.frobenius_normalize_triton(X, dtype)
+        return frobenius_normalize_reference(X, dtype, parts)
+    return fused.frobenius_normalize_triton(X, dtype, parts)
 
 
 def elementwise_backend(name: str) -> contextlib.AbstractContextManager[None]:

@@ -83,9 +83,11 @@ def _momentum_pack_kernel(
     one_minus_mu, mu,
     # 0-d float32 flag read when HAS_SKIP: nonzero skips every read and write (a step with non-finite gradients)
     skip_ptr,
+    # (b, T) float64, T = programs per matrix: each program's sum of squares of its packed tile, when HAS_PARTS
+    parts_ptr,
     # meta-parameters
     G_DTYPE: tl.constexpr, NESTEROV: tl.constexpr, TALL: tl.constexpr, HAS_SKIP: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_PARTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = table_ptr + tl.program_id(1).to(tl.int64) * 5
@@ -110,6 +112,9 @@ def _momentum_pack_kernel(
     else:
         u = b
     u = u.to(out_ptr.dtype.element_ty)
+    if HAS_PARTS:  # the normalization's sum of squares, of the values as stored
+        u64 = u.to(tl.float64)
+        tl.store(parts_ptr + slot * tl.num_programs(0) + pid, tl.sum(tl.sum(u64 * u64, axis=1), axis=0))
     base = out_ptr + slot * R * C
     if TALL:  # out[slot] is (C, R): element (r, c) goes to row c, column r
         tl.store(base + offs_c[:, None] * R + offs_r[None, :], tl.trans(u), mask=tl.trans(mask))
@@ -249,9 +254,15 @@ def apply_rows(params: Sequence[Tensor], s: int, l: int,
             for tall, idx in _orientations([p.shape for p in params], transpose).items() if idx]
 
 
+def pack_tiles(s: int, l: int) -> int:
+    """Programs of :func:`momentum_pack_triton` per ``(s, l)`` matrix: the width of its ``parts``."""
+    return triton.cdiv(s, TILE.block_r) * triton.cdiv(l, TILE.block_c)  # square tiles: either orientation
+
+
 def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, momentum: float,
                          nesterov: bool, transpose: bool | None = None, *,
-                         tables: Sequence[Tensor] | None = None, skip: Tensor | None = None) -> None:
+                         tables: Sequence[Tensor] | None = None, skip: Tensor | None = None,
+                         parts: Tensor | None = None) -> None:
     """Momentum step on every matrix and its update packed short side first, by the Triton kernel.
 
     grads: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, ``s <= l``, all of one dtype (fp32, bf16 or
@@ -259,19 +270,26 @@ def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: T
     out: ``(k, s, l)`` contiguous, any supported dtype; ``out[i]`` receives matrix i's update, transposed when tall
     (``transpose=None``) or as ``transpose`` says for every matrix. tables: device copies of :func:`pack_rows`'
     tables to read instead (static ones, for CUDA graphs). skip: a 0-d float32 device flag; where nonzero at run
-    time, nothing is read or written (momentum and stack stay as they were)."""
+    time, nothing is read or written (momentum and stack stay as they were). parts: a contiguous ``(k,
+    pack_tiles(s, l))`` float64 tensor that receives per-tile sums of squares of the packed values, each row summing
+    to ``||out[i]||_F^2`` (zeros where skipped): :func:`frobenius_normalize_triton` then skips its own pass."""
     k, s, l = out.shape
     if not out.is_contiguous() or len(grads) != k:
         raise ValueError(f"momentum_pack needs k={len(grads)} gradients and a contiguous (k, s, l) output; got out "
                          f"{tuple(out.shape)} with strides {out.stride()}")
+    if parts is not None and (parts.shape != (k, pack_tiles(s, l)) or parts.dtype != torch.float64
+                              or not parts.is_contiguous()):
+        raise ValueError(f"momentum_pack: parts must be a contiguous float64 ({k}, {pack_tiles(s, l)}) tensor; got "
+                         f"{tuple(parts.shape)} {parts.dtype}")
     layout = pack_rows(grads, bufs, s, l, transpose)
     for j, (tall, rows) in enumerate(layout):
         R, C = (l, s) if tall else (s, l)
         table = tables[j] if tables is not None else _table(rows, out.device)
         grid = (triton.cdiv(R, TILE.block_r) * triton.cdiv(C, TILE.block_c), len(rows))
         _momentum_pack_kernel[grid](table, out, R, C, 1.0 - momentum, momentum, table if skip is None else skip,
+                                    table if parts is None else parts,
                                     G_DTYPE=_TL_DTYPES[grads[0].dtype], NESTEROV=nesterov, TALL=tall,
-                                    HAS_SKIP=skip is not None,
+                                    HAS_SKIP=skip is not None, HAS_PARTS=parts is not None,
                                     BLOCK_R=TILE.block_r, BLOCK_C=TILE.block_c, num_warps=TILE.num_warps)
 
 
@@ -304,9 +322,10 @@ def apply_update_triton(params: Sequence[Tensor], Y: Tensor, scale: Callable[[in
 NORM_BLOCK = 4096  # elements per program of the two normalization passes
 
 
-def frobenius_normalize_triton(X: Tensor, dtype: torch.dtype) -> Tensor:
+def frobenius_normalize_triton(X: Tensor, dtype: torch.dtype, parts: Tensor | None = None) -> Tensor:
     """Each matrix of ``X (b, m, n)`` divided by its Frobenius norm, in ``dtype``, by the Triton kernels. X must be
-    contiguous or a transposed view of a contiguous stack; the result has X's layout."""
+    contiguous or a transposed view of a contiguous stack; the result has X's layout. ``parts``: ``(b, T)`` float64
+    whose rows sum to each matrix's squared norm (from :func:`momentum_pack_triton`): one pass instead of two."""
     dense = _dense_layout(X)
     if X.ndim != 3 or dense is None:
         raise ValueError(f"frobenius_normalize_triton takes a (b, m, n) stack stored contiguously (or its "
@@ -314,11 +333,19 @@ def frobenius_normalize_triton(X: Tensor, dtype: torch.dtype) -> Tensor:
     b, N = X.shape[0], X.shape[1] * X.shape[2]
     out = torch.empty_like(dense, dtype=dtype)
     tiles = triton.cdiv(N, NORM_BLOCK)
+    if parts is not None and (parts.ndim != 2 or parts.shape[0] != b or parts.dtype != torch.float64
+                              or not parts.is_contiguous()):
+        raise ValueError(f"frobenius_normalize_triton: parts must be a contiguous float64 ({b}, T) tensor; got "
+                         f"{tuple(parts.shape)} {parts.dtype}")
     if b * N:
-        partial = torch.empty((b, tiles), dtype=torch.float64, device=X.device)
-        _sumsq_kernel[(tiles, b)](dense, partial, N, BLOCK=NORM_BLOCK, num_warps=8)
-        _scale_kernel[(tiles, b)](dense, partial, out, N, tiles, torch.finfo(torch.float32).max, BLOCK=NORM_BLOCK,
-                                  T_BLOCK=min(1024, triton.next_power_of_2(tiles)), num_warps=8)
+        if parts is None:
+            parts = torch.empty((b, tiles), dtype=torch.float64, device=X.device)
+            _sumsq_kernel[(tiles, b)](dense, parts, N, BLOCK=NORM_BLOCK, num_warps=8)
+        if parts.shape[1] > 1024:  # else every program of the scale pass would sum thousands of partials
+            parts = parts.sum(1, keepdim=True)
+        T = parts.shape[1]
+        _scale_kernel[(tiles, b)](dense, parts, out, N, T, torch.finfo(torch.float32).max, BLOCK=NORM_BLOCK,
+                                  T_BLOCK=min(1024, triton.next_power_of_2(T)), num_warps=8)
     return out if dense is X else out.mT
 
 

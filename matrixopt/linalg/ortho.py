@@ -297,7 +297,7 @@ def gram_newton_schulz(Y: Tensor, schedule: Sequence[Coefficients]) -> Tensor:
 
 
 def newton_schulz_short_side(X: Tensor, schedule: Sequence[Coefficients], dtype: torch.dtype,
-                             method: str = "auto") -> Tensor:
+                             method: str = "auto", parts: Tensor | None = None) -> Tensor:
     """The iteration proper, on a batch already laid out short side first.
 
     X: ``(b, m, n)`` with ``m <= n``, any float dtype. Returns ``(b, m, n)`` in the iteration dtype (no cast back):
@@ -306,12 +306,14 @@ def newton_schulz_short_side(X: Tensor, schedule: Sequence[Coefficients], dtype:
     by its Frobenius norm, accumulated in float64 so that gradients of any finite scale (1e-30 to 1e30) neither
     overflow nor underflow, and cast to the iteration dtype in the same pass. ``method``: "standard", "gram" or
     "auto" (the Gram form for ``n >= GRAM_MIN_ASPECT m``, and eagerly on CUDA for stacks of at least
-    ``GRAM_MIN_EAGER_WORK``).
+    ``GRAM_MIN_EAGER_WORK``). ``parts``: ``(b, T)`` float64 partial sums of X's squares (rows summing to each squared
+    Frobenius norm), as :func:`matrixopt.kernels.muon_elementwise.momentum_pack` returns them: the normalization
+    then reads X once.
     """
     schedule = tuple(schedule)
     if uses_gram(method, *X.shape, eager_cuda=X.is_cuda and not launches_replayed(), schedule=schedule):
-        return gram_newton_schulz(frobenius_normalize(X, gram_dtype(dtype, schedule)), schedule)
-    Y = frobenius_normalize(X, dtype)  # every singular value in [0, 1]; keeps X's layout (see ns_step)
+        return gram_newton_schulz(frobenius_normalize(X, gram_dtype(dtype, schedule), parts), schedule)
+    Y = frobenius_normalize(X, dtype, parts)  # every singular value in [0, 1]; keeps X's layout (see ns_step)
     for a, b, c in schedule:
         Y = ns_step(Y, a, b, c)
     return Y

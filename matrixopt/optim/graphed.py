@@ -32,8 +32,9 @@ class CapturedMuonStep:
     Triton kernels only). ``fn`` (Newton–Schulz) must be capturable and must already have run once on each
     bucket's shape outside capture, so that its kernels are compiled, tuned and dispatched."""
 
-    def __init__(self, buckets: list[Bucket], *, momentum: float, nesterov: bool, fn: Callable[[Tensor], Tensor],
-                 dtype: torch.dtype, scale: Callable[[int, int], float], weight_decay: float) -> None:
+    def __init__(self, buckets: list[Bucket], *, momentum: float, nesterov: bool,
+                 fn: Callable[[Tensor, Tensor | None], Tensor], dtype: torch.dtype, scale: Callable[[int, int], float],
+                 weight_decay: float) -> None:
         from matrixopt.kernels import muon_fused
 
         self._fused = muon_fused
@@ -50,7 +51,9 @@ class CapturedMuonStep:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), for_cuda_graphs():  # Newton–Schulz paths chosen by their GPU time
             for bk, (_, apply_tables) in zip(buckets, self._tables):
-                Y = fn(torch.zeros((len(bk.params), bk.s, bk.l), dtype=dtype, device=device))
+                Y = fn(torch.zeros((len(bk.params), bk.s, bk.l), dtype=dtype, device=device),
+                       torch.zeros((len(bk.params), muon_fused.pack_tiles(bk.s, bk.l)), dtype=torch.float64,
+                                   device=device))
                 muon_fused.apply_update_triton(bk.params, Y, scale, self.lr, 0.0, tables=apply_tables,
                                                skip=self.skip)
         torch.cuda.current_stream(device).wait_stream(side)
@@ -59,10 +62,12 @@ class CapturedMuonStep:
         with torch.cuda.graph(self.graph):
             for bk, (pack_tables, apply_tables) in zip(buckets, self._tables):
                 X = torch.empty((len(bk.params), bk.s, bk.l), dtype=dtype, device=device)
+                parts = torch.empty((len(bk.params), muon_fused.pack_tiles(bk.s, bk.l)), dtype=torch.float64,
+                                    device=device)
                 muon_fused.momentum_pack_triton(bk.grads, bk.bufs, X, momentum, nesterov, tables=pack_tables,
-                                                skip=self.skip)
-                muon_fused.apply_update_triton(bk.params, fn(X), scale, self.lr, weight_decay, tables=apply_tables,
-                                               skip=self.skip)
+                                                skip=self.skip, parts=parts)
+                muon_fused.apply_update_triton(bk.params, fn(X, parts), scale, self.lr, weight_decay,
+                                               tables=apply_tables, skip=self.skip)
 
     def _layout(self, bk: Bucket) -> tuple[list, list]:
         """The pack and update tables' rows for this step's tensors."""

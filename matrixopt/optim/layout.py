@@ -121,7 +121,7 @@ def momentum_buckets(params: list[Tensor], grads: list[Tensor],
 
 
 def orthogonalized_momentum_step(buckets: list[Bucket], copies: list[tuple[Tensor, Tensor]], *, momentum: float,
-                                 nesterov: bool, fn: Callable[[Tensor], Tensor], dtype: torch.dtype,
+                                 nesterov: bool, fn: Callable[[Tensor, Tensor | None], Tensor], dtype: torch.dtype,
                                  scale: Callable[[int, int], float], lr: float | Tensor, weight_decay: float,
                                  skip: Tensor | None = None) -> None:
     """Muon's step on every ``(m, n)`` matrix piece of :func:`momentum_buckets`' buckets, one batch per bucket:
@@ -131,7 +131,9 @@ def orthogonalized_momentum_step(buckets: list[Bucket], copies: list[tuple[Tenso
 
     The buckets' momentum views (float32) and parameter views are updated in place, and ``copies`` written back.
     ``fn`` maps a stack ``(b, s, l)`` of updates laid out short side first (tall pieces transposed), in ``dtype``,
-    to its orthogonalization, same shape, any float dtype. ``lr``: a float, or a 0-d tensor on the parameters'
+    to its orthogonalization, same shape, any float dtype; its second argument is the stack's partial sums of
+    squares from the fused momentum pass (``(b, T)`` float64, rows summing to each squared Frobenius norm), or None
+    off the fused kernels. ``lr``: a float, or a 0-d tensor on the parameters'
     device (no host sync). ``skip``: a 0-d float32 device flag; where nonzero at run time nothing is written. It
     needs every bucket on the fused kernels (:func:`matrixopt.kernels.muon_elementwise.skips_on_device`) and no
     copies.
@@ -143,7 +145,7 @@ def orthogonalized_momentum_step(buckets: list[Bucket], copies: list[tuple[Tenso
         raise ValueError("skip needs every matrix viewed in place (no copies written back)")
     for bk in buckets:
         X = torch.empty((len(bk.params), bk.s, bk.l), dtype=dtype, device=bk.device)
-        momentum_pack(bk.grads, bk.bufs, X, momentum, nesterov, skip=skip)
-        apply_update(bk.params, fn(X), scale, lr, weight_decay, skip=skip)
+        parts = momentum_pack(bk.grads, bk.bufs, X, momentum, nesterov, skip=skip)
+        apply_update(bk.params, fn(X, parts), scale, lr, weight_decay, skip=skip)
     for t, c in copies:
         t.copy_(c)

@@ -142,10 +142,11 @@ class Muon(MatrixOptimizer):
         resolve_schedule(group["ns_coefficients"], group["ns_steps"])
         check_method(group["ns_method"])
 
-    def _orthogonalize(self, group: dict[str, Any], X: Tensor) -> Tensor:
-        """``polar(X)`` approximated: ``(b, s, l)`` short side first -> same shape, in the iteration dtype."""
+    def _orthogonalize(self, group: dict[str, Any], X: Tensor, parts: Tensor | None = None) -> Tensor:
+        """``polar(X)`` approximated: ``(b, s, l)`` short side first -> same shape, in the iteration dtype.
+        ``parts``: X's partial sums of squares from the momentum pass, or None (see ``newton_schulz_short_side``)."""
         return newton_schulz_short_side(X, resolve_schedule(group["ns_coefficients"], group["ns_steps"]),
-                                        Muon._stack_dtype(self, group, X.device), group["ns_method"])
+                                        Muon._stack_dtype(self, group, X.device), group["ns_method"], parts)
 
     def _stack_dtype(self, group: dict[str, Any], device: torch.device) -> torch.dtype:
         """The dtype updates are packed in for ``_orthogonalize``: Newton–Schulz's iteration dtype (``ns_dtype``,
@@ -176,7 +177,8 @@ class Muon(MatrixOptimizer):
             skip = None
         lr = self._device_lr(group, params[0].device)
         step = dict(momentum=group["momentum"], nesterov=group["nesterov"],
-                    fn=lambda X: self._orthogonalize(group, X), dtype=self._stack_dtype(group, params[0].device),
+                    fn=lambda X, parts: self._orthogonalize(group, X, parts),
+                    dtype=self._stack_dtype(group, params[0].device),
                     scale=lambda m, n: update_scale(group["scaling"], m, n), weight_decay=group["weight_decay"])
         if not (self.cuda_graph and fusable and self._graph_step(group, params, grads, buckets, lr, skip, step)):
             orthogonalized_momentum_step(buckets, copies, lr=lr, skip=skip, **step)
@@ -233,5 +235,5 @@ class MOP(Muon):
     def _stack_dtype(self, group: dict[str, Any], device: torch.device) -> torch.dtype:
         return torch.float32  # polar runs in float64 from whatever it gets: keep fp32's precision on the way
 
-    def _orthogonalize(self, group: dict[str, Any], X: Tensor) -> Tensor:
-        return polar(X)
+    def _orthogonalize(self, group: dict[str, Any], X: Tensor, parts: Tensor | None = None) -> Tensor:
+        return polar(X)  # scale-invariant: no normalization, so no use for the sums of squares

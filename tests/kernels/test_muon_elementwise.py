@@ -41,7 +41,10 @@ def test_momentum_pack_matches_float64(grad_dtype, out_dtype, nesterov):
     bufs = [torch.randn(s) for s in shapes()]
     bufs64 = [b.double() for b in bufs]
     out = torch.full((len(grads), S, L), float("nan"), dtype=out_dtype)
-    fused.momentum_pack_triton(grads, bufs, out, mu, nesterov)
+    parts = torch.full((len(grads), fused.pack_tiles(S, L)), float("nan"), dtype=torch.float64)
+    fused.momentum_pack_triton(grads, bufs, out, mu, nesterov, parts=parts)
+    # the partial sums of squares add up to each packed matrix's squared norm, of the values as stored
+    torch.testing.assert_close(parts.sum(1), out.double().square().sum((1, 2)), rtol=1e-12, atol=0)
     for i, (g, b, b64) in enumerate(zip(grads, bufs, bufs64)):
         g64 = g.double()
         b_ref = mu * b64 + (1 - mu) * g64
@@ -113,6 +116,14 @@ def test_frobenius_normalize_matches_float64(in_dtype, transposed, monkeypatch):
     ref = torch.where(norm > 0, X64 / norm, 0.0)
     torch.testing.assert_close(out.double(), ref, **BF16_TOL)
     assert torch.equal(fused.frobenius_normalize_triton(X, torch.bfloat16), out)  # fixed summation order
+    # with the sums of squares handed in (as the momentum pass gives them), in a few or in many partials
+    X64 = X64.reshape(4, -1)
+    few = torch.stack([c.sum(1) for c in X64.square().tensor_split(3, dim=1)], 1)
+    for parts in (few, X64.square()):  # 3 partials; over 1024, which are summed first
+        torch.testing.assert_close(fused.frobenius_normalize_triton(X, torch.bfloat16, parts).double(), ref,
+                                   **BF16_TOL)
+        torch.testing.assert_close(ew.frobenius_normalize_reference(X, torch.bfloat16, parts).double(), ref,
+                                   **BF16_TOL)
 
 
 def test_strided_pieces_are_written_in_place():
