@@ -1,6 +1,5 @@
-r"""The optimizers' elementwise passes: Muon's around Newton–Schulz, and AdamW's. The dispatch between the fused
-Triton kernels (:mod:`matrixopt.kernels.muon_fused` and :mod:`matrixopt.kernels.adamw_fused`, which hold the
-blocked algorithms) and the torch references here.
+r"""Muon's elementwise passes around Newton–Schulz: the dispatch between the fused Triton kernels
+(:mod:`matrixopt.kernels.muon_fused`, which holds the blocked algorithms) and the torch references here.
 
 - :func:`momentum_pack`: ``B <- B + (1 - mu)(G - B)``; the update ``G + mu (B - G)`` (Nesterov) or ``B`` packed into
   a ``(k, s, l)`` stack short side first (tall matrices transposed); the fused kernel also sums the squares of
@@ -8,8 +7,6 @@ blocked algorithms) and the torch references here.
 - :func:`frobenius_normalize`: each stacked matrix divided by its Frobenius norm, summed in float64.
 - :func:`apply_update`: ``W <- (1 - lr wd) W - lr s(m, n) Y`` from the Newton–Schulz output, transposed back for
   tall matrices.
-- :func:`adamw_kernels`: whether AdamW's update of a list of tensors runs the Triton kernel (the optimizers keep
-  torch's own AdamW paths for the rest).
 
 Dispatch: the three run the Triton kernels for CUDA tensors they can take (see :func:`fusable`) outside
 ``torch.compile``, and the torch references otherwise (the CPU, no Triton). :func:`elementwise_backend` forces one
@@ -38,15 +35,6 @@ def fused_kernels() -> ModuleType | None:
     except ImportError:
         return None
     return muon_fused
-
-
-def adamw_fused_kernels() -> ModuleType | None:
-    """The Triton AdamW kernel's module, or None without Triton."""
-    try:
-        from matrixopt.kernels import adamw_fused
-    except ImportError:
-        return None
-    return adamw_fused
 
 
 def fusable(*tensors: Sequence[Tensor]) -> bool:
@@ -115,12 +103,12 @@ def _on_gpu(*tensors: Sequence[Tensor]) -> bool:
     return not torch.compiler.is_compiling() and all(t.is_cuda for ts in tensors for t in ts)
 
 
-def _kernels(auto: bool, load: Callable[[], ModuleType | None] = fused_kernels) -> ModuleType | None:
-    """The kernels' module (``load()``) if the forced backend, else ``auto`` (whether the kernels suit these
-    tensors on a GPU), asks for Triton and Triton is there; None for the torch references."""
+def _kernels(auto: bool) -> ModuleType | None:
+    """The kernels' module if the forced backend, else ``auto`` (whether the kernels suit these tensors on a
+    GPU), asks for Triton and Triton is there; None for the torch references."""
     if not (_switch.name == "triton" if _switch.name != "auto" else auto):
         return None
-    fused = load()
+    fused = fused_kernels()
     if fused is None and _switch.name == "triton":
         raise ImportError("elementwise_backend('triton') needs Triton: pip install triton")
     return fused
@@ -170,16 +158,6 @@ def apply_update(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int]
     else:
         _no_skip(skip)
         apply_update_reference(params, Y, scale, lr, weight_decay, transpose)
-
-
-def adamw_kernels(*tensors: Sequence[Tensor]) -> ModuleType | None:
-    """The Triton AdamW module (:func:`matrixopt.kernels.adamw_fused.adamw_triton`) where the dispatch runs AdamW's
-    update of these lists of tensors (parameters, gradients, moments) through it: contiguous, of the kernels'
-    dtypes, and on CUDA outside ``torch.compile`` unless the backend is forced to ``"triton"``; None where the
-    caller keeps torch's AdamW."""
-    if not all(t.is_contiguous() and t.dtype in KERNEL_DTYPES for ts in tensors for t in ts):
-        return None
-    return _kernels(_on_gpu(*tensors), adamw_fused_kernels)
 
 
 def _no_skip(skip: Tensor | None) -> None:

@@ -19,8 +19,6 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from matrixopt.kernels import muon_elementwise
-
 
 class NonFiniteGradientError(FloatingPointError):
     """A gradient holds NaN or Inf. Raised before any parameter or state is touched (with
@@ -73,14 +71,6 @@ def nonfinite_flags(grads: list[Tensor], device: torch.device) -> Tensor:
         for j, i in enumerate(idx):  # views, not an index list (which would go to the GPU with a host sync)
             flags[i] = bad[j]
     return torch.stack(flags) if flags else torch.zeros(0, device=device)
-
-
-def _by_dtypes(params: list[Tensor], grads: list[Tensor]) -> list[list[int]]:
-    """Indices of ``params`` grouped by (parameter dtype, gradient dtype), in order of first appearance."""
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for i, (p, g) in enumerate(zip(params, grads)):
-        groups[(p.dtype, g.dtype)].append(i)
-    return list(groups.values())
 
 
 def _check_finite(name: str, value: Any) -> None:
@@ -365,11 +355,10 @@ class MatrixOptimizer(Optimizer):
     # ----------------------------------------------------------------------------------- AdamW
     def _adamw_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                       skip: Tensor | None = None) -> None:
-        """Decoupled-weight-decay Adam. Float32 state for every parameter dtype. On CUDA, our Triton kernel (one
-        launch for every tensor: :mod:`matrixopt.kernels.adamw_fused`); elsewhere, PyTorch's fused kernel when the
+        """Decoupled-weight-decay Adam. Float32 state for every parameter dtype; PyTorch's fused kernel when the
         parameters are float32 (outside torch.compile, whose functionalization can't trace it), a foreach path
-        otherwise. ``skip``: a 0-d float32 device flag, nonzero to write nothing (read by the Triton kernel, the
-        fused kernel's ``found_inf``; the foreach path checks it on the host)."""
+        otherwise. ``skip``: a 0-d float32 device flag, nonzero to write nothing (the fused kernel's
+        ``found_inf``; the foreach path checks it on the host)."""
         exp_avgs, exp_avg_sqs, steps = [], [], []
         for p in params:
             st = self.state[p]
@@ -382,25 +371,18 @@ class MatrixOptimizer(Optimizer):
             steps.append(st["step"])
         beta1, beta2 = group["betas"]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        triton_kernel = muon_elementwise.adamw_kernels(params, grads, exp_avgs, exp_avg_sqs)
         fused_ok = not torch.compiler.is_compiling()  # traced graphs can't functionalize _fused_adamw_
         fused = fused_ok and all(p.dtype == torch.float32 and g.dtype == torch.float32 for p, g in zip(params, grads))
-        if skip is not None and not (fused or triton_kernel):  # the foreach path can't skip on the device
+        if skip is not None and not fused:  # the foreach path can't skip on the device: check on the host now
             if self._skip_on_host():
                 return
             skip = None
         torch._foreach_add_(steps, 1.0)
         if skip is not None:
             torch._foreach_sub_(steps, [skip] * len(steps))
-        if isinstance(lr, Tensor) and (fused or triton_kernel):
-            lr = lr.to(params[0].device)
-        if triton_kernel:
-            lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
-            for idx in _by_dtypes(params, grads):
-                triton_kernel.adamw_triton(*([x[i] for i in idx] for x in lists), lr=lr, beta1=beta1, beta2=beta2,
-                                           eps=eps, weight_decay=wd, skip=skip)
-            return
         if fused:
+            if isinstance(lr, Tensor):
+                lr = lr.to(params[0].device)
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
                                 weight_decay=wd, eps=eps, amsgrad=False, maximize=False, found_inf=skip)
             return

@@ -74,8 +74,7 @@ class Muon(MatrixOptimizer):
             ``step()``, ``state_dict()`` or ``raise_deferred_nonfinite()`` instead of by this one. The sync costs
             a training loop its lead over the GPU (the next forward then waits on the host); the trainer sets
             this. Matrices the fused kernels can't take (off CUDA, non-unit column stride) and AdamW parameters
-            that neither our AdamW kernel (CUDA, contiguous) nor torch's fused one (float32) takes still check on
-            the host. Not with ``skip_nonfinite``.
+            that are not float32 still check on the host. Not with ``skip_nonfinite``.
         cuda_graph: on CUDA, capture the matrix groups' step (fused momentum pass, Newton–Schulz, fused update) in
             one CUDA graph per set of parameters, after one eager step, and replay it: one launch instead of ~20
             kernels per bucket, for models whose step is bound by the host (on an H100: 3.7x faster on a toy GPT,
