@@ -6,14 +6,20 @@ few hand-picked candidates (a plain function of the problem shape), they are tim
 ``triton.testing.do_bench`` (median) and the winner is cached for the life of the process. A candidate that does
 not fit the GPU (Triton's OutOfResources) is passed over. On the CPU (the Triton interpreter, used by the tests)
 the first candidate is taken without timing.
+
+A shape's first call is mostly Triton compiling each candidate, and Triton's compiler releases the GIL: so before
+timing, :func:`pick` compiles the candidates at once on a thread pool (:func:`launch_kernel` is how the tuned
+kernels are launched: it only compiles while a worker precompiles).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import TypeVar
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 
@@ -24,6 +30,44 @@ TUNE_WARMUP_MS = 5
 TUNE_REP_MS = 20
 
 _CHOSEN: dict[Hashable, object] = {}
+_COMPILING = threading.local()  # .on: this thread only compiles what launch_kernel is given
+_FIRST_USE = threading.Lock()
+
+
+def launch_kernel(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """``kernel[grid](*args, **kwargs)``; in a worker of :func:`pick`'s precompile, only the compile (Triton's
+    ``warmup``: nothing runs on the GPU)."""
+    if not compiling():
+        kernel[grid](*args, **kwargs)
+        return
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        with _FIRST_USE:  # Triton makes a kernel's per-device cache on first use, unguarded: once, not per thread
+            caches[torch.cuda.current_device()]
+    kernel.warmup(*args, grid=grid, **kwargs)
+
+
+def compiling() -> bool:
+    """Whether this thread is one of :func:`pick`'s precompile workers."""
+    return getattr(_COMPILING, "on", False)
+
+
+def _precompile(candidates: Sequence[C], launch: Callable[[C], object], device: torch.device) -> None:
+    """Compile every candidate's kernels at once, one thread each (launches turned into compiles). A failure is
+    left for the timing, which meets it again in order."""
+    def compile_one(c: C) -> None:
+        _COMPILING.on = True
+        try:
+            on_gpu = device.type == "cuda" and torch.cuda.is_available()  # (the tests fake CUDA launches)
+            with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
+                launch(c)
+        except Exception:  # noqa: BLE001 - reported when the candidate is timed
+            pass
+        finally:
+            _COMPILING.on = False
+
+    with ThreadPoolExecutor(max_workers=len(candidates)) as pool:  # a handful; the compiler's own threads
+        list(pool.map(compile_one, candidates))
 
 
 def pick(key: Hashable, candidates: Callable[[], Sequence[C]], launch: Callable[[C], object],
@@ -39,6 +83,7 @@ def pick(key: Hashable, candidates: Callable[[], Sequence[C]], launch: Callable[
         import triton
         import triton.testing
 
+        _precompile(candidates, launch, device)
         times, failures = [], []
         for c in candidates:
             try:

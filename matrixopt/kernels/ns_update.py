@@ -33,7 +33,7 @@ except ImportError as e:  # pragma: no cover - exercised by the dispatcher test 
     raise ImportError("matrixopt.kernels.ns_update needs Triton: pip install triton (or pip install "
                       "matrixopt[triton])") from e
 
-from matrixopt.kernels._tuning import pick
+from matrixopt.kernels._tuning import launch_kernel, pick
 from matrixopt.kernels.syrk import NUM_SMS_H100, TensorDescriptor, num_sms, tma_compatible
 
 # ----------------------------------------------------------------------------------------------- autotune configs
@@ -155,7 +155,7 @@ def _launch_tma(B: Tensor, X: Tensor, out: Tensor, a: float, cfg: GemmConfig) ->
     batch, m, n = X.shape
     num_tiles = batch * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = min(num_tiles, num_sms(X.device))
-    _ns_update_tma_kernel[(programs,)](
+    launch_kernel(_ns_update_tma_kernel, (programs,),
         TensorDescriptor.from_tensor(B, [1, cfg.block_m, cfg.block_k]),
         TensorDescriptor.from_tensor(X, [1, cfg.block_k, cfg.block_n]),
         TensorDescriptor.from_tensor(X, [1, cfg.block_m, cfg.block_n]),
@@ -172,7 +172,7 @@ def _launch(B: Tensor, X: Tensor, out: Tensor, a: float, cfg: GemmConfig) -> Non
         return
     batch, m, n = X.shape
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), batch)
-    _ns_update_kernel[grid](
+    launch_kernel(_ns_update_kernel, grid,
         B, X, out, m, n,
         B.stride(0), B.stride(1), B.stride(2),
         X.stride(0), X.stride(1), X.stride(2),

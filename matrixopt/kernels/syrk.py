@@ -52,7 +52,7 @@ try:
 except ImportError:  # pragma: no cover - Triton < 3.3 has no host-side tensor descriptors: pointer kernels only
     TensorDescriptor = None
 
-from matrixopt.kernels._tuning import pick
+from matrixopt.kernels._tuning import launch_kernel, pick
 
 # ----------------------------------------------------------------------------------------------- autotune configs
 
@@ -292,7 +292,7 @@ def _launch_tma(X: Tensor, W: Tensor, Y: Tensor | None, out: Tensor, alpha: floa
     w_desc = x_desc if W is X else TensorDescriptor.from_tensor(W, [1, cfg.block, cfg.block_k])
     o_desc = TensorDescriptor.from_tensor(out, [1, cfg.block, cfg.block])
     y_desc = TensorDescriptor.from_tensor(Y, [1, cfg.block, cfg.block]) if Y is not None else o_desc
-    _syrk_tma_kernel[(programs,)](
+    launch_kernel(_syrk_tma_kernel, (programs,),
         x_desc, w_desc, y_desc, o_desc, m, k, items, per_matrix, programs, alpha, beta,
         BLOCK=cfg.block, BLOCK_K=cfg.block_k, HAS_Y=Y is not None, PAIR=cfg.pair,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -311,7 +311,7 @@ def _launch(X: Tensor, W: Tensor, Y: Tensor | None, out: Tensor, alpha: float, b
     y = Y if Y is not None else out  # unread when HAS_Y is False
     partial = split > 1
     dst = torch.empty((split * batch, m, m), device=X.device, dtype=torch.float32) if partial else out
-    _syrk_kernel[(T * (T + 1) // 2, batch, split)](
+    launch_kernel(_syrk_kernel, (T * (T + 1) // 2, batch, split),
         X, W, y, dst, m, k, k_per_split,
         X.stride(0), X.stride(1), X.stride(2),
         W.stride(0), W.stride(1), W.stride(2),
@@ -324,8 +324,8 @@ def _launch(X: Tensor, W: Tensor, Y: Tensor | None, out: Tensor, alpha: float, b
     if partial:
         n = batch * m * m
         block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(n, block),)](
-            dst, y, out, n, split, alpha, beta, HAS_Y=Y is not None, BLOCK=block, num_warps=4)
+        launch_kernel(_splitk_reduce_kernel, (triton.cdiv(n, block),), dst, y, out, n, split, alpha, beta,
+                      HAS_Y=Y is not None, BLOCK=block, num_warps=4)
 
 
 def syrk(X: Tensor, alpha: float = 1.0, beta: float = 0.0, Y: Tensor | None = None, *, W: Tensor | None = None,

@@ -23,11 +23,12 @@ def _too_big(name):
 def test_fastest_candidate_wins_and_is_cached(monkeypatch):
     _fake_bench(monkeypatch, {"a": 2.0, "b": 1.0, "c": 3.0})
     calls = []
-    launch = lambda c: calls.append(c) or c  # noqa: E731
+    launch = lambda c: calls.append((c, _tuning.compiling())) or c  # noqa: E731
     key = ("test", "fastest")
     assert _tuning.pick(key, lambda: ["a", "b", "c"], launch, torch.device("cuda")) == "b"
     assert _tuning.pick(key, lambda: ["a", "b", "c"], launch, torch.device("cuda")) == "b"
-    assert calls == ["a", "b", "c"]  # timed once
+    assert sorted(c for c, comp in calls[:3] if comp) == ["a", "b", "c"]  # compiled first, on the workers
+    assert [c for c, comp in calls if not comp] == ["a", "b", "c"]  # then timed once each
 
 
 def test_candidates_that_do_not_fit_are_passed_over(monkeypatch):
@@ -36,3 +37,36 @@ def test_candidates_that_do_not_fit_are_passed_over(monkeypatch):
     assert _tuning.pick(("test", "oor"), lambda: ["a", "b", "c"], launch, torch.device("cuda")) == "a"
     with pytest.raises(RuntimeError, match="no kernel config fits"):
         _tuning.pick(("test", "all-oor"), lambda: ["b", "b"], launch, torch.device("cuda"))
+
+
+class _FakeKernel:
+    """Records launches and compiles; each compile waits at a barrier for the others, so the compiles must
+    overlap (one after another they would time out there)."""
+
+    def __init__(self, barrier):
+        self.barrier, self.launched, self.compiled = barrier, [], []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launched.append((grid, args, kw))
+
+    def warmup(self, *args, grid, **kw):
+        self.barrier.wait()
+        self.compiled.append((grid, args, kw))
+
+
+def test_launch_kernel_compiles_concurrently_in_the_precompile_and_launches_otherwise():
+    import threading
+
+    kernel = _FakeKernel(threading.Barrier(3, timeout=10))
+    launch = lambda c: _tuning.launch_kernel(kernel, (c,), "x", BLOCK=c)  # noqa: E731
+    _tuning._precompile([64, 128, 256], launch, torch.device("cuda"))
+    assert sorted(g for g, _, _ in kernel.compiled) == [(64,), (128,), (256,)] and not kernel.launched
+    assert not _tuning.compiling()
+    launch(64)
+    assert kernel.launched == [((64,), ("x",), {"BLOCK": 64})]
+
+
+def test_a_failing_compile_is_left_for_the_timing(monkeypatch):
+    _fake_bench(monkeypatch, {"a": 2.0, "c": 3.0})
+    launch = lambda c: _too_big(c) if c == "b" else c  # noqa: E731  (fails compiling and timing alike)
+    assert _tuning.pick(("test", "compile-fails"), lambda: ["b", "a", "c"], launch, torch.device("cuda")) == "a"
