@@ -16,7 +16,8 @@ to even out optimizer-state memory without raising the largest cost (:mod:`.bala
    batches give the single-process gradient of the global batch) and runs the registered optimizer on its
    parameters in ``step_chunks`` chunks; after each chunk it broadcasts the finished buckets.
 3. next forward: a pre-forward hook on each module waits for the buckets holding that module's parameters, so
-   the broadcasts overlap the rest of the step and the start of the forward.
+   the broadcasts overlap the rest of the step and the start of the forward. With ``broadcast_dtype`` the matrix
+   optimizer's parameters travel in that dtype (bf16 under autocast: half the bytes, the same forward).
 
 AdamW-routed parameters are owned whole too (not ZeRO-1 slices): one rank runs AdamW on them and holds their
 moments. Low-precision parameters (bf16) get an fp32 master copy on their owner only; the optimizer updates the
@@ -70,6 +71,7 @@ class Bucket:
     param_work: Any = None
     param_buffer: Tensor | None = None
     seen: set[int] = field(default_factory=set)
+    wire: torch.dtype | None = None  # the dtype its parameters are broadcast in (None: their own)
 
     def segment(self, buf: Tensor, k: int) -> Tensor:
         p = self.params[k]
@@ -116,6 +118,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         step_chunks: the owner runs its step in this many chunks and broadcasts after each (1 = no overlap of
             the broadcasts with the owner's compute, only with the next forward).
         reduce_dtype: dtype of the gradient reduction (None: the parameter dtype, as DDP does).
+        broadcast_dtype: dtype the matrix optimizer's parameters are broadcast in after a step (None: their own).
+            ``torch.bfloat16`` halves the broadcast of fp32 matrices: the other ranks then hold the owner's value
+            rounded to bf16, while the owner keeps the exact one (what it steps from, and what checkpoints save).
+            Training is unchanged where the model uses those matrices only in bf16 autocast products (autocast
+            rounds them to the same bf16), as a transformer's linear layers are; the trainer sets it under bf16
+            autocast. Elsewhere the other ranks would compute with the rounded values.
         cost: ``cost(m, n)`` of one step on one matrix, for LPT; default ``balance.MATRIX_COSTS[name]``.
         adamw, matrix, splits, experts: routing, as in :func:`matrixopt.build_optimizer`.
         hparams: the optimizer's hyperparameters (lr, weight_decay, ...).
@@ -126,7 +134,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, name: str, *, process_group: comm.Group | None = None,
                  timeout: timedelta = timedelta(minutes=10), bucket_cap_mb: float = 25.0, step_chunks: int = 2,
-                 reduce_dtype: torch.dtype | None = None, cost: Callable[[int, int], float] | None = None,
+                 reduce_dtype: torch.dtype | None = None, broadcast_dtype: torch.dtype | None = None,
+                 cost: Callable[[int, int], float] | None = None,
                  adamw: Sequence[str] = (), matrix: Sequence[str] = (),
                  splits: Mapping[str, int | Sequence[int]] | None = None, experts: Sequence[str] = (),
                  verbose: bool = False, **hparams: Any) -> None:
@@ -136,6 +145,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         if not isinstance(step_chunks, int) or step_chunks < 1:
             raise ValueError(f"step_chunks must be an int >= 1, got {step_chunks!r}")
+        if broadcast_dtype is not None and not (isinstance(broadcast_dtype, torch.dtype)
+                                                and broadcast_dtype.is_floating_point):
+            raise ValueError(f"broadcast_dtype must be a floating-point torch.dtype (e.g. torch.bfloat16), got "
+                             f"{broadcast_dtype!r}")
         self.group = process_group if process_group is not None else comm.new_group(timeout)
         self.rank, self.world_size = comm.rank(self.group), comm.world_size(self.group)
         self.name = name
@@ -175,6 +188,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             print(self.assignment.summary())
 
         self._bucket_cap, self._reduce_dtype = int(bucket_cap_mb * 2**20), reduce_dtype
+        self._wire = {id(p): broadcast_dtype for p, m in zip(self.params, is_matrix)
+                      if m and broadcast_dtype is not None and p.dtype != broadcast_dtype}
         self._modules = [m for m in model.modules() if any(id(p) in self.owner for p in m.parameters(recurse=False))]
         self.masters: dict[int, Tensor] = {}
         self.chunks: list[Chunk] = []
@@ -247,14 +262,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             for m in self._modules}
 
     def _make_buckets(self, arrival: list[int]) -> list[Bucket]:
-        """Walk the parameters in the order their gradients arrive, filling one open bucket per (owner, dtype),
-        closed at the size cap; then number the buckets so that the last one is complete first: by when their
-        last gradient arrives, latest first. That is the order the next forward needs them in."""
+        """Walk the parameters in the order their gradients arrive, filling one open bucket per (owner, dtype,
+        broadcast dtype), closed at the size cap; then number the buckets so that the last one is complete first:
+        by when their last gradient arrives, latest first. That is the order the next forward needs them in."""
         when = {id(self.params[i]): t for t, i in enumerate(arrival)}
-        open_: dict[tuple[int, torch.dtype], list[Tensor]] = {}
+        open_: dict[tuple[int, torch.dtype, torch.dtype | None], list[Tensor]] = {}
         closed: list[list[Tensor]] = []
         for p in (self.params[i] for i in arrival):
-            key = (self.owner[id(p)], p.dtype)
+            key = (self.owner[id(p)], p.dtype, self._wire.get(id(p)))
             cur = open_.setdefault(key, [])
             cur.append(p)
             if sum(q.numel() for q in cur) * p.element_size() >= self._bucket_cap:
@@ -270,7 +285,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             dtype = self._reduce_dtype or ps[0].dtype
             direct = len(ps) == 1 and dtype == ps[0].dtype
             grad = None if direct else torch.zeros(offsets[-1], dtype=dtype, device=ps[0].device)
-            buckets.append(Bucket(bi, self.owner[id(ps[0])], ps, offsets[:-1], offsets[-1], grad, direct))
+            buckets.append(Bucket(bi, self.owner[id(ps[0])], ps, offsets[:-1], offsets[-1], grad, direct,
+                                  wire=self._wire.get(id(ps[0]))))
         return buckets
 
     def _make_chunks(self, groups: list[dict[str, Any]], group_of: dict[int, int], step_chunks: int,
@@ -563,14 +579,15 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------- parameters
     def _launch_param_broadcasts(self, start: int, end: int) -> int:
         for b in self.buckets[start:end]:
-            if len(b.params) == 1 and b.params[0].is_contiguous():
+            if len(b.params) == 1 and b.params[0].is_contiguous() and b.wire is None:
                 b.param_buffer = None
                 b.param_work = comm.broadcast_from_owner(b.params[0].data.view(-1), b.owner, self.group)
                 continue
+            wire = b.wire or b.params[0].dtype
             if b.owner == self.rank:
-                b.param_buffer = torch.cat([p.detach().reshape(-1) for p in b.params])
+                b.param_buffer = torch.cat([p.detach().reshape(-1).to(wire) for p in b.params])
             else:
-                b.param_buffer = torch.empty(b.numel, dtype=b.params[0].dtype, device=b.params[0].device)
+                b.param_buffer = torch.empty(b.numel, dtype=wire, device=b.params[0].device)
             b.param_work = comm.broadcast_from_owner(b.param_buffer, b.owner, self.group)
         return max(start, end)
 

@@ -328,8 +328,13 @@ def parallelize(model: GPT, cfg: TrainConfig, mesh: DeviceMesh | None,
                 # medium is within 1% (docs/results/bench).
                 graph = accepted(name, cuda_graph=True) if next(model.parameters()).is_cuda else {}
                 module, optimizer = model, build_optimizer(model, name, splits=QKV_SPLITS, **(graph | kwargs))
-            case "ddp" | "layerwise":
+            case "ddp":
                 module, optimizer = setup(model, name, cfg.parallel, splits=QKV_SPLITS, **kwargs)
+            case "layerwise":
+                # under bf16 autocast the GPT's matrices feed only bf16 products: broadcasting them in bf16 after
+                # the step halves that traffic and changes no result (the owner keeps the exact value)
+                wire = {"broadcast_dtype": torch.bfloat16} if use_bf16 else {}
+                module, optimizer = setup(model, name, cfg.parallel, splits=QKV_SPLITS, **(wire | kwargs))
             case "fsdp":
                 module, optimizer = model, fsdp_optimizer(model, name, kwargs, mesh, use_bf16, cfg.tp_mode)
             case _:

@@ -311,6 +311,46 @@ def test_deferred_nonfinite_agreement():
     run(_deferred_nonfinite_worker, 2)
 
 
+def _bf16_broadcast_worker(rank: int, world: int) -> None:
+    """Under bf16 autocast, broadcasting the matrices in bf16 changes no loss and no owner's value; the other
+    ranks hold the owner's value rounded to bf16."""
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    runs = {}
+    for wire in (None, torch.bfloat16):
+        torch.manual_seed(0)
+        model, opt = mdist.layerwise(GPT(cfg), "muon", lr=DEFAULT_LR, bucket_cap_mb=0.01, broadcast_dtype=wire)
+        losses = []
+        for s in range(3):
+            x = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(70 + s))
+            sl = mdist.batch_slice(8)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x[sl, :-1], x[sl, 1:])[1]
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        opt.wait_params()
+        runs[wire] = (model, opt, losses)
+    (ref, _, ref_losses), (model, opt, losses) = runs[None], runs[torch.bfloat16]
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses)), (ref_losses, losses)
+    wires = {b.wire for b in opt.buckets}
+    assert wires == {None, torch.bfloat16}, wires
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        b = opt._bucket_of[id(p)][0]
+        if b.wire is None or b.owner == rank:
+            assert torch.equal(p, q), f"{name}: the owner's value (or an unnarrowed one) must be exact"
+        else:
+            assert torch.equal(p, q.bfloat16().float()) and not torch.equal(p, q), f"{name}: not its bf16 rounding"
+
+
+def test_bf16_broadcast_changes_no_result_under_autocast():
+    run(_bf16_broadcast_worker, 2)
+
+
+def test_broadcast_dtype_must_be_floating():
+    with pytest.raises(ValueError, match="broadcast_dtype must be a floating-point torch.dtype"):
+        mdist.layerwise(Net(), "muon", broadcast_dtype=torch.int8)
+
+
 def _arrival_order_worker(rank: int, world: int) -> None:
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)  # wpe: registered last, used first
 
