@@ -3,10 +3,10 @@
 The trainer's loop cut down for timing (as nanoGPT's ``bench.py`` is to its ``train.py``): the reference GPT
 of :mod:`matrixopt.train.model` with an untied head and vocab 50304 (512 for tiny-cpu), random tokens
 (throughput does not depend on the data), bf16 autocast on CUDA, forward, backward, gradient clipping at 1.0
-and ``optimizer.step()``, with the trainer's optimizer options (``deferred_nonfinite=True`` where taken, and
-``cuda_graph=True`` on a GPU; ``muon+eager`` is Muon without the graph). Each
-optimizer gets a freshly initialized model; ``warmup`` steps, then ``steps`` timed steps in ``reps`` blocks (median
-block).
+(the trainer's: matrixopt's optimizers apply the coefficient inside their step) and ``optimizer.step()``, with
+the trainer's optimizer options (``deferred_nonfinite=True`` where taken, and ``cuda_graph=True`` on a GPU;
+``muon+eager`` is Muon without the graph). Each optimizer gets a freshly initialized model; ``warmup`` steps, then
+``steps`` timed steps in ``reps`` blocks (median block).
 
 MFU uses the model's ``estimate_flops_per_token`` (6 N + 12 L T d, PaLM appendix B) at ``PEAK_BF16_TFLOPS``.
 """
@@ -22,6 +22,7 @@ import torch
 from matrixopt.bench.common import PEAK_BF16_TFLOPS, environment, resolve_device, table, time_ms
 from matrixopt.bench.step import Stepper
 from matrixopt.kernels.ns_step import dispatch_table
+from matrixopt.train.trainer import clip_gradients
 
 # preset -> (batch, block_size, vocab) of the issue's rows; "tiny-cpu" keeps the CPU test fast.
 BATCHES: dict[str, tuple[int, int, int]] = {"gpt2-small": (16, 1024, 50304), "gpt2-medium": (8, 1024, 50304),
@@ -37,7 +38,7 @@ def train_step(net: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
     with autocast:
         _, loss = net(x, y)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+    clip_gradients("none", net, opt, 1.0)  # as the trainer clips: inside the step for matrixopt's optimizers
     opt.step()
     for p in net.parameters():
         p.grad = None

@@ -96,6 +96,7 @@ class ShardedMuon(Muon):
     """
 
     _skips_on_device = False  # the collective updates of sharded matrices check the gradients on the host
+    _defers_grad_scale = False  # clip_grad_norm_ scales the gradients itself (the sharded path reads them raw)
 
     def __init__(self, params: Iterable[Any], *args: Any, tp_mode: str = "auto", tp_mesh_dim: str = "tp",
                  tp_chunks: int = 4, tp_cost_model: CostModel | None = None, **kwargs: Any) -> None:

@@ -85,9 +85,11 @@ def _momentum_pack_kernel(
     skip_ptr,
     # (b, T) float64, T = programs per matrix: each program's sum of squares of its packed tile, when HAS_PARTS
     parts_ptr,
+    # 0-d float32 read when HAS_SCALE: the gradients are multiplied by it first (a deferred clipping coefficient)
+    scale_ptr,
     # meta-parameters
     G_DTYPE: tl.constexpr, NESTEROV: tl.constexpr, TALL: tl.constexpr, HAS_SKIP: tl.constexpr,
-    HAS_PARTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_PARTS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = table_ptr + tl.program_id(1).to(tl.int64) * 5
@@ -103,6 +105,8 @@ def _momentum_pack_kernel(
     rows = tl.where(tl.load(skip_ptr) == 0, R, 0) if HAS_SKIP else R  # no rows at all when skipping
     mask = (offs_r[:, None] < rows) & (offs_c[None, :] < C)
     g = tl.load(g_ptr + offs_r[:, None] * g_rs + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        g = g * tl.load(scale_ptr)
     b_ptrs = b_ptr + offs_r[:, None] * b_rs + offs_c[None, :]
     b = tl.load(b_ptrs, mask=mask, other=0.0)
     b = b + one_minus_mu * (g - b)
@@ -262,7 +266,7 @@ def pack_tiles(s: int, l: int) -> int:
 def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, momentum: float,
                          nesterov: bool, transpose: bool | None = None, *,
                          tables: Sequence[Tensor] | None = None, skip: Tensor | None = None,
-                         parts: Tensor | None = None) -> None:
+                         parts: Tensor | None = None, grad_scale: Tensor | None = None) -> None:
     """Momentum step on every matrix and its update packed short side first, by the Triton kernel.
 
     grads: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, ``s <= l``, all of one dtype (fp32, bf16 or
@@ -272,7 +276,9 @@ def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: T
     tables to read instead (static ones, for CUDA graphs). skip: a 0-d float32 device flag; where nonzero at run
     time, nothing is read or written (momentum and stack stay as they were). parts: a contiguous ``(k,
     pack_tiles(s, l))`` float64 tensor that receives per-tile sums of squares of the packed values, each row summing
-    to ``||out[i]||_F^2`` (zeros where skipped): :func:`frobenius_normalize_triton` then skips its own pass."""
+    to ``||out[i]||_F^2`` (zeros where skipped): :func:`frobenius_normalize_triton` then skips its own pass.
+    grad_scale: a 0-d float32 device tensor every gradient is multiplied by as it is read (gradient clipping's
+    coefficient, applied here instead of in a pass of its own); the gradients themselves are left as they are."""
     k, s, l = out.shape
     if not out.is_contiguous() or len(grads) != k:
         raise ValueError(f"momentum_pack needs k={len(grads)} gradients and a contiguous (k, s, l) output; got out "
@@ -287,9 +293,10 @@ def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: T
         table = tables[j] if tables is not None else _table(rows, out.device)
         grid = (triton.cdiv(R, TILE.block_r) * triton.cdiv(C, TILE.block_c), len(rows))
         _momentum_pack_kernel[grid](table, out, R, C, 1.0 - momentum, momentum, table if skip is None else skip,
-                                    table if parts is None else parts,
+                                    table if parts is None else parts, table if grad_scale is None else grad_scale,
                                     G_DTYPE=_TL_DTYPES[grads[0].dtype], NESTEROV=nesterov, TALL=tall,
                                     HAS_SKIP=skip is not None, HAS_PARTS=parts is not None,
+                                    HAS_SCALE=grad_scale is not None,
                                     BLOCK_R=TILE.block_r, BLOCK_C=TILE.block_c, num_warps=TILE.num_warps)
 
 

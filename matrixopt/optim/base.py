@@ -34,6 +34,15 @@ class _PendingCheck:
     work: list[tuple[dict[str, Any], list[Tensor]]]  # the step's (group, params with gradients), for the message
 
 
+@dataclass
+class _PendingClip:
+    """``clip_grad_norm_``'s coefficient, deferred into the next step, and the gradients it was computed from."""
+
+    coef: Tensor  # 0-d float32, on the gradients' device
+    flags: Tensor  # (n,) float32: 1 where a gradient's norm is not finite (NaN/Inf in it, or a float32 overflow)
+    grads: list[tuple[int, int]]  # (id, version counter) of each gradient, in param_groups order
+
+
 class HostMirror:
     """A pinned host buffer that small device tensors (non-finite flags) are copied into without a host sync,
     reused from step to step (pinned allocations are slow). Read the copy after its event completes, and before
@@ -122,6 +131,9 @@ class MatrixOptimizer(Optimizer):
     # whether _matrix_update honours ``skip`` (a device flag) without a host sync; only such optimizers defer the
     # non-finite check (``deferred_nonfinite``), others check on the host
     _skips_on_device = False
+    # whether the step applies clip_grad_norm_'s coefficient as it reads the gradients (Muon's fused momentum pass
+    # and the AdamW path); others have their gradients scaled by clip_grad_norm_ itself
+    _defers_grad_scale = False
     deferred_nonfinite = False  # optimizers unpickled from before the option check on the host
 
     def __init__(self, params: Iterable[Any], matrix_defaults: dict[str, Any], adamw_defaults: dict[str, Any],
@@ -144,6 +156,8 @@ class MatrixOptimizer(Optimizer):
         # float32 flag this step's writes skip on, nonzero when some rank's gradient held NaN/Inf. The wrapper
         # reports the error; the step only writes nothing.
         self.external_skip: Tensor | None = None
+        self._pending_clip: _PendingClip | None = None  # clip_grad_norm_'s coefficient for the next step
+        self._step_grad_scale: Tensor | None = None  # the coefficient the running step applies (see step())
         super().__init__(params, dict(matrix_defaults))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -157,6 +171,8 @@ class MatrixOptimizer(Optimizer):
         self.__dict__.setdefault("_deferred_check", None)  # a pending check (an event, pinned memory) is not pickled
         self.__dict__.setdefault("_flags_host", HostMirror())
         self.__dict__.setdefault("external_skip", None)
+        self.__dict__.setdefault("_pending_clip", None)
+        self.__dict__.setdefault("_step_grad_scale", None)
 
     # ----------------------------------------------------------------------------------- param groups
     def _validate_matrix_group(self, group: dict[str, Any]) -> None:
@@ -251,13 +267,59 @@ class MatrixOptimizer(Optimizer):
         return False
 
     def _defer_check(self, work: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]],
-                     flat: list[Tensor]) -> Tensor:
-        """The deferred check: this step's flags start on their way to the host (read by the next
-        :meth:`raise_deferred_nonfinite`); returns the 0-d float32 device flag the updates skip on."""
-        flags = nonfinite_flags(flat, flat[0].device)
+                     flat: list[Tensor], flags: Tensor | None = None) -> Tensor:
+        """The deferred check: this step's flags (``flags``, else computed) start on their way to the host (read
+        by the next :meth:`raise_deferred_nonfinite`); returns the 0-d float32 device flag the updates skip on."""
+        if flags is None:
+            flags = nonfinite_flags(flat, flat[0].device)
         host, event = self._flags_host.send(flags)
         self._deferred_check = _PendingCheck(host, event, [(g, params) for g, params, _ in work])
         return flags.amax()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the gradients of this optimizer's parameters to a total ``norm_type`` norm of ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)`` does, and return that total norm (a 0-d
+        float32 tensor, before clipping). Call it after backward, right before :meth:`step`.
+
+        Where the optimizer can (Muon: its fused momentum pass and the AdamW path), the gradients are not scaled
+        here: the next :meth:`step` applies the coefficient as it reads them, which saves a read and a write of
+        every gradient, and uses the per-gradient norms as its non-finite check, which saves another read (a
+        gradient whose float32 norm overflows, entries beyond ~1e19, then counts as non-finite). The gradients
+        must not change in between (``zero_grad()`` drops the coefficient; other changes make ``step()`` raise).
+        Other optimizers, and gradients on several devices, are scaled here."""
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        if not math.isfinite(max_norm) or max_norm < 0:
+            raise ValueError(f"clip_grad_norm_ needs a finite max_norm >= 0, got {max_norm}")
+        self._pending_clip = None
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
+        if not grads:
+            return torch.zeros(())
+        if len({g.device for g in grads}) > 1 or any(g.is_sparse for g in grads):
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
+        total = norms.max() if norm_type == math.inf else torch.linalg.vector_norm(norms, norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if self._defers_grad_scale:
+            self._pending_clip = _PendingClip(coef, (~torch.isfinite(norms)).float(),
+                                              [(id(g), g._version) for g in grads])
+        else:
+            torch._foreach_mul_(grads, coef)
+        return total
+
+    def _take_pending_clip(self, flat: list[Tensor]) -> _PendingClip | None:
+        """The coefficient clip_grad_norm_ left for this step, checked against the gradients it was computed
+        from."""
+        pending, self._pending_clip = self._pending_clip, None
+        if pending is not None and pending.grads != [(id(g), g._version) for g in flat]:
+            raise RuntimeError("the gradients changed between clip_grad_norm_() and step(); clip right before "
+                               "step(), after the last backward (zero_grad() drops a clip that is not wanted)")
+        return pending
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._pending_clip = None
+        super().zero_grad(set_to_none)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -276,6 +338,7 @@ class MatrixOptimizer(Optimizer):
                 loss = closure()
         work = [(g, *self._gather(g)) for g in self.param_groups]
         flat = [gr for _, _, grads in work for gr in grads]
+        clip = self._take_pending_clip(flat)
         check = getattr(self, "check_nonfinite", True)
         skip = None
         external = self.external_skip
@@ -287,9 +350,14 @@ class MatrixOptimizer(Optimizer):
                 return loss
         elif (check and self.deferred_nonfinite and self._skips_on_device and flat
                 and all(type(g) is Tensor and g.device == flat[0].device for g in flat)):
-            skip = self._defer_check(work, flat)
+            skip = self._defer_check(work, flat, None if clip is None else clip.flags)
             check = False
-        finite = self._finite_mask(flat) if check else [True] * len(flat)
+        if not check:
+            finite = [True] * len(flat)
+        elif clip is not None:
+            finite = (clip.flags == 0).tolist()
+        else:
+            finite = self._finite_mask(flat)
         if not all(finite):
             if not self.skip_nonfinite:
                 raise NonFiniteGradientError(
@@ -305,6 +373,14 @@ class MatrixOptimizer(Optimizer):
                 kept.append((g, [p for p, f in zip(params, keep) if f], [x for x, f in zip(grads, keep) if f]))
             work = kept
         work = [w for w in work if w[1]]
+        self._step_grad_scale = None if clip is None else clip.coef  # read by the updates as they read gradients
+        try:
+            self._update(work, skip)
+        finally:
+            self._step_grad_scale = None
+        return loss
+
+    def _update(self, work: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]], skip: Tensor | None) -> None:
         side = self._adamw_stream(work)
         if side is not None:
             # AdamW (bound by memory bandwidth) on a side stream, beside the matrix groups' GEMMs
@@ -327,7 +403,6 @@ class MatrixOptimizer(Optimizer):
                 self._adamw_update(group, params, grads, skip)
         if side is not None:
             main.wait_stream(side)
-        return loss
 
     overlap_adamw = True  # set False on an instance to run AdamW after the matrix groups on one stream
 
@@ -380,14 +455,19 @@ class MatrixOptimizer(Optimizer):
         torch._foreach_add_(steps, 1.0)
         if skip is not None:
             torch._foreach_sub_(steps, [skip] * len(steps))
+        scale = self._step_grad_scale  # clip_grad_norm_'s deferred coefficient, or None
         if fused:
             if isinstance(lr, Tensor):
                 lr = lr.to(params[0].device)
+            # the fused kernel divides the gradients by grad_scale as it reads them
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                                weight_decay=wd, eps=eps, amsgrad=False, maximize=False, found_inf=skip)
+                                weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
+                                grad_scale=None if scale is None else scale.reciprocal(), found_inf=skip)
             return
         # foreach path (low-precision parameters): float32 math on 0-d step tensors (no host sync)
         g32 = [g.float() for g in grads]
+        if scale is not None:
+            g32 = torch._foreach_mul(g32, scale)
         torch._foreach_lerp_(exp_avgs, g32, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, g32, g32, 1 - beta2)

@@ -10,7 +10,8 @@ step to step is read at run time, so one capture serves every step:
   ``load_state_dict``): the fused kernels read them from int64 tables, and the graph reads static copies of those
   tables, refreshed before each replay when they changed;
 - the learning rate (a scheduler's): the update kernel reads it from a 0-d device tensor;
-- whether to skip the step (the optimizer's deferred non-finite check): both fused kernels read a 0-d device flag.
+- whether to skip the step (the optimizer's deferred non-finite check): both fused kernels read a 0-d device flag;
+- the gradient clipping coefficient deferred into the step: the momentum pass reads it (1 without clipping).
 
 Everything else (shapes, dtypes, momentum, Nesterov, weight decay, the Newton–Schulz schedule and update scaling)
 is part of the graph; :class:`matrixopt.Muon` keys its graphs on them and captures anew when one changes.
@@ -41,19 +42,25 @@ class CapturedMuonStep:
         device = buckets[0].device
         self.lr = torch.zeros((), dtype=torch.float32, device=device)
         self.skip = torch.zeros((), dtype=torch.float32, device=device)
+        self.grad_scale = torch.ones((), dtype=torch.float32, device=device)
         self._layouts = [self._layout(bk) for bk in buckets]
         self._tables = [tuple([torch.tensor(rows, dtype=torch.int64, device=device) for _, rows in part]
                               for part in layout) for layout in self._layouts]
-        # Before capture, on a side stream as torch.cuda.graph's documentation asks: fn once more (zero stacks; fn
-        # is pure), and the update kernel in its device-lr variant, compiled here rather than during capture, with
-        # lr = 0 and no decay, which leaves every parameter as it is.
+        # Before capture, on a side stream as torch.cuda.graph's documentation asks: the momentum pass with the
+        # skip flag set (it writes nothing), fn once more (zero stacks; fn is pure), and the update kernel in its
+        # device-lr variant with lr = 0 and no decay, which leaves every parameter as it is: every kernel variant
+        # the graph launches is compiled here rather than during capture.
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
+        skip_all = torch.ones((), dtype=torch.float32, device=device)
         with torch.cuda.stream(side), for_cuda_graphs():  # Newton–Schulz paths chosen by their GPU time
-            for bk, (_, apply_tables) in zip(buckets, self._tables):
-                Y = fn(torch.zeros((len(bk.params), bk.s, bk.l), dtype=dtype, device=device),
-                       torch.zeros((len(bk.params), muon_fused.pack_tiles(bk.s, bk.l)), dtype=torch.float64,
-                                   device=device))
+            for bk, (pack_tables, apply_tables) in zip(buckets, self._tables):
+                X = torch.zeros((len(bk.params), bk.s, bk.l), dtype=dtype, device=device)
+                parts = torch.zeros((len(bk.params), muon_fused.pack_tiles(bk.s, bk.l)), dtype=torch.float64,
+                                    device=device)
+                muon_fused.momentum_pack_triton(bk.grads, bk.bufs, X, momentum, nesterov, tables=pack_tables,
+                                                skip=skip_all, parts=parts, grad_scale=self.grad_scale)
+                Y = fn(X, parts)
                 muon_fused.apply_update_triton(bk.params, Y, scale, self.lr, 0.0, tables=apply_tables,
                                                skip=self.skip)
         torch.cuda.current_stream(device).wait_stream(side)
@@ -65,7 +72,7 @@ class CapturedMuonStep:
                 parts = torch.empty((len(bk.params), muon_fused.pack_tiles(bk.s, bk.l)), dtype=torch.float64,
                                     device=device)
                 muon_fused.momentum_pack_triton(bk.grads, bk.bufs, X, momentum, nesterov, tables=pack_tables,
-                                                skip=self.skip, parts=parts)
+                                                skip=self.skip, parts=parts, grad_scale=self.grad_scale)
                 muon_fused.apply_update_triton(bk.params, fn(X, parts), scale, self.lr, weight_decay,
                                                tables=apply_tables, skip=self.skip)
 
@@ -73,9 +80,11 @@ class CapturedMuonStep:
         """The pack and update tables' rows for this step's tensors."""
         return self._fused.pack_rows(bk.grads, bk.bufs, bk.s, bk.l), self._fused.apply_rows(bk.params, bk.s, bk.l)
 
-    def replay(self, buckets: list[Bucket], lr: float | Tensor, skip: Tensor | None = None) -> None:
+    def replay(self, buckets: list[Bucket], lr: float | Tensor, skip: Tensor | None = None,
+               grad_scale: Tensor | None = None) -> None:
         """One step on ``buckets`` (the same parameters, shapes and dtypes as at capture, any addresses); where
-        ``skip`` (a 0-d float32 device flag) is nonzero at run time, nothing is written."""
+        ``skip`` (a 0-d float32 device flag) is nonzero at run time, nothing is written; the gradients are read
+        multiplied by ``grad_scale`` (a 0-d float32 tensor) where given."""
         for i, bk in enumerate(buckets):
             layout = self._layout(bk)
             if layout != self._layouts[i]:
@@ -91,4 +100,8 @@ class CapturedMuonStep:
             self.skip.zero_()
         else:
             self.skip.copy_(skip)
+        if grad_scale is None:
+            self.grad_scale.fill_(1.0)
+        else:
+            self.grad_scale.copy_(grad_scale)
         self.graph.replay()

@@ -123,7 +123,7 @@ def momentum_buckets(params: list[Tensor], grads: list[Tensor],
 def orthogonalized_momentum_step(buckets: list[Bucket], copies: list[tuple[Tensor, Tensor]], *, momentum: float,
                                  nesterov: bool, fn: Callable[[Tensor, Tensor | None], Tensor], dtype: torch.dtype,
                                  scale: Callable[[int, int], float], lr: float | Tensor, weight_decay: float,
-                                 skip: Tensor | None = None) -> None:
+                                 skip: Tensor | None = None, grad_scale: Tensor | None = None) -> None:
     """Muon's step on every ``(m, n)`` matrix piece of :func:`momentum_buckets`' buckets, one batch per bucket:
 
         B <- mu B + (1 - mu) G;   U = G + mu (B - G) (Nesterov) or B
@@ -136,7 +136,8 @@ def orthogonalized_momentum_step(buckets: list[Bucket], copies: list[tuple[Tenso
     off the fused kernels. ``lr``: a float, or a 0-d tensor on the parameters'
     device (no host sync). ``skip``: a 0-d float32 device flag; where nonzero at run time nothing is written. It
     needs every bucket on the fused kernels (:func:`matrixopt.kernels.muon_elementwise.skips_on_device`) and no
-    copies.
+    copies. ``grad_scale``: a 0-d float32 tensor every gradient is multiplied by as it is read (a deferred
+    clipping coefficient, :meth:`matrixopt.optim.base.MatrixOptimizer.clip_grad_norm_`).
 
     Per ``(s, l)`` bucket, a wide ``(768, 3072)`` and a tall ``(3072, 768)`` weight together: one fused pass
     writes the momentum and packs the updates into the stack, one ``fn`` call, one fused pass applies the scaled
@@ -145,7 +146,7 @@ def orthogonalized_momentum_step(buckets: list[Bucket], copies: list[tuple[Tenso
         raise ValueError("skip needs every matrix viewed in place (no copies written back)")
     for bk in buckets:
         X = torch.empty((len(bk.params), bk.s, bk.l), dtype=dtype, device=bk.device)
-        parts = momentum_pack(bk.grads, bk.bufs, X, momentum, nesterov, skip=skip)
+        parts = momentum_pack(bk.grads, bk.bufs, X, momentum, nesterov, skip=skip, grad_scale=grad_scale)
         apply_update(bk.params, fn(X, parts), scale, lr, weight_decay, skip=skip)
     for t, c in copies:
         t.copy_(c)

@@ -90,6 +90,7 @@ class Muon(MatrixOptimizer):
 
     cuda_graph = False  # MOP and optimizers unpickled from before the option keep the eager step
     _skips_on_device = True  # the fused kernels (and the captured step) honour the deferred check's flag
+    _defers_grad_scale = True  # the momentum pass applies clip_grad_norm_'s coefficient as it reads a gradient
     _added_options = ("ns_method",)
 
     def __init__(self, params: Iterable[Any], lr: float | Tensor = 1e-3, momentum: float = 0.95,
@@ -179,13 +180,15 @@ class Muon(MatrixOptimizer):
                     fn=lambda X, parts: self._orthogonalize(group, X, parts),
                     dtype=self._stack_dtype(group, params[0].device),
                     scale=lambda m, n: update_scale(group["scaling"], m, n), weight_decay=group["weight_decay"])
-        if not (self.cuda_graph and fusable and self._graph_step(group, params, grads, buckets, lr, skip, step)):
-            orthogonalized_momentum_step(buckets, copies, lr=lr, skip=skip, **step)
+        grad_scale = self._step_grad_scale
+        if not (self.cuda_graph and fusable
+                and self._graph_step(group, params, grads, buckets, lr, skip, grad_scale, step)):
+            orthogonalized_momentum_step(buckets, copies, lr=lr, skip=skip, grad_scale=grad_scale, **step)
 
     _MAX_GRAPHS = 8  # captured steps kept per optimizer (one per set of parameters with gradients and settings)
 
     def _graph_step(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], buckets: list[Bucket],
-                    lr: float | Tensor, skip: Tensor | None, step: dict[str, Any]) -> bool:
+                    lr: float | Tensor, skip: Tensor | None, grad_scale: Tensor | None, step: dict[str, Any]) -> bool:
         """The step through a captured CUDA graph, for buckets the fused kernels take; False where it can't be
         (then the caller steps eagerly): off CUDA, without Triton, for subclasses that orthogonalize otherwise
         (MOP's SVD, collectives), and on the first step of a new set of parameters or settings, which runs eagerly
@@ -206,7 +209,7 @@ class Muon(MatrixOptimizer):
             return False
         if captured == "warm":
             captured = graphs[key] = CapturedMuonStep(buckets, **step)
-        captured.replay(buckets, lr, skip)
+        captured.replay(buckets, lr, skip, grad_scale)
         return True
 
 

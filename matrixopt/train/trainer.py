@@ -59,6 +59,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from matrixopt.optim.base import MatrixOptimizer
 from matrixopt.train.config import TrainConfig, from_dict, lr_multiplier
 from matrixopt.train.data import Dataset, load_dataset, train_batch, val_offsets, windows
 from matrixopt.train.model import GPT
@@ -418,6 +419,8 @@ def clip_gradients(parallel: str, model: nn.Module, optimizer: torch.optim.Optim
             total = torch.linalg.vector_norm(torch.stack(norms))
             for ps in meshes:
                 nn.utils.clip_grads_with_norm_(ps, max_norm, total)
+        case _ if isinstance(optimizer, MatrixOptimizer):  # every parameter; the step applies the coefficient
+            optimizer.clip_grad_norm_(max_norm)
         case _:
             nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 

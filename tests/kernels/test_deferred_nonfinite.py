@@ -79,6 +79,30 @@ def test_state_dict_raises_a_pending_error_and_finite_steps_equal_the_host_check
         assert torch.equal(a, b)
 
 
+def test_a_clip_before_the_step_is_its_check():
+    """With clip_grad_norm_ the deferred check reuses the clip's norms: a NaN still skips the step on the device
+    and is reported by the next call; finite clipped steps equal torch's clip followed by the step."""
+    with elementwise_backend("triton"):
+        params, opt = _setup(True)
+        ref_params, ref = _setup(False)
+        for seed in range(2):
+            for ps in (params, ref_params):
+                _set_grads(ps, seed)
+            opt.clip_grad_norm_(1.0)
+            torch.nn.utils.clip_grad_norm_(ref_params, 1.0)
+            opt.step()
+            ref.step()
+        before = _snapshot(params, opt)
+        _set_grads(params, 9, bad=1)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(params, opt))), "a skipped step wrote"
+        with pytest.raises(NonFiniteGradientError, match=r"params\[1\]"):
+            opt.raise_deferred_nonfinite()
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_skip_flag_in_the_fused_kernels():
     torch.manual_seed(0)
     grads = [torch.randn(16, 24), torch.randn(24, 16)]

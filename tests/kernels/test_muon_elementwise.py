@@ -55,6 +55,28 @@ def test_momentum_pack_matches_float64(grad_dtype, out_dtype, nesterov):
                                    **(FP32_TOL if out_dtype == torch.float32 else BF16_TOL))
 
 
+def test_momentum_pack_reads_gradients_scaled():
+    """grad_scale (a deferred clipping coefficient) multiplies each gradient as it is read, in both paths, and
+    leaves the gradients as they are."""
+    torch.manual_seed(3)
+    grads = [torch.randn(s) for s in shapes()]
+    raw = [g.clone() for g in grads]
+    scale = torch.tensor(0.37)
+    outs, bufs = [], []
+    for pack, gs, kw in ((fused.momentum_pack_triton, grads, dict(grad_scale=scale)),
+                         (ew.momentum_pack_reference, grads, dict(grad_scale=scale)),
+                         (fused.momentum_pack_triton, [g * scale for g in grads], {})):
+        b = [torch.ones(s) for s in shapes()]
+        out = torch.empty(len(grads), S, L)
+        pack(gs, b, out, 0.9, True, **kw)
+        outs.append(out)
+        bufs.append(torch.cat([x.flatten() for x in b]))
+    assert torch.equal(outs[0], outs[2]) and torch.equal(bufs[0], bufs[2])  # the same float32 product
+    torch.testing.assert_close(outs[1], outs[0], **FP32_TOL)  # the reference: foreach lerps, a few ulps apart
+    torch.testing.assert_close(bufs[1], bufs[0], **FP32_TOL)
+    assert all(torch.equal(g, r) for g, r in zip(grads, raw))  # the gradients themselves are not written
+
+
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tensor_lr", [False, True])
 def test_apply_update_matches_float64(param_dtype, tensor_lr):

@@ -312,9 +312,10 @@ def test_zero_gradient_gives_no_nan():
     assert torch.equal(p.detach(), before)
 
 
-def _graph_run(device, cuda_graph, reload_at=None, steps=6, ns_method="auto"):
+def _graph_run(device, cuda_graph, reload_at=None, steps=6, ns_method="auto", clip=None):
     """Muon on a small set of matrices (two buckets, tall and wide, a fused split) with a scheduler, fresh
-    gradient tensors every step and, optionally, a state_dict round trip; returns the parameters."""
+    gradient tensors every step and, optionally, a state_dict round trip and gradient clipping at ``clip`` (by
+    the optimizer where ``cuda_graph``, else by torch); returns the parameters."""
     torch.manual_seed(7)
     params = [nn.Parameter(torch.randn(s, device=device)) for s in [(48, 80), (80, 48), (32, 32), (96, 32)]]
     matrixopt.mark_split(params[3], 3)
@@ -326,6 +327,10 @@ def _graph_run(device, cuda_graph, reload_at=None, steps=6, ns_method="auto"):
         keep.append(torch.empty(1000 * (t + 1), device=device))  # later gradients land at other addresses
         for p in params:
             p.grad = torch.randn(p.shape, device=device, generator=gen)
+        if clip is not None and cuda_graph:
+            opt.clip_grad_norm_(clip)
+        elif clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         sched.step()
         if t == reload_at:
@@ -344,15 +349,16 @@ def test_cuda_graph_option_steps_eagerly_off_cuda_and_pickles():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("ns_method", ["standard", "gram"])
-def test_cuda_graph_step_matches_eager_step_on_gpu(ns_method):
+@pytest.mark.parametrize("ns_method,clip", [("standard", None), ("gram", None), ("gram", 5.0)])
+def test_cuda_graph_step_matches_eager_step_on_gpu(ns_method, clip):
     from matrixopt.kernels.ns_step import ns_backend
     from matrixopt.optim.graphed import CapturedMuonStep
 
-    # one Newton–Schulz path for both: "auto" decides graphed shapes apart, backend and form alike
+    # one Newton–Schulz path for both: "auto" decides graphed shapes apart, backend and form alike; with clip,
+    # the graph reads the optimizer's deferred coefficient where the eager run had torch scale the gradients
     with ns_backend("triton"):
-        eager, _ = _graph_run("cuda", False, reload_at=3, ns_method=ns_method)
-        graphed, opt = _graph_run("cuda", True, reload_at=3, ns_method=ns_method)
+        eager, _ = _graph_run("cuda", False, reload_at=3, ns_method=ns_method, clip=clip)
+        graphed, opt = _graph_run("cuda", True, reload_at=3, ns_method=ns_method, clip=clip)
     assert any(isinstance(g, CapturedMuonStep) for g in opt._graphs.values()), "nothing was captured"
     for a, b in zip(eager, graphed):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
