@@ -7,15 +7,19 @@ few hand-picked candidates (a plain function of the problem shape), they are tim
 not fit the GPU (Triton's OutOfResources) is passed over. On the CPU (the Triton interpreter, used by the tests)
 the first candidate is taken without timing.
 
-A shape's first call is mostly Triton compiling each candidate, and Triton's compiler releases the GIL: so before
-timing, :func:`pick` compiles the candidates at once on a thread pool (:func:`launch_kernel` is how the tuned
-kernels are launched: it only compiles while a worker precompiles).
+A shape's first call is mostly Triton compiling kernels, one after another as the code reaches them, and Triton's
+compiler releases the GIL. Under :func:`compile_ahead` a thread only compiles: :func:`launch_kernel` (how our
+kernels are launched) hands each kernel's compile to a thread pool instead of running it, :func:`pick` compiles
+every candidate and chooses none, and the block waits for all the compiles at its end. :func:`pick` compiles its
+candidates that way before timing them; a caller can run a whole computation once that way first (the Newton–
+Schulz dispatcher does, for each new shape), so that every kernel it will need compiles at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,44 +34,76 @@ TUNE_WARMUP_MS = 5
 TUNE_REP_MS = 20
 
 _CHOSEN: dict[Hashable, object] = {}
-_COMPILING = threading.local()  # .on: this thread only compiles what launch_kernel is given
+_AHEAD = threading.local()  # .jobs, .variants: this thread's compiles under compile_ahead (jobs unset otherwise)
 _FIRST_USE = threading.Lock()
-
-
-def launch_kernel(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-    """``kernel[grid](*args, **kwargs)``; in a worker of :func:`pick`'s precompile, only the compile (Triton's
-    ``warmup``: nothing runs on the GPU)."""
-    if not compiling():
-        kernel[grid](*args, **kwargs)
-        return
-    caches = getattr(kernel, "device_caches", None)
-    if caches is not None:
-        with _FIRST_USE:  # Triton makes a kernel's per-device cache on first use, unguarded: once, not per thread
-            caches[torch.cuda.current_device()]
-    kernel.warmup(*args, grid=grid, **kwargs)
+_POOL: ThreadPoolExecutor | None = None
 
 
 def compiling() -> bool:
-    """Whether this thread is one of :func:`pick`'s precompile workers."""
-    return getattr(_COMPILING, "on", False)
+    """Whether this thread runs under :func:`compile_ahead` (kernels are compiled, not launched)."""
+    return getattr(_AHEAD, "jobs", None) is not None
 
 
-def _precompile(candidates: Sequence[C], launch: Callable[[C], object], device: torch.device) -> None:
-    """Compile every candidate's kernels at once, one thread each (launches turned into compiles). A failure is
-    left for the timing, which meets it again in order."""
-    def compile_one(c: C) -> None:
-        _COMPILING.on = True
+@contextlib.contextmanager
+def compile_ahead(device: torch.device) -> Iterator[None]:
+    """Inside the block this thread only compiles (module docstring); the block ends when every compile it
+    started has. Nested blocks join the outer one. A failed compile is ignored here: the real launch meets it."""
+    global _POOL
+    if compiling():
+        yield
+        return
+    if _POOL is None:
+        # a few more threads than cores: a compile also waits on ptxas, a process of its own
+        _POOL = ThreadPoolExecutor(max_workers=max(4, os.cpu_count() or 1), thread_name_prefix="matrixopt-compile")
+    _AHEAD.jobs, _AHEAD.device, _AHEAD.variants = [], device, set()
+    try:
+        yield
+    finally:
+        jobs, _AHEAD.jobs = _AHEAD.jobs, None
+        for job in jobs:
+            job.exception()  # waits; the exception itself is left for the launch that meets it again
+
+
+def _compile(kernel: Any, device: torch.device, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+    on_gpu = device.type == "cuda" and torch.cuda.is_available()  # (the tests fake CUDA kernels on the CPU)
+    with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
+        caches = getattr(kernel, "device_caches", None)
+        if caches is not None and on_gpu:
+            with _FIRST_USE:  # Triton makes a kernel's per-device cache on first use, unguarded: once, not per thread
+                caches[torch.cuda.current_device()]
+        kernel.warmup(*args, grid=grid, **kwargs)
+
+
+def _spec(arg: Any) -> Hashable:
+    """What of a launch argument Triton specializes a kernel on (near enough: a collision only leaves a variant to
+    be compiled at its launch)."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16
+    if isinstance(arg, bool) or not isinstance(arg, int):
+        base = getattr(arg, "base", None)  # a TMA descriptor: its block and dtype
+        return type(arg).__name__, str(getattr(arg, "block_shape", "")), getattr(base, "dtype", None)
+    return arg == 1, arg % 16
+
+
+def launch_kernel(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """``kernel[grid](*args, **kwargs)``; under :func:`compile_ahead`, its compile handed to the thread pool
+    instead, once per variant (Triton's ``warmup``: nothing runs on the GPU, and the outputs are left unwritten)."""
+    if not compiling():
+        kernel[grid](*args, **kwargs)
+        return
+    variant = (id(kernel), tuple(map(_spec, args)), tuple(sorted(kwargs.items())))
+    if variant not in _AHEAD.variants:
+        _AHEAD.variants.add(variant)
+        _AHEAD.jobs.append(_POOL.submit(_compile, kernel, _AHEAD.device, grid, args, kwargs))
+
+
+def _compile_all(candidates: Sequence[C], launch: Callable[[C], object]) -> None:
+    """``launch`` each candidate under :func:`compile_ahead`; an error is left for the timing to meet again."""
+    for c in candidates:
         try:
-            on_gpu = device.type == "cuda" and torch.cuda.is_available()  # (the tests fake CUDA launches)
-            with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
-                launch(c)
+            launch(c)
         except Exception:  # noqa: BLE001 - reported when the candidate is timed
             pass
-        finally:
-            _COMPILING.on = False
-
-    with ThreadPoolExecutor(max_workers=len(candidates)) as pool:  # a handful; the compiler's own threads
-        list(pool.map(compile_one, candidates))
 
 
 def pick(key: Hashable, candidates: Callable[[], Sequence[C]], launch: Callable[[C], object],
@@ -77,13 +113,17 @@ def pick(key: Hashable, candidates: Callable[[], Sequence[C]], launch: Callable[
     if key in _CHOSEN:
         return _CHOSEN[key]  # type: ignore[return-value]
     candidates = candidates()
+    if compiling():  # a compile-only pass: compile them all, choose none
+        _compile_all(candidates, launch)
+        return candidates[0]
     if len(candidates) == 1 or device.type != "cuda":
         best = candidates[0]
     else:
         import triton
         import triton.testing
 
-        _precompile(candidates, launch, device)
+        with compile_ahead(device):
+            _compile_all(candidates, launch)
         times, failures = [], []
         for c in candidates:
             try:

@@ -51,6 +51,7 @@ except ImportError as e:  # pragma: no cover - the dispatcher falls back to the 
     raise ImportError("matrixopt.kernels.muon_fused needs Triton: pip install triton (or pip install "
                       "matrixopt[triton])") from e
 
+from matrixopt.kernels._tuning import launch_kernel
 from matrixopt.kernels.muon_elementwise import KERNEL_DTYPES, _dense_layout
 
 # ----------------------------------------------------------------------------------------------- configs
@@ -347,12 +348,12 @@ def frobenius_normalize_triton(X: Tensor, dtype: torch.dtype, parts: Tensor | No
     if b * N:
         if parts is None:
             parts = torch.empty((b, tiles), dtype=torch.float64, device=X.device)
-            _sumsq_kernel[(tiles, b)](dense, parts, N, BLOCK=NORM_BLOCK, num_warps=8)
+            launch_kernel(_sumsq_kernel, (tiles, b), dense, parts, N, BLOCK=NORM_BLOCK, num_warps=8)
         if parts.shape[1] > 1024:  # else every program of the scale pass would sum thousands of partials
             parts = parts.sum(1, keepdim=True)
         T = parts.shape[1]
-        _scale_kernel[(tiles, b)](dense, parts, out, N, T, torch.finfo(torch.float32).max, BLOCK=NORM_BLOCK,
-                                  T_BLOCK=min(1024, triton.next_power_of_2(T)), num_warps=8)
+        launch_kernel(_scale_kernel, (tiles, b), dense, parts, out, N, T, torch.finfo(torch.float32).max,
+                      BLOCK=NORM_BLOCK, T_BLOCK=min(1024, triton.next_power_of_2(T)), num_warps=8)
     return out if dense is X else out.mT
 
 

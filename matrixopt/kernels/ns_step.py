@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from matrixopt.kernels._tuning import BackendSwitch
+from matrixopt.kernels._tuning import BackendSwitch, compile_ahead, compiling
 
 BACKENDS = BackendSwitch.CHOICES
 
@@ -184,6 +184,8 @@ def launches_replayed() -> bool:
 
 
 def _choose(op: str, args: tuple) -> str:
+    if compiling():  # a compile-only pass (compile_ahead_once): walk the Triton path, decide nothing
+        return "triton"
     if _switch.name != "auto":
         return _switch.name
     X = args[0]
@@ -198,6 +200,23 @@ def _choose(op: str, args: tuple) -> str:
             return "torch"
         decision = _decisions[key] = _measure(op, args, graphed)
     return decision["backend"]  # type: ignore[return-value]
+
+
+_ahead_done: set[tuple] = set()
+
+
+def compile_ahead_once(key: tuple, fn: Callable[[], object], device: torch.device) -> None:
+    """The first time ``key`` is seen on a CUDA device where the Triton path may be taken: run ``fn`` once with
+    every kernel only compiled (:func:`matrixopt.kernels._tuning.compile_ahead`, each product on its Triton path
+    and every tuning candidate), so that all the kernels a new shape needs compile at once, on a thread pool,
+    instead of one after another as the measurements reach them. ``fn``'s result is thrown away; it must only
+    compute (its Triton outputs are left unwritten)."""
+    if (key in _ahead_done or device.type != "cuda" or _switch.name == "torch" or compiling()
+            or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing() or not triton_available()):
+        return
+    _ahead_done.add(key)
+    with compile_ahead(device):
+        fn()
 
 
 def _run(op: str, *args) -> Tensor:

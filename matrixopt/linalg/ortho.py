@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from matrixopt.kernels.muon_elementwise import frobenius_normalize
-from matrixopt.kernels.ns_step import gram, launches_replayed, left_mul, ns_step, sym_mul
+from matrixopt.kernels.ns_step import compile_ahead_once, gram, launches_replayed, left_mul, ns_step, sym_mul
 
 Coefficients = tuple[float, float, float]
 
@@ -311,12 +311,20 @@ def newton_schulz_short_side(X: Tensor, schedule: Sequence[Coefficients], dtype:
     then reads X once.
     """
     schedule = tuple(schedule)
-    if uses_gram(method, *X.shape, eager_cuda=X.is_cuda and not launches_replayed(), schedule=schedule):
-        return gram_newton_schulz(frobenius_normalize(X, gram_dtype(dtype, schedule), parts), schedule)
-    Y = frobenius_normalize(X, dtype, parts)  # every singular value in [0, 1]; keeps X's layout (see ns_step)
-    for a, b, c in schedule:
-        Y = ns_step(Y, a, b, c)
-    return Y
+    gram_form = uses_gram(method, *X.shape, eager_cuda=X.is_cuda and not launches_replayed(), schedule=schedule)
+
+    def iterate() -> Tensor:
+        if gram_form:
+            return gram_newton_schulz(frobenius_normalize(X, gram_dtype(dtype, schedule), parts), schedule)
+        Y = frobenius_normalize(X, dtype, parts)  # every singular value in [0, 1]; keeps X's layout (see ns_step)
+        for a, b, c in schedule:
+            Y = ns_step(Y, a, b, c)
+        return Y
+
+    # a new shape: compile every kernel the iteration can use at once, before its products are measured
+    compile_ahead_once(("newton_schulz", tuple(X.shape), X.stride(), X.dtype, dtype, gram_form, parts is None),
+                       iterate, X.device)
+    return iterate()
 
 
 def newton_schulz(G: Tensor, steps: int = 5, coefficients: str | Sequence[Sequence[float]] = "quintic", *,

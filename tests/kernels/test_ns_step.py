@@ -129,6 +129,30 @@ def test_auto_measures_once_per_shape_and_follows_the_measurement(monkeypatch, f
     assert ns._choose("step", (X.float().as_subclass(FakeCuda), 1.0, 1.0, 1.0)) == "torch"  # fp32: no Triton
 
 
+def test_a_new_shape_compiles_its_kernels_ahead_once(monkeypatch):
+    """compile_ahead_once runs the computation once with every product on its Triton path and nothing measured
+    or decided (kernels only compiled), the first time a key is seen on a CUDA device, and never on the CPU."""
+    from matrixopt.kernels import _tuning
+
+    monkeypatch.setattr(ns, "_decisions", {})
+    monkeypatch.setattr(ns, "_ahead_done", set())
+    monkeypatch.setattr(ns, "triton_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(ns, "_measure", lambda *a: pytest.fail("a compile-only pass measured"))
+    X = torch.randn(2, 8, 12).bfloat16().as_subclass(FakeCuda)
+    seen = []
+
+    def fn():
+        seen.append((_tuning.compiling(), ns._choose("step", (X, 1.0, 1.0, 1.0))))
+
+    for _ in range(2):
+        ns.compile_ahead_once(("k", 1), fn, torch.device("cuda"))
+    ns.compile_ahead_once(("k", 2), fn, torch.device("cpu"))
+    with ns.ns_backend("torch"):
+        ns.compile_ahead_once(("k", 3), fn, torch.device("cuda"))
+    assert seen == [(True, "triton")] and ns._decisions == {} and not _tuning.compiling()
+
+
 def test_auto_without_triton_falls_back(monkeypatch):
     monkeypatch.setattr(ns, "_decisions", {})
     monkeypatch.setattr(ns, "triton_available", lambda: False)

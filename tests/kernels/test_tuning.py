@@ -54,16 +54,30 @@ class _FakeKernel:
         self.compiled.append((grid, args, kw))
 
 
-def test_launch_kernel_compiles_concurrently_in_the_precompile_and_launches_otherwise():
+def test_launch_kernel_compiles_concurrently_ahead_and_launches_otherwise():
     import threading
 
     kernel = _FakeKernel(threading.Barrier(3, timeout=10))
     launch = lambda c: _tuning.launch_kernel(kernel, (c,), "x", BLOCK=c)  # noqa: E731
-    _tuning._precompile([64, 128, 256], launch, torch.device("cuda"))
+    with _tuning.compile_ahead(torch.device("cpu")):
+        assert _tuning.compiling()
+        for c in (64, 128, 256):
+            launch(c)
+        with _tuning.compile_ahead(torch.device("cpu")):  # nested: joins the outer block
+            pass
+        assert _tuning.compiling()
     assert sorted(g for g, _, _ in kernel.compiled) == [(64,), (128,), (256,)] and not kernel.launched
     assert not _tuning.compiling()
     launch(64)
     assert kernel.launched == [((64,), ("x",), {"BLOCK": 64})]
+
+
+def test_pick_under_compile_ahead_compiles_every_candidate_and_chooses_none(monkeypatch):
+    _fake_bench(monkeypatch, {})  # timing would fail: nothing may be timed
+    launched = []
+    with _tuning.compile_ahead(torch.device("cuda")):
+        first = _tuning.pick(("test", "ahead"), lambda: ["a", "b"], launched.append, torch.device("cuda"))
+    assert first == "a" and launched == ["a", "b"] and ("test", "ahead") not in _tuning.chosen()
 
 
 def test_a_failing_compile_is_left_for_the_timing(monkeypatch):
