@@ -71,7 +71,12 @@ def _compile(kernel: Any, device: torch.device, grid: tuple[int, ...], args: tup
         if caches is not None and on_gpu:
             with _FIRST_USE:  # Triton makes a kernel's per-device cache on first use, unguarded: once, not per thread
                 caches[torch.cuda.current_device()]
-        kernel.warmup(*args, grid=grid, **kwargs)
+        compiled = kernel.warmup(*args, grid=grid, **kwargs)
+        # Triton builds a kernel's launcher (a C extension, compiled on first use) and loads its binary at the first
+        # launch, one kernel after another: do it here too
+        init = getattr(compiled, "_init_handles", None)
+        if init is not None:
+            init()
 
 
 def _spec(arg: Any) -> Hashable:

@@ -1,6 +1,8 @@
 """The per-shape tuner: it times each candidate once per key, keeps the fastest, and passes over candidates that
 do not fit the GPU. Timing is faked (``do_bench`` replaced) so this runs on the CPU."""
 
+import threading
+
 import pytest
 import torch
 
@@ -44,7 +46,7 @@ class _FakeKernel:
     overlap (one after another they would time out there)."""
 
     def __init__(self, barrier):
-        self.barrier, self.launched, self.compiled = barrier, [], []
+        self.barrier, self.launched, self.compiled, self.loaded = barrier, [], [], []
 
     def __getitem__(self, grid):
         return lambda *args, **kw: self.launched.append((grid, args, kw))
@@ -52,11 +54,13 @@ class _FakeKernel:
     def warmup(self, *args, grid, **kw):
         self.barrier.wait()
         self.compiled.append((grid, args, kw))
+        return self
+
+    def _init_handles(self):  # Triton's CompiledKernel: launcher built and binary loaded
+        self.loaded.append(threading.get_ident())
 
 
 def test_launch_kernel_compiles_concurrently_ahead_and_launches_otherwise():
-    import threading
-
     kernel = _FakeKernel(threading.Barrier(3, timeout=10))
     launch = lambda c: _tuning.launch_kernel(kernel, (c,), "x", BLOCK=c)  # noqa: E731
     with _tuning.compile_ahead(torch.device("cpu")):
@@ -67,7 +71,7 @@ def test_launch_kernel_compiles_concurrently_ahead_and_launches_otherwise():
             pass
         assert _tuning.compiling()
     assert sorted(g for g, _, _ in kernel.compiled) == [(64,), (128,), (256,)] and not kernel.launched
-    assert not _tuning.compiling()
+    assert len(kernel.loaded) == 3 and not _tuning.compiling()
     launch(64)
     assert kernel.launched == [((64,), ("x",), {"BLOCK": 64})]
 
