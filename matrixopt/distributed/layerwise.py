@@ -453,8 +453,13 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             total = torch.zeros((), device=dev) if local is None else local.to(dev)
             total = comm.all_reduce_sum(total, self.group) ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        for chunk in self.chunks:  # each owner's optimizer applies it in its step where it can (Muon), else now
+            if isinstance(chunk.optimizer, MatrixOptimizer):
+                chunk.optimizer.scale_grads_(coef)
+            else:
+                chunk_grads = [p.grad for g in chunk.optimizer.param_groups for p in g["params"] if p.grad is not None]
+                if chunk_grads:
+                    torch._foreach_mul_(chunk_grads, coef.to(chunk_grads[0].device))
         return total
 
     def _owned_named_grads(self) -> list[tuple[str, Tensor]]:

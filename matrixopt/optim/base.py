@@ -39,7 +39,7 @@ class _PendingClip:
     """``clip_grad_norm_``'s coefficient, deferred into the next step, and the gradients it was computed from."""
 
     coef: Tensor  # 0-d float32, on the gradients' device
-    flags: Tensor  # (n,) float32: 1 where a gradient's norm is not finite (NaN/Inf in it, or a float32 overflow)
+    flags: Tensor | None  # (n,) float32: 1 where a gradient's norm is not finite (NaN/Inf, or a float32 overflow)
     grads: list[tuple[int, int]]  # (id, version counter) of each gradient, in param_groups order
 
 
@@ -300,13 +300,25 @@ class MatrixOptimizer(Optimizer):
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
         total = norms.max() if norm_type == math.inf else torch.linalg.vector_norm(norms, norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if self._defers_grad_scale:
-            self._pending_clip = _PendingClip(coef, (~torch.isfinite(norms)).float(),
+        self.scale_grads_(torch.clamp(max_norm / (total + 1e-6), max=1.0), (~torch.isfinite(norms)).float())
+        return total
+
+    @torch.no_grad()
+    def scale_grads_(self, coef: Tensor, nonfinite: Tensor | None = None) -> None:
+        """Multiply the current gradients by ``coef`` (a 0-d float32 tensor on their device): inside the next
+        :meth:`step` where the optimizer can (see :meth:`clip_grad_norm_`), else in place now. ``nonfinite``:
+        optional ``(n,)`` flags, one per gradient in ``param_groups`` order, 1 where it is not finite, which the
+        step then takes as its non-finite check. A wrapper that clips over several optimizers (the layer-wise
+        optimizer) calls this with the global coefficient."""
+        self._pending_clip = None
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return
+        if self._defers_grad_scale and len({g.device for g in grads}) == 1:
+            self._pending_clip = _PendingClip(coef.to(grads[0].device), nonfinite,
                                               [(id(g), g._version) for g in grads])
         else:
-            torch._foreach_mul_(grads, coef)
-        return total
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
 
     def _take_pending_clip(self, flat: list[Tensor]) -> _PendingClip | None:
         """The coefficient clip_grad_norm_ left for this step, checked against the gradients it was computed
@@ -354,7 +366,7 @@ class MatrixOptimizer(Optimizer):
             check = False
         if not check:
             finite = [True] * len(flat)
-        elif clip is not None:
+        elif clip is not None and clip.flags is not None:
             finite = (clip.flags == 0).tolist()
         else:
             finite = self._finite_mask(flat)
