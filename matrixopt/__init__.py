@@ -5,6 +5,7 @@ Public API:
                                                                       approximate polar factor, (m, n) or (b, m, n)
     polar(G)                                                          exact polar factor via float64 SVD
     Muon, MOP                                                         torch.optim.Optimizer subclasses
+    opt.clip_grad_norm_(max_norm, norm_type=2.0)                      clipping as torch's, applied inside Muon's step
     Shampoo, SOAP                                                     Kronecker-factored preconditioning (same routing)
     build_optimizer(model, name, **hparams)                           route a model and build by name
     param_groups(model, ...), routing_summary(groups)                 the routing itself
