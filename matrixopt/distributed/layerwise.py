@@ -200,6 +200,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._arrange(list(reversed(range(len(self.params)))))
         self._stale = False
         self._syncing_grads = True
+        self._clip_coef: Tensor | None = None  # clip_grad_norm_'s coefficient, applied by the next step()
         self._broadcast_buffers(model)
         self.sync_params()
 
@@ -373,6 +374,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             self._syncing_grads = prev
 
     def _on_grad(self, p: Tensor) -> None:
+        self._clip_coef = None  # a clip before this backward was for other gradients
         if not self._syncing_grads:
             return
         b, k = self._bucket_of[id(p)]
@@ -452,15 +454,22 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                      ).sum() if grads else None
             total = torch.zeros((), device=dev) if local is None else local.to(dev)
             total = comm.all_reduce_sum(total, self.group) ** (1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for chunk in self.chunks:  # each owner's optimizer applies it in its step where it can (Muon), else now
-            if isinstance(chunk.optimizer, MatrixOptimizer):
-                chunk.optimizer.scale_grads_(coef)
-            else:
-                chunk_grads = [p.grad for g in chunk.optimizer.param_groups for p in g["params"] if p.grad is not None]
-                if chunk_grads:
-                    torch._foreach_mul_(chunk_grads, coef.to(chunk_grads[0].device))
+        # applied by step(), to each owner's optimizer just before it steps (its chunks may be rebuilt before then):
+        # Muon reads its gradients scaled, with no pass of its own
+        self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return total
+
+    def _apply_clip(self, opt: torch.optim.Optimizer) -> None:
+        """This step's clipping coefficient, if any, to one owner's optimizer: deferred into its step where it
+        can (``MatrixOptimizer.scale_grads_``), else multiplied into its gradients now."""
+        if self._clip_coef is None:
+            return
+        if isinstance(opt, MatrixOptimizer):
+            opt.scale_grads_(self._clip_coef)
+            return
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, self._clip_coef.to(grads[0].device))
 
     def _owned_named_grads(self) -> list[tuple[str, Tensor]]:
         """``(name, reduced gradient)`` of the parameters this rank owns that have one."""
@@ -516,6 +525,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def _drop_grads(self) -> None:
         """Forget all gradients: finish reductions in flight (every rank launched the same ones) and reset."""
+        self._clip_coef = None
         for b in reversed(self.buckets):
             if b.grad_work is not None:
                 b.grad_work.wait()
@@ -556,6 +566,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         launched = 0
         for chunk in self.chunks:
             chunk.optimizer.external_skip = skip
+            self._apply_clip(chunk.optimizer)
             try:
                 chunk.optimizer.step()
             finally:

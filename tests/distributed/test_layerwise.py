@@ -374,13 +374,15 @@ def _arrival_order_worker(rank: int, world: int) -> None:
 
     opt._launch_ready_grads = watched
     sl = mdist.batch_slice(8)
-    for s in range(3):
+    for s in range(3):  # clipped (the threshold binds): the first step's clip must survive the rebuilt chunks
         x, y = data(s)
         ref_opt.zero_grad()
         ref(x, y)[1].backward()
+        assert torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1) > 0.1
         ref_opt.step()
         held_back.append(0)
         model(x[sl], y[sl])[1].backward()
+        opt.clip_grad_norm_(0.1)
         opt.step()
     assert held_back[0] > 0, "the guessed order must hold buckets back for this test to show anything"
     assert held_back[1:] == [0, 0], f"buckets waited for gradients outside them: {held_back}"
