@@ -440,7 +440,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the mean gradient to a global ``norm_type`` norm of ``max_norm`` over all ranks' parameters, as
         ``torch.nn.utils.clip_grad_norm_`` does in one process. Returns the total norm (before clipping), the
-        same fp32 scalar on every rank. Collective: call it on every rank, after backward, before ``step()``."""
+        same fp32 scalar on every rank. Collective: call it on every rank, after backward, before ``step()``. The
+        coefficient is applied by ``step()``: each owner's Muon reads its gradients scaled (no pass of its own);
+        other optimizers have theirs multiplied just before they step."""
         self._finish_grad_sync()
         grads = self._owned_grads()
         dev = comm.object_device(self.group)
