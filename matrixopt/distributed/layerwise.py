@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from matrixopt.distributed import comm
 from matrixopt.distributed.balance import MATRIX_COSTS, Assignment, assign, muon_cost
-from matrixopt.optim.base import HostMirror, MatrixOptimizer, NonFiniteGradientError, nonfinite_flags
+from matrixopt.optim.base import HostMirror, MatrixOptimizer, NonFiniteGradientError, nonfinite_flags, scale_grads
 from matrixopt.optim.registry import OPTIMIZERS
 from matrixopt.optim.routing import param_groups, routing_summary
 
@@ -464,14 +464,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def _apply_clip(self, opt: torch.optim.Optimizer) -> None:
         """This step's clipping coefficient, if any, to one owner's optimizer: deferred into its step where it
         can (``MatrixOptimizer.scale_grads_``), else multiplied into its gradients now."""
-        if self._clip_coef is None:
-            return
-        if isinstance(opt, MatrixOptimizer):
-            opt.scale_grads_(self._clip_coef)
-            return
-        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, self._clip_coef.to(grads[0].device))
+        if self._clip_coef is not None:
+            scale_grads(opt, self._clip_coef)
 
     def _owned_named_grads(self) -> list[tuple[str, Tensor]]:
         """``(name, reduced gradient)`` of the parameters this rank owns that have one."""

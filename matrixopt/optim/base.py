@@ -82,6 +82,22 @@ def nonfinite_flags(grads: list[Tensor], device: torch.device) -> Tensor:
     return torch.stack(flags) if flags else torch.zeros(0, device=device)
 
 
+def current_grads(optimizer: Optimizer) -> list[Tensor]:
+    """The gradients an optimizer's parameters hold now, in ``param_groups`` order."""
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def scale_grads(optimizer: Optimizer, coef: Tensor) -> None:
+    """Multiply ``optimizer``'s current gradients by ``coef`` (0-d): inside its next step for a
+    :class:`MatrixOptimizer` that can (:meth:`MatrixOptimizer.scale_grads_`), else in place now."""
+    if isinstance(optimizer, MatrixOptimizer):
+        optimizer.scale_grads_(coef)
+        return
+    grads = current_grads(optimizer)
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+
 def _check_finite(name: str, value: Any) -> None:
     v = value.item() if isinstance(value, Tensor) else value
     if not math.isfinite(v):
@@ -293,7 +309,7 @@ class MatrixOptimizer(Optimizer):
             raise ValueError(f"clip_grad_norm_ needs a finite max_norm >= 0, got {max_norm}")
         self._pending_clip = None
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in params]  # in param_groups order, as step() gathers them
         if not grads:
             return torch.zeros(())
         if len({g.device for g in grads}) > 1 or any(g.is_sparse for g in grads):
@@ -311,13 +327,11 @@ class MatrixOptimizer(Optimizer):
         step then takes as its non-finite check. A wrapper that clips over several optimizers (the layer-wise
         optimizer) calls this with the global coefficient."""
         self._pending_clip = None
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
-            return
-        if self._defers_grad_scale and len({g.device for g in grads}) == 1:
+        grads = current_grads(self)
+        if self._defers_grad_scale and grads and len({g.device for g in grads}) == 1:
             self._pending_clip = _PendingClip(coef.to(grads[0].device), nonfinite,
                                               [(id(g), g._version) for g in grads])
-        else:
+        elif grads:
             torch._foreach_mul_(grads, coef.to(grads[0].device))
 
     def _take_pending_clip(self, flat: list[Tensor]) -> _PendingClip | None:
