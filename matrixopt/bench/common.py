@@ -168,3 +168,13 @@ def exposed_comm(prof) -> tuple[float, float]:
             overlap += min(t, comp_u[k][1]) - max(s, comp_u[k][0])
             k += 1
     return total * 1e-6, (total - overlap) * 1e-6
+
+
+def kernel_choices() -> dict[str, Any]:
+    """What this process's kernels chose, for a record: the Newton–Schulz products' cuBLAS-or-Triton decisions
+    (``dispatch``) and each Triton kernel's tuned config per shape (``tuned_configs``). Both come from timings,
+    so two runs can differ; a record keeps the ones its figures were measured with."""
+    from matrixopt.kernels._tuning import chosen
+    from matrixopt.kernels.ns_step import dispatch_table
+
+    return {"dispatch": dispatch_table(), "tuned_configs": {str(k): str(v) for k, v in chosen().items()}}

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from matrixopt.bench.common import PEAK_BF16_TFLOPS, environment, resolve_device, sync, table, time_ms
-from matrixopt.kernels.ns_step import dispatch_table, ns_backend, triton_available
+from matrixopt.bench.common import PEAK_BF16_TFLOPS, environment, kernel_choices, resolve_device, sync, table, time_ms
+from matrixopt.kernels.ns_step import ns_backend, triton_available
 from matrixopt.linalg.ortho import newton_schulz, polar
 
 # Muon's shapes: GPT-2 small (12 x 768: QKV, attn proj, MLP in/out), medium's MLP, 1.3B's MLP, and squares.
@@ -134,14 +134,11 @@ def run(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES,
         gram: Sequence[tuple[int, int, int]] = DEFAULT_GRAM, *, steps: int = 5,
         device: torch.device | None = None, reps: int = 20) -> dict[str, Any]:
     """Run both benchmarks; returns the JSON record."""
-    from matrixopt.kernels._tuning import chosen
-
     device = device or resolve_device("auto")
     ns_rows = bench_ns(shapes, steps, device, reps)
     gram_rows = bench_gram(gram, device, reps)
     return {"benchmark": "ns", "env": environment(device), "coefficients": "quintic", "reps": reps,
-            "ns": ns_rows, "gram": gram_rows, "dispatch": dispatch_table(),
-            "tuned_configs": {str(k): str(v) for k, v in chosen().items()}}
+            "ns": ns_rows, "gram": gram_rows, **kernel_choices()}
 
 
 def format_tables(record: dict[str, Any]) -> str:

@@ -27,10 +27,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from matrixopt.bench.common import COPY_TBPS, PEAK_BF16_TFLOPS, environment, resolve_device, table, time_ms
+from matrixopt.bench.common import (
+    COPY_TBPS,
+    PEAK_BF16_TFLOPS,
+    environment,
+    kernel_choices,
+    resolve_device,
+    table,
+    time_ms,
+)
 from matrixopt.bench.ns import ns_flops
 from matrixopt.kernels.muon_elementwise import elementwise_backend
-from matrixopt.kernels.ns_step import dispatch_table, ns_backend
+from matrixopt.kernels.ns_step import ns_backend
 from matrixopt.optim.registry import OPTIMIZERS, build_optimizer
 
 # (n_layer, n_embd, block_size, vocab): the parameter sets; "toy" keeps the CPU test fast.
@@ -189,7 +197,7 @@ def run(model: str = "gpt2-small", *, device: torch.device | None = None, reps: 
     return {"benchmark": "step", "model": model, "shape": dict(zip(("n_layer", "n_embd", "block_size", "vocab"),
                                                                      MODELS[model])),
             "params": sum(p.numel() for p in ps.parameters()), "ns_steps": NS_STEPS, "env": environment(device),
-            "limit": limit, "results": results, "dispatch": dispatch_table()}
+            "limit": limit, "results": results, **kernel_choices()}
 
 
 def format_tables(record: dict[str, Any]) -> str:

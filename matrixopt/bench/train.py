@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 
-from matrixopt.bench.common import PEAK_BF16_TFLOPS, environment, resolve_device, table, time_ms
+from matrixopt.bench.common import PEAK_BF16_TFLOPS, environment, kernel_choices, resolve_device, table, time_ms
 from matrixopt.bench.step import Stepper
-from matrixopt.kernels.ns_step import dispatch_table
 from matrixopt.train.trainer import clip_gradients
 
 # preset -> (batch, block_size, vocab) of the rows; "tiny-cpu" keeps the CPU test fast.
@@ -105,7 +104,7 @@ def run(model: str = "gpt2-small",
     for r in results.values():
         r["vs_adamw"] = r["tokens_per_s"] / base if base else None
     return {"benchmark": "train", "model": model, "batch": B, "block_size": T, "vocab": vocab,
-            "env": environment(device), "results": results, "dispatch": dispatch_table()}
+            "env": environment(device), "results": results, **kernel_choices()}
 
 
 def format_tables(record: dict[str, Any]) -> str:

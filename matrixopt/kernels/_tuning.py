@@ -2,10 +2,10 @@
 a family's backend.
 
 Triton's ``@triton.autotune`` times every config of a large space on the first call; here each kernel offers a
-few hand-picked candidates (a plain function of the problem shape), they are timed once per key with
-``triton.testing.do_bench`` (median) and the winner is cached for the life of the process. A candidate that does
-not fit the GPU (Triton's OutOfResources) is passed over. On the CPU (the Triton interpreter, used by the tests)
-the first candidate is taken without timing.
+few hand-picked candidates (a plain function of the problem shape), they are timed once per key, as replays of a
+CUDA graph of back-to-back launches (median), and the winner is cached for the life of the process. A candidate
+that does not fit the GPU (Triton's OutOfResources) is passed over. On the CPU (the Triton interpreter, used by the
+tests) the first candidate is taken without timing.
 
 A shape's first call is mostly Triton compiling kernels, one after another as the code reaches them, and Triton's
 compiler releases the GIL. Under :func:`compile_ahead` a thread only compiles: :func:`launch_kernel` (how our
@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import statistics
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,9 +30,9 @@ import torch
 
 C = TypeVar("C")
 
-# (warmup, rep) in milliseconds for each candidate: 5 ms + 20 ms keeps a 3-candidate shape near 0.1 s.
-TUNE_WARMUP_MS = 5
-TUNE_REP_MS = 20
+# Each candidate is timed as TUNE_REPS replays of a CUDA graph of TUNE_CALLS launches (the median decides).
+TUNE_CALLS = 10
+TUNE_REPS = 7
 
 _CHOSEN: dict[Hashable, object] = {}
 _AHEAD = threading.local()  # .jobs, .variants: this thread's compiles under compile_ahead (jobs unset otherwise)
@@ -111,6 +112,31 @@ def _compile_all(candidates: Sequence[C], launch: Callable[[C], object]) -> None
             pass
 
 
+def _time_replayed(launch: Callable[[], object], device: torch.device) -> float:
+    """Median milliseconds per call of ``launch`` over replays of a CUDA graph of ``TUNE_CALLS`` back-to-back
+    calls: the GPU time with the operands warm in L2 and no launch gaps, as in a Newton–Schulz chain (each product
+    reads what the last one wrote) and in a captured step."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):  # outside capture: the first launch loads the kernel and may fail to fit
+        launch()
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(TUNE_CALLS):
+            launch()
+    times = []
+    for _ in range(TUNE_REPS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / TUNE_CALLS)
+    return statistics.median(times)
+
+
 def pick(key: Hashable, candidates: Callable[[], Sequence[C]], launch: Callable[[C], object],
          device: torch.device) -> C:
     """The fastest of ``candidates()`` for ``key``, timing ``launch(candidate)`` on the first call only (later
@@ -125,15 +151,13 @@ def pick(key: Hashable, candidates: Callable[[], Sequence[C]], launch: Callable[
         best = candidates[0]
     else:
         import triton
-        import triton.testing
 
         with compile_ahead(device):
             _compile_all(candidates, launch)
         times, failures = [], []
         for c in candidates:
             try:
-                times.append(triton.testing.do_bench(lambda c=c: launch(c), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS,
-                                                     return_mode="median"))
+                times.append(_time_replayed(lambda c=c: launch(c), device))
             except triton.runtime.errors.OutOfResources as e:  # more shared memory or registers than there are
                 times.append(math.inf)
                 failures.append(f"{c}: {e}")

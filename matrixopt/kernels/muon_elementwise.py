@@ -7,6 +7,7 @@ r"""Muon's elementwise passes around Newton–Schulz: the dispatch between the f
 - :func:`frobenius_normalize`: each stacked matrix divided by its Frobenius norm, summed in float64.
 - :func:`apply_update`: ``W <- (1 - lr wd) W - lr s(m, n) Y`` from the Newton–Schulz output, transposed back for
   tall matrices.
+- :func:`nonfinite_flags`: which gradients hold a NaN or an Inf (the optimizers' check before a step).
 
 Dispatch: the three run the Triton kernels for CUDA tensors they can take (see :func:`fusable`) outside
 ``torch.compile``, and the torch references otherwise (the CPU, no Triton). :func:`elementwise_backend` forces one
@@ -17,6 +18,7 @@ for a block of code (benchmarks; tests, where ``"triton"`` on CPU tensors runs T
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
@@ -180,6 +182,24 @@ def frobenius_normalize(X: Tensor, dtype: torch.dtype, parts: Tensor | None = No
     if fused is None or _dense_layout(X) is None:
         return frobenius_normalize_reference(X, dtype, parts)
     return fused.frobenius_normalize_triton(X, dtype, parts)
+
+
+def nonfinite_flags_reference(grads: Sequence[Tensor]) -> Tensor:
+    """``(n,)`` float32: 1 where ``grads[i]`` holds a NaN or an Inf, else 0, by one foreach max-abs pass."""
+    # an empty tensor (an empty FSDP shard) has no max: a zero stands in
+    maxabs = torch._foreach_norm([g if g.numel() else g.new_zeros(1) for g in grads], ord=math.inf)
+    return (~torch.isfinite(torch.stack(maxabs))).float()
+
+
+def nonfinite_flags(grads: Sequence[Tensor]) -> Tensor:
+    """``(n,)`` float32 on the gradients' device: 1 where ``grads[i]`` holds a NaN or an Inf, else 0, without a host
+    sync. grads: tensors of one dtype on one device. The fused kernel takes contiguous fp32/bf16/fp16 CUDA tensors in
+    one launch (its host side costs a tenth of the foreach pass's, which allocates a result per tensor)."""
+    takes = all(g.dtype in KERNEL_DTYPES and g.is_contiguous() for g in grads)
+    fused = _kernels(_on_gpu(grads)) if takes else None
+    if fused is None:
+        return nonfinite_flags_reference(grads)
+    return fused.nonfinite_flags_triton(grads)
 
 
 def elementwise_backend(name: str) -> contextlib.AbstractContextManager[None]:

@@ -19,6 +19,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from matrixopt.kernels import muon_elementwise
+
 
 class NonFiniteGradientError(FloatingPointError):
     """A gradient holds NaN or Inf. Raised before any parameter or state is touched (with
@@ -64,17 +66,15 @@ class HostMirror:
 
 
 def nonfinite_flags(grads: list[Tensor], device: torch.device) -> Tensor:
-    """``(len(grads),)`` float32 on ``device``: 1 where a gradient holds a NaN or Inf, else 0. One max-abs pass per
-    (device, dtype) present and no host sync, so a caller can reduce the flags across ranks before reading them."""
+    """``(len(grads),)`` float32 on ``device``: 1 where a gradient holds a NaN or Inf, else 0. One pass per (device,
+    dtype) present (:func:`matrixopt.kernels.muon_elementwise.nonfinite_flags`) and no host sync, so a caller can
+    reduce the flags across ranks before reading them."""
     by_kind: dict[tuple, list[int]] = defaultdict(list)
     for i, g in enumerate(grads):
         by_kind[(g.device, g.dtype)].append(i)
     flags: list[Tensor | None] = [None] * len(grads)
     for idx in by_kind.values():
-        # an empty tensor (an empty FSDP shard) has no max: a zero stands in
-        maxabs = torch._foreach_norm([grads[i] if grads[i].numel() else grads[i].new_zeros(1) for i in idx],
-                                     ord=math.inf)
-        bad = (~torch.isfinite(torch.stack(maxabs))).float().to(device)
+        bad = muon_elementwise.nonfinite_flags([grads[i] for i in idx]).to(device)
         if len(by_kind) == 1:  # one kind, already in order: no reassembly
             return bad
         for j, i in enumerate(idx):  # views, not an index list (which would go to the GPU with a host sync)

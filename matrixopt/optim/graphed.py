@@ -80,12 +80,13 @@ class CapturedMuonStep:
         """The pack and update tables' rows for this step's tensors."""
         return self._fused.pack_rows(bk.grads, bk.bufs, bk.s, bk.l), self._fused.apply_rows(bk.params, bk.s, bk.l)
 
-    def replay(self, buckets: list[Bucket], lr: float | Tensor, skip: Tensor | None = None,
+    def replay(self, buckets: list[Bucket] | None, lr: float | Tensor, skip: Tensor | None = None,
                grad_scale: Tensor | None = None) -> None:
-        """One step on ``buckets`` (the same parameters, shapes and dtypes as at capture, any addresses); where
-        ``skip`` (a 0-d float32 device flag) is nonzero at run time, nothing is written; the gradients are read
-        multiplied by ``grad_scale`` (a 0-d float32 tensor) where given."""
-        for i, bk in enumerate(buckets):
+        """One step on ``buckets`` (the same parameters, shapes and dtypes as at capture, any addresses), or None:
+        on the tensors of the last replay (the caller knows they lie where they did). Where ``skip`` (a 0-d float32
+        device flag) is nonzero at run time, nothing is written; the gradients are read multiplied by
+        ``grad_scale`` (a 0-d float32 tensor) where given."""
+        for i, bk in enumerate(buckets or ()):
             layout = self._layout(bk)
             if layout != self._layouts[i]:
                 for tables, part in zip(self._tables[i], layout):

@@ -48,6 +48,11 @@ def update_scale(scaling: str, m: int, n: int) -> float:
     raise ValueError(f"Unknown update scaling {scaling!r}; use one of {SCALINGS}")
 
 
+def _fingerprint(tensors: list[Tensor]) -> tuple:
+    """Where each tensor lies: address, strides and dtype (what a captured step's address tables depend on)."""
+    return tuple((t.data_ptr(), t.stride(), t.dtype) for t in tensors)
+
+
 class Muon(MatrixOptimizer):
     """Muon: SGD-momentum whose update is orthogonalized by Newton–Schulz.
 
@@ -168,6 +173,9 @@ class Muon(MatrixOptimizer):
                 st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32,
                                                          memory_format=torch.preserve_format)
             bufs.append(st["momentum_buffer"])
+        fingerprint = _fingerprint([*params, *grads, *bufs]) if self.cuda_graph else None
+        if fingerprint is not None and self._replay_again(group, params, grads, fingerprint, skip):
+            return
         buckets, copies = momentum_buckets(params, grads, bufs)
         # whether every bucket suits the fused kernels, judged once per step (the graph and the skip both ask)
         fusable = not copies and all(muon_elementwise.fusable(bk.params, bk.grads, bk.bufs) for bk in buckets)
@@ -182,13 +190,21 @@ class Muon(MatrixOptimizer):
                     scale=lambda m, n: update_scale(group["scaling"], m, n), weight_decay=group["weight_decay"])
         grad_scale = self._step_grad_scale
         if not (self.cuda_graph and fusable
-                and self._graph_step(group, params, grads, buckets, lr, skip, grad_scale, step)):
+                and self._graph_step(group, params, grads, buckets, lr, skip, grad_scale, step, fingerprint)):
             orthogonalized_momentum_step(buckets, copies, lr=lr, skip=skip, grad_scale=grad_scale, **step)
 
     _MAX_GRAPHS = 8  # captured steps kept per optimizer (one per set of parameters with gradients and settings)
 
+    @staticmethod
+    def _graph_key(group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> tuple:
+        """What a captured step is specific to: the parameters, the gradients' dtypes and the group's settings."""
+        return (id(group), tuple(map(id, params)), tuple(g.dtype for g in grads), group["momentum"],
+                group["nesterov"], group["weight_decay"], group["scaling"], group["ns_dtype"], group["ns_method"],
+                resolve_schedule(group["ns_coefficients"], group["ns_steps"]))
+
     def _graph_step(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], buckets: list[Bucket],
-                    lr: float | Tensor, skip: Tensor | None, grad_scale: Tensor | None, step: dict[str, Any]) -> bool:
+                    lr: float | Tensor, skip: Tensor | None, grad_scale: Tensor | None, step: dict[str, Any],
+                    fingerprint: tuple) -> bool:
         """The step through a captured CUDA graph, for buckets the fused kernels take; False where it can't be
         (then the caller steps eagerly): off CUDA, without Triton, for subclasses that orthogonalize otherwise
         (MOP's SVD, collectives), and on the first step of a new set of parameters or settings, which runs eagerly
@@ -198,9 +214,7 @@ class Muon(MatrixOptimizer):
                 or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
                 or muon_elementwise.fused_kernels() is None or any(p.device != device for p in params)):
             return False
-        key = (id(group), tuple(map(id, params)), tuple(g.dtype for g in grads), group["momentum"],
-               group["nesterov"], group["weight_decay"], group["scaling"], group["ns_dtype"], group["ns_method"],
-               resolve_schedule(group["ns_coefficients"], group["ns_steps"]))
+        key = self._graph_key(group, params, grads)
         graphs = self.__dict__.setdefault("_graphs", {})
         captured = graphs.get(key)
         if captured is None:
@@ -210,6 +224,22 @@ class Muon(MatrixOptimizer):
         if captured == "warm":
             captured = graphs[key] = CapturedMuonStep(buckets, **step)
         captured.replay(buckets, lr, skip, grad_scale)
+        self.__dict__.setdefault("_last_replay", {})[id(group)] = (key, fingerprint, captured)
+        return True
+
+    def _replay_again(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], fingerprint: tuple,
+                      skip: Tensor | None) -> bool:
+        """The group's last captured step replayed again, when this step's parameters, gradients and momentum lie
+        where that step's did (addresses, strides and dtypes: the graph's address tables still hold) and the
+        settings are the same; False otherwise. The usual case in training (gradients come back at the same
+        addresses step after step): it skips regrouping the matrices, which costs the host more than the replay."""
+        last = self.__dict__.get("_last_replay", {}).get(id(group))
+        if last is None or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return False
+        key, last_fingerprint, captured = last
+        if fingerprint != last_fingerprint or key != self._graph_key(group, params, grads):
+            return False
+        captured.replay(None, self._device_lr(group, params[0].device), skip, self._step_grad_scale)
         return True
 
 

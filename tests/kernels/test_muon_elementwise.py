@@ -204,3 +204,24 @@ def test_unknown_backend_raises():
     with pytest.raises(ValueError, match="unknown elementwise backend"):
         with ew.elementwise_backend("cuda"):
             pass
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nonfinite_flags_kernel_finds_each_nan_and_inf(dtype):
+    """One launch over tensors of many sizes: a NaN past the first chunk of a large tensor, an Inf and a -Inf in
+    small ones, an empty tensor, and finite values up to the dtype's largest (which are not flagged)."""
+    big = fused.CHECK_CHUNK + 333  # two chunks, the second short
+    grads = [torch.randn(n).to(dtype) for n in (big, 5, 37 * 70, 0, big, 1, 64)]
+    grads[2] = grads[2].reshape(37, 70)
+    grads[0][big - 1] = math.nan  # in the second chunk only
+    grads[1][3] = math.inf
+    grads[5][0] = -math.inf
+    grads[6][7] = torch.finfo(dtype).max  # large but finite
+    with ew.elementwise_backend("triton"):
+        flags = ew.nonfinite_flags(grads)
+    expected = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0])
+    assert torch.equal(flags, expected)
+    assert torch.equal(ew.nonfinite_flags_reference(grads), expected)
+    grads[0][big - 1] = 0.0  # the same tensors, now finite: the kernel reads them anew
+    with ew.elementwise_backend("triton"):
+        assert torch.equal(ew.nonfinite_flags(grads), torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0]))

@@ -312,10 +312,11 @@ def test_zero_gradient_gives_no_nan():
     assert torch.equal(p.detach(), before)
 
 
-def _graph_run(device, cuda_graph, reload_at=None, steps=6, ns_method="auto", clip=None):
+def _graph_run(device, cuda_graph, reload_at=None, steps=6, ns_method="auto", clip=None, move_at=None):
     """Muon on a small set of matrices (two buckets, tall and wide, a fused split) with a scheduler, fresh
     gradient tensors every step and, optionally, a state_dict round trip and the optimizer's gradient clipping at
-    ``clip``; returns the parameters."""
+    ``clip``; returns the parameters. With ``move_at`` (a set of steps) the gradients are written in place, at the
+    same addresses, except at those steps, where they are fresh tensors at new addresses."""
     torch.manual_seed(7)
     params = [nn.Parameter(torch.randn(s, device=device)) for s in [(48, 80), (80, 48), (32, 32), (96, 32)]]
     matrixopt.mark_split(params[3], 3)
@@ -324,9 +325,13 @@ def _graph_run(device, cuda_graph, reload_at=None, steps=6, ns_method="auto", cl
     gen = torch.Generator(device).manual_seed(8)
     keep = []
     for t in range(steps):
-        keep.append(torch.empty(1000 * (t + 1), device=device))  # later gradients land at other addresses
-        for p in params:
-            p.grad = torch.randn(p.shape, device=device, generator=gen)
+        if move_at is None or t in move_at or params[0].grad is None:
+            keep.append(torch.empty(1000 * (t + 1), device=device))  # later gradients land at other addresses
+            for p in params:
+                p.grad = torch.randn(p.shape, device=device, generator=gen)
+        else:
+            for p in params:
+                p.grad.copy_(torch.randn(p.shape, device=device, generator=gen))
         if clip is not None:
             opt.clip_grad_norm_(clip)
         opt.step()
@@ -359,6 +364,30 @@ def test_cuda_graph_step_matches_eager_step_on_gpu(ns_method, clip):
         eager, _ = _graph_run("cuda", False, reload_at=3, ns_method=ns_method, clip=clip)
         graphed, opt = _graph_run("cuda", True, reload_at=3, ns_method=ns_method, clip=clip)
     assert any(isinstance(g, CapturedMuonStep) for g in opt._graphs.values()), "nothing was captured"
+    for a, b in zip(eager, graphed):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replays_again_while_the_tensors_stay_put_on_gpu(monkeypatch):
+    """Gradients written in place step after step: the captured step is replayed without regrouping the matrices
+    (``Muon._replay_again``), and still equals the eager step when the gradients move (step 4) and when
+    load_state_dict brings new momentum tensors (after step 2). One Newton–Schulz form for both: "auto" takes the
+    Gram form for these small stacks only when replayed from a graph."""
+    import matrixopt.optim.muon as muon_mod
+    from matrixopt.kernels.ns_step import ns_backend
+    from matrixopt.optim.layout import momentum_buckets
+
+    groupings = []
+    monkeypatch.setattr(muon_mod, "momentum_buckets", lambda *a: groupings.append(1) or momentum_buckets(*a))
+    steps, moves = 9, {4}
+    with ns_backend("triton"):
+        eager, _ = _graph_run("cuda", False, reload_at=2, steps=steps, ns_method="gram", move_at=moves)
+        groupings.clear()
+        graphed, _ = _graph_run("cuda", True, reload_at=2, steps=steps, ns_method="gram", move_at=moves)
+    # grouped at step 0 (eager), 1 (capture), 3 (new momentum), 4 (moved); replayed again at 2, 5, 6, 7, 8
+    assert len(groupings) == 4, groupings
     for a, b in zip(eager, graphed):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
