@@ -195,6 +195,8 @@ def nonfinite_flags(grads: Sequence[Tensor]) -> Tensor:
     """``(n,)`` float32 on the gradients' device: 1 where ``grads[i]`` holds a NaN or an Inf, else 0, without a host
     sync. grads: tensors of one dtype on one device. The fused kernel takes contiguous fp32/bf16/fp16 CUDA tensors in
     one launch (its host side costs a tenth of the foreach pass's, which allocates a result per tensor)."""
+    if not grads:
+        return torch.zeros(0)
     takes = all(g.dtype in KERNEL_DTYPES and g.is_contiguous() for g in grads)
     fused = _kernels(_on_gpu(grads)) if takes else None
     if fused is None:

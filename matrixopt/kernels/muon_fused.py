@@ -389,18 +389,21 @@ def _nonfinite_kernel(
 
 
 @functools.lru_cache(maxsize=16)
-def _chunk_rows(numels: tuple[int, ...]) -> list[list[int]]:
-    """The check's work list for tensors of these sizes: ``[tensor, first element]`` per CHECK_CHUNK."""
-    return [[i, start] for i, n in enumerate(numels) for start in range(0, n, CHECK_CHUNK)]
+def _chunk_table(numels: tuple[int, ...], device: torch.device) -> Tensor:
+    """The check's work list for tensors of these sizes, ``[tensor, first element]`` per CHECK_CHUNK, on ``device``
+    (built once per set of sizes: thousands of rows for a model)."""
+    rows = [[i, start] for i, n in enumerate(numels) for start in range(0, n, CHECK_CHUNK)]
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 2).to(device)
 
 
 def nonfinite_flags_triton(grads: Sequence[Tensor]) -> Tensor:
     """``(n,)`` float32 on the gradients' device: 1 where ``grads[i]`` holds a NaN or an Inf, else 0, in one launch
     over every tensor. grads: contiguous tensors of any shape, one dtype of fp32, bf16 and fp16, one device."""
     flags = torch.zeros(len(grads), dtype=torch.float32, device=grads[0].device)
-    rows = _chunk_rows(tuple(g.numel() for g in grads))
-    if rows:
-        table = _table([[g.data_ptr(), g.numel()] for g in grads], flags.device)
-        _nonfinite_kernel[(len(rows),)](table, _table(rows, flags.device), flags, G_DTYPE=_TL_DTYPES[grads[0].dtype],
-                                        BLOCK=CHECK_BLOCK, CHUNK=CHECK_CHUNK, num_warps=4)
+    numels = tuple(g.numel() for g in grads)
+    chunks = _chunk_table(numels, flags.device)
+    if len(chunks):
+        table = _table([[g.data_ptr(), n] for g, n in zip(grads, numels)], flags.device)
+        _nonfinite_kernel[(len(chunks),)](table, chunks, flags, G_DTYPE=_TL_DTYPES[grads[0].dtype],
+                                          BLOCK=CHECK_BLOCK, CHUNK=CHECK_CHUNK, num_warps=4)
     return flags
