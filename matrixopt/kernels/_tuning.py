@@ -112,28 +112,30 @@ def _compile_all(candidates: Sequence[C], launch: Callable[[C], object]) -> None
             pass
 
 
-def _time_replayed(launch: Callable[[], object], device: torch.device) -> float:
-    """Median milliseconds per call of ``launch`` over replays of a CUDA graph of ``TUNE_CALLS`` back-to-back
+def time_replayed(fn: Callable[[], object], device: torch.device, calls: int = TUNE_CALLS,
+                  reps: int = TUNE_REPS) -> float:
+    """Median milliseconds per call of ``fn`` over ``reps`` replays of a CUDA graph of ``calls`` back-to-back
     calls: the GPU time with the operands warm in L2 and no launch gaps, as in a Newton–Schulz chain (each product
-    reads what the last one wrote) and in a captured step."""
+    reads what the last one wrote) and in a captured step. ``fn`` runs once first, outside capture (a kernel's
+    first launch loads it, and fails there if it does not fit the GPU)."""
     current = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
     side.wait_stream(current)
-    with torch.cuda.stream(side):  # outside capture: the first launch loads the kernel and may fail to fit
-        launch()
+    with torch.cuda.stream(side):
+        fn()
     current.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(TUNE_CALLS):
-            launch()
+        for _ in range(calls):
+            fn()
     times = []
-    for _ in range(TUNE_REPS):
+    for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / TUNE_CALLS)
+        times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
 
 
@@ -157,7 +159,7 @@ def pick(key: Hashable, candidates: Callable[[], Sequence[C]], launch: Callable[
         times, failures = [], []
         for c in candidates:
             try:
-                times.append(_time_replayed(lambda c=c: launch(c), device))
+                times.append(time_replayed(lambda c=c: launch(c), device))
             except triton.runtime.errors.OutOfResources as e:  # more shared memory or registers than there are
                 times.append(math.inf)
                 failures.append(f"{c}: {e}")

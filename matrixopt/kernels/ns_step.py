@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from matrixopt.kernels._tuning import BackendSwitch, compile_ahead, compiling
+from matrixopt.kernels._tuning import BackendSwitch, compile_ahead, compiling, time_replayed
 
 BACKENDS = BackendSwitch.CHOICES
 
@@ -141,15 +141,6 @@ def _key(op: str, args: tuple, graphed: bool) -> tuple:
             graphed)
 
 
-def _replay(fn: Callable[..., Tensor], args: tuple) -> Callable[[], None]:
-    """``_MEASURE_CALLS`` back-to-back calls of ``fn`` captured in one CUDA graph; returns its replay."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(_MEASURE_CALLS):
-            fn(*args)
-    return graph.replay
-
-
 def _measure(op: str, args: tuple, graphed: bool) -> dict[str, float | str]:
     """Median ms of each path of ``op`` on ``args`` (after a warm-up that compiles and tunes), and the faster
     backend. Eager timings include the host's launch overhead where it shows; ``graphed`` times replays of a CUDA
@@ -159,20 +150,21 @@ def _measure(op: str, args: tuple, graphed: bool) -> dict[str, float | str]:
         fn(*args)
         fn(*args)
     if graphed:
-        torch.cuda.synchronize(args[0].device)
-        runs = {name: _replay(fn, args) for name, fn in paths.items()}
+        medians = {name: time_replayed(lambda fn=fn: fn(*args), args[0].device, _MEASURE_CALLS, _MEASURE_REPS)
+                   for name, fn in paths.items()}
     else:
-        runs = {name: (lambda fn=fn: [fn(*args) for _ in range(_MEASURE_CALLS)]) for name, fn in paths.items()}
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(_MEASURE_REPS):
-        for name, run in runs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / _MEASURE_CALLS)
-    t_triton, t_torch = statistics.median(times["triton"]), statistics.median(times["torch"])
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        for _ in range(_MEASURE_REPS):  # the paths alternate, so a slow moment of the machine hits both
+            for name, fn in paths.items():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(_MEASURE_CALLS):
+                    fn(*args)
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / _MEASURE_CALLS)
+        medians = {name: statistics.median(t) for name, t in times.items()}
+    t_triton, t_torch = medians["triton"], medians["torch"]
     return {"triton_ms": t_triton, "torch_ms": t_torch,
             "backend": "triton" if t_triton < TRITON_MARGIN * t_torch else "torch"}
 

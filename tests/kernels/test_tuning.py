@@ -12,7 +12,7 @@ from matrixopt.kernels import _tuning  # noqa: E402
 
 
 def _fake_bench(monkeypatch, times):
-    monkeypatch.setattr(_tuning, "_time_replayed", lambda launch, device: times[launch()])
+    monkeypatch.setattr(_tuning, "time_replayed", lambda launch, device: times[launch()])
 
 
 def _too_big(name):
