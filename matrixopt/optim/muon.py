@@ -85,7 +85,9 @@ class Muon(MatrixOptimizer):
             kernels per bucket, for models whose step is bound by the host (on an H100: 3.7x faster on a toy GPT,
             4% on GPT-2-small, 3% slower on GPT-2-medium; docs/results/bench). Costs the graph's memory (each
             bucket's stacks). The learning rate may change; a change of another matrix-group setting captures
-            anew. Ignored off CUDA and without Triton (:mod:`matrixopt.optim.graphed`).
+            anew. While the gradients, parameters and momentum stay at the same addresses (gradients zeroed or
+            overwritten in place, or reallocated where they were), a step is one replay and little host work.
+            Ignored off CUDA and without Triton (:mod:`matrixopt.optim.graphed`).
 
     Parameters of matrix groups: 2-D ``(out, in)``; conv kernels ``(out, in, ...)`` (flattened); stacked experts
     ``(E, out, in)`` marked with :func:`matrixopt.mark_experts`; fused weights marked with
