@@ -149,6 +149,8 @@ def pick(key: Hashable, candidates: Callable[[], Sequence[C]], launch: Callable[
     if compiling():  # a compile-only pass: compile them all, choose none
         _compile_all(candidates, launch)
         return candidates[0]
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return candidates[0]  # nothing can be timed during a capture: the first candidate, not kept
     if len(candidates) == 1 or device.type != "cuda":
         best = candidates[0]
     else:

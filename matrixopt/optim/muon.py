@@ -175,7 +175,7 @@ class Muon(MatrixOptimizer):
                 st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32,
                                                          memory_format=torch.preserve_format)
             bufs.append(st["momentum_buffer"])
-        fingerprint = _fingerprint([*params, *grads, *bufs]) if self.cuda_graph else None
+        fingerprint = _fingerprint([*params, *grads, *bufs]) if self.cuda_graph and params[0].is_cuda else None
         if fingerprint is not None and self._replay_again(group, params, grads, fingerprint, skip):
             return
         buckets, copies = momentum_buckets(params, grads, bufs)

@@ -85,3 +85,12 @@ def test_a_failing_compile_is_left_for_the_timing(monkeypatch):
     _fake_bench(monkeypatch, {"a": 2.0, "c": 3.0})
     launch = lambda c: _too_big(c) if c == "b" else c  # noqa: E731  (fails compiling and timing alike)
     assert _tuning.pick(("test", "compile-fails"), lambda: ["b", "a", "c"], launch, torch.device("cuda")) == "a"
+
+
+def test_pick_during_capture_takes_the_first_candidate_and_keeps_nothing(monkeypatch):
+    _fake_bench(monkeypatch, {})  # timing would fail: nothing may be timed during a capture
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    key = ("test", "capturing")
+    assert _tuning.pick(key, lambda: ["a", "b"], lambda c: c, torch.device("cuda")) == "a"
+    assert key not in _tuning.chosen()
