@@ -9,7 +9,7 @@ r"""Muon's elementwise passes around Newton–Schulz: the dispatch between the f
   tall matrices.
 - :func:`nonfinite_flags`: which gradients hold a NaN or an Inf (the optimizers' check before a step).
 
-Dispatch: the three run the Triton kernels for CUDA tensors they can take (see :func:`fusable`) outside
+Dispatch: these run the Triton kernels for CUDA tensors they can take (see :func:`fusable`) outside
 ``torch.compile``, and the torch references otherwise (the CPU, no Triton). :func:`elementwise_backend` forces one
 for a block of code (benchmarks; tests, where ``"triton"`` on CPU tensors runs Triton's interpreter under
 ``TRITON_INTERPRET=1``). The module imports without Triton; the kernels are imported on first use.

@@ -32,6 +32,9 @@ Blocked algorithm, one program per (tile, matrix)::
     ... the formulas above on the tile ...
     store at out[slot, r, c] (wide) or out[slot, c, r] (tall, the tile transposed in registers)
 
+The optimizers' non-finite check (``nonfinite_flags_triton``) reads every gradient the same way, from an address
+table: one program per 64k-element chunk of any tensor, so one launch covers a model's gradients.
+
 The kernels are imported on first use by :mod:`matrixopt.kernels.muon_elementwise`; this module needs Triton.
 """
 
