@@ -47,9 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("train", parents=[common], help="end-to-end training tokens/s, ratio to AdamW")
     p.add_argument("--model", default="gpt2-small", choices=list(train.BATCHES))
     p.add_argument("--optimizers", nargs="+",
-                   default=["adamw", "muon", "muon+standard", "muon+eager", "torch.optim.Muon"],
+                   default=list(train.DEFAULT_OPTIMIZERS),
                    help="registry names (with the trainer's options), suffixed +eager (without the CUDA graph) "
-                        "and/or +standard (standard Newton–Schulz, not the Gram form), or torch.optim.Muon")
+                        "and/or +standard (standard Newton–Schulz, not the Gram form), or a peer: "
+                        "'torch.optim.Muon', 'emerging_optimizers Muon', 'emerging_optimizers Muon, SYRK'")
     p.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
     p.add_argument("--batch", type=int, default=None, help="override the preset's batch size")
 

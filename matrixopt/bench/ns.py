@@ -4,7 +4,8 @@ For each ``(batch, m, n)`` stack of fp32 matrices (m <= n), ``steps`` quintic it
 :func:`matrixopt.newton_schulz`: the default (the Gram form for wide shapes, in float16) with the dispatcher on
 ``auto``, forced to cuBLAS (``torch``) and forced to Triton, and the standard form (``method="standard"``), against
 torch.optim.Muon's iteration (``torch.optim._muon._zeropower_via_newtonschulz``, one matrix at a time, as
-the optimizer runs it). Then the Gram matrix ``X X^T`` alone: cuBLAS ``bmm`` against the Triton SYRK.
+the optimizer runs it). Then the Gram matrix ``X X^T`` alone: cuBLAS ``bmm`` against the Triton SYRK, and against
+``emerging_optimizers``' Triton ``tsyrk_ex`` where that is installed (:mod:`matrixopt.bench.peers`).
 
 FLOPs (dense count, the work a GEMM library does; the SYRK does about half of the first two terms):
     per Newton–Schulz step on an (m, n) matrix: 2 m^2 n (X X^T) + 2 m^3 (A A) + 2 m^2 n (B X) = 4 m^2 n + 2 m^3
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor
 
 from matrixopt.bench.common import PEAK_BF16_TFLOPS, environment, kernel_choices, resolve_device, sync, table, time_ms
+from matrixopt.bench.peers import peer_gram
 from matrixopt.kernels.ns_step import ns_backend, triton_available
 from matrixopt.linalg.ortho import newton_schulz, polar
 
@@ -101,6 +103,7 @@ def bench_ns(shapes: Sequence[tuple[int, int, int]], steps: int, device: torch.d
 def bench_gram(shapes: Sequence[tuple[int, int, int]], device: torch.device, reps: int) -> list[dict]:
     rows = []
     use_triton = device.type == "cuda" and triton_available()
+    peer = peer_gram(device)
     for batch, m, k in shapes:
         X = torch.randn(batch, m, k, device=device).to(torch.bfloat16)
         ref = torch.bmm(X.double(), X.double().mT) if device.type == "cpu" else None
@@ -126,6 +129,18 @@ def bench_gram(shapes: Sequence[tuple[int, int, int]], device: torch.device, rep
                                   "err_vs_float64": _rel_err(out, exact)}
             row["speedup_vs_cublas"] = row["cublas"]["ms"]["median"] / t["median"]
             row["graph_speedup_vs_cublas"] = row["cublas"]["graph_ms"]["median"] / tg["median"]
+        if callable(peer):
+            t0 = time.perf_counter()
+            out = peer(X)  # first call: its autotuner times every config for this shape
+            sync(device)
+            first_s = time.perf_counter() - t0
+            t = time_ms(lambda X=X: peer(X), device, reps=reps)
+            tg = time_ms(lambda X=X: peer(X), device, reps=reps, inner=10, graph=True)
+            row["emerging_tsyrk"] = {"ms": t, "first_call_s": first_s, "graph_ms": tg,
+                                     "graph_tflops": flops / tg["median"] / 1e9,
+                                     "err_vs_float64": _rel_err(out, torch.bmm(X.double(), X.double().mT))}
+        else:
+            row["emerging_tsyrk"] = {"status": peer}
         rows.append(row)
     return rows
 
@@ -153,11 +168,12 @@ def format_tables(record: dict[str, Any]) -> str:
                   "graphed cuBLAS ms": r["cublas"].get("graph_ms", {}).get("median"),
                   "graphed SYRK ms": r.get("triton_syrk", {}).get("graph_ms", {}).get("median"),
                   "graphed speedup": r.get("graph_speedup_vs_cublas"),
-                  "SYRK eff. TFLOP/s": r.get("triton_syrk", {}).get("graph_tflops")}
+                  "SYRK eff. TFLOP/s": r.get("triton_syrk", {}).get("graph_tflops"),
+                  "graphed emerging tsyrk ms": r.get("emerging_tsyrk", {}).get("graph_ms", {}).get("median")}
                  for r in record["gram"]]
     return ("Newton–Schulz, " + f"{record['ns'][0]['steps'] if record['ns'] else 0} quintic steps (medians)\n"
             + table(ns_rows, ["shape", "method", "ms", "TFLOP/s", "of limit", "err vs polar"])
             + "\n\nGram X X^T, bf16 (medians, eager and replayed from a CUDA graph of 10 calls; effective TFLOP/s"
               " on the dense 2 m^2 k count)\n"
             + table(gram_rows, ["shape", "cuBLAS ms", "SYRK ms", "speedup", "graphed cuBLAS ms", "graphed SYRK ms",
-                                "graphed speedup", "SYRK eff. TFLOP/s"]))
+                                "graphed speedup", "SYRK eff. TFLOP/s", "graphed emerging tsyrk ms"]))

@@ -5,8 +5,9 @@ as in GPT-2) is built as plain parameters with random fp32 gradients, no model f
 to the matrix optimizer, the embeddings, head, norms and biases to AdamW. Compared on the same parameters:
 
 - ``adamw (fused)``: ``torch.optim.AdamW(fused=True)`` on everything (foreach on the CPU);
-- ``torch.optim.Muon``: ``torch.optim.Muon`` on the hidden matrices plus fused AdamW on the rest, stepped together;
-- ``emerging_optimizers Muon`` when ``emerging_optimizers`` is installed (recorded as missing otherwise);
+- the peers of :mod:`matrixopt.bench.peers`: ``torch.optim.Muon``, and ``emerging_optimizers Muon`` with and
+  without its SYRK where that package is installed (recorded as missing otherwise), each on the hidden matrices
+  plus fused AdamW on the rest, stepped together;
 - ``matrixopt <name>``: every matrix optimizer in ``matrixopt.OPTIMIZERS`` (muon, and shampoo / soap once they
   are registered) through ``build_optimizer``; Muon also with the Newton–Schulz dispatcher forced to cuBLAS or
   to Triton, with its elementwise passes as foreach ops instead of the fused kernels, with ``cuda_graph=True``,
@@ -37,6 +38,7 @@ from matrixopt.bench.common import (
     time_ms,
 )
 from matrixopt.bench.ns import ns_flops
+from matrixopt.bench.peers import peer_muons, split_hidden
 from matrixopt.kernels.muon_elementwise import elementwise_backend
 from matrixopt.kernels.ns_step import ns_backend
 from matrixopt.optim.registry import OPTIMIZERS, build_optimizer
@@ -83,24 +85,7 @@ def param_set(model: str, device: torch.device) -> ParamSet:
 
 
 def hidden_matrices(ps: ParamSet) -> list[nn.Parameter]:
-    return [p for name, p in ps.named_parameters() if p.ndim == 2 and ".h." in f".{name}"]
-
-
-def _adamw_rest(ps: ParamSet, fused: bool) -> torch.optim.AdamW:
-    hidden = {id(p) for p in hidden_matrices(ps)}
-    rest = [p for p in ps.parameters() if id(p) not in hidden]
-    return torch.optim.AdamW(rest, lr=LR, weight_decay=0.1, fused=fused, foreach=None if fused else True)
-
-
-class Stepper:
-    """Steps several optimizers as one (a peer's Muon plus its separate AdamW)."""
-
-    def __init__(self, *opts: torch.optim.Optimizer):
-        self.opts = opts
-
-    def step(self) -> None:
-        for o in self.opts:
-            o.step()
+    return split_hidden(ps)[0]
 
 
 def _one_stream(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -114,16 +99,9 @@ def candidates(ps: ParamSet, device: torch.device) -> dict[str, Any]:
     out: dict[str, Any] = {
         "adamw (fused)": (lambda: torch.optim.AdamW(ps.parameters(), lr=LR, weight_decay=0.1, fused=fused,
                                                     foreach=None if fused else True), contextlib.nullcontext),
-        "torch.optim.Muon": (lambda: Stepper(torch.optim.Muon(hidden_matrices(ps), lr=0.02, ns_steps=NS_STEPS),
-                                             _adamw_rest(ps, fused)), contextlib.nullcontext),
     }
-    try:
-        from emerging_optimizers.orthogonalized_optimizers import Muon as EOMuon
-
-        out["emerging_optimizers Muon"] = (lambda: Stepper(EOMuon(hidden_matrices(ps), lr=0.02),
-                                                           _adamw_rest(ps, fused)), contextlib.nullcontext)
-    except ImportError:
-        out["emerging_optimizers Muon"] = "not installed (import emerging_optimizers failed)"
+    for name, peer in peer_muons(ps, ns_steps=NS_STEPS, adamw_lr=LR).items():
+        out[name] = peer if isinstance(peer, str) else (peer, contextlib.nullcontext)
     for name, factory in OPTIMIZERS.items():
         if getattr(factory, "matrix_flag", None) is None or name == "mop":
             continue  # plain AdamW is the fused row above; MOP is the slow SVD reference

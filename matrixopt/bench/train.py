@@ -5,8 +5,9 @@ of :mod:`matrixopt.train.model` with an untied head and vocab 50304 (512 for tin
 (throughput does not depend on the data), bf16 autocast on CUDA, forward, backward, gradient clipping at 1.0
 (the trainer's: matrixopt's optimizers apply the coefficient inside their step) and ``optimizer.step()``, with
 the trainer's optimizer options (``deferred_nonfinite=True`` where taken, and ``cuda_graph=True`` on a GPU;
-``muon+eager`` is Muon without the graph). Each optimizer gets a freshly initialized model; ``warmup`` steps, then
-``steps`` timed steps in ``reps`` blocks (median block).
+``muon+eager`` is Muon without the graph), and the peers of :mod:`matrixopt.bench.peers` (``torch.optim.Muon``,
+``emerging_optimizers Muon`` where installed: a missing one is recorded with the reason). Each optimizer gets a
+freshly initialized model; ``warmup`` steps, then ``steps`` timed steps in ``reps`` blocks (median block).
 
 MFU uses the model's ``estimate_flops_per_token`` (6 N + 12 L T d, PaLM appendix B) at ``PEAK_BF16_TFLOPS``.
 """
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from matrixopt.bench.common import PEAK_BF16_TFLOPS, environment, kernel_choices, resolve_device, table, time_ms
-from matrixopt.bench.step import Stepper
+from matrixopt.bench.peers import EMERGING, peer_muons
 from matrixopt.train.trainer import clip_gradients
 
 # preset -> (batch, block_size, vocab) of the issue's rows; "tiny-cpu" keeps the CPU test fast.
@@ -30,6 +31,8 @@ QKV_SPLITS = {r"attn\.c_attn\.weight$": 3}
 # suffixes of an optimizer name: "muon+eager" is Muon without the trainer's CUDA graph (cuda_graph=False),
 # "muon+standard" Muon with the standard Newton–Schulz form (ns_method="standard"); they combine
 VARIANTS = {"eager": {"cuda_graph": False}, "standard": {"ns_method": "standard"}}
+# the issue's row: AdamW, ours (and two variants), and the peers (emerging_optimizers recorded as missing where it is)
+DEFAULT_OPTIMIZERS = ("adamw", "muon", "muon+standard", "muon+eager", "torch.optim.Muon", EMERGING)
 
 
 def train_step(net: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
@@ -43,15 +46,19 @@ def train_step(net: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
         p.grad = None
 
 
+class PeerMissing(RuntimeError):
+    """A peer optimizer that can't run here (its package is not installed, or it needs a GPU)."""
+
+
 def _optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
     from matrixopt.optim.registry import accepted, build_optimizer
 
-    if name == "torch.optim.Muon":
-        hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and ".h." in n]
-        ids = {id(p) for p in hidden}
-        rest = [p for p in model.parameters() if id(p) not in ids]
-        fused = next(model.parameters()).is_cuda
-        return Stepper(torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=1e-3, fused=fused))  # type: ignore
+    peers = peer_muons(model, adamw_lr=6e-4)
+    if name in peers:
+        peer = peers[name]
+        if isinstance(peer, str):
+            raise PeerMissing(peer)
+        return peer()  # type: ignore[return-value]
     if name == "adamw":
         return build_optimizer(model, "adamw", lr=6e-4, weight_decay=0.1)
     base, *variants = name.split("+")
@@ -68,7 +75,7 @@ def _optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
 
 
 def run(model: str = "gpt2-small",
-        optimizers: tuple[str, ...] = ("adamw", "muon", "muon+standard", "muon+eager", "torch.optim.Muon"), *,
+        optimizers: tuple[str, ...] = DEFAULT_OPTIMIZERS, *,
         device: torch.device | None = None, steps: int = 10, reps: int = 3, warmup: int = 3,
         batch: int | None = None) -> dict[str, Any]:
     """Tokens/s of each optimizer's training step; returns the JSON record."""
@@ -88,13 +95,17 @@ def run(model: str = "gpt2-small",
         torch.manual_seed(0)
         with torch.device(device):
             net = GPT(cfg)
-        opt = _optimizer(net, name)
+        try:
+            opt = _optimizer(net, name)
+        except PeerMissing as e:
+            results[name] = {"status": str(e)}
+            continue
         x = torch.randint(0, vocab, (B, T), device=device)
         y = torch.randint(0, vocab, (B, T), device=device)
         t = time_ms(functools.partial(train_step, net, opt, x, y, autocast), device, reps=reps, inner=steps,
                     warmup=warmup)
         tok_s = B * T / (t["median"] / 1e3)
-        results[name] = {"step_ms": t, "tokens_per_s": tok_s,
+        results[name] = {"status": "ok", "step_ms": t, "tokens_per_s": tok_s,
                          "mfu": net.estimate_flops_per_token() * tok_s / (PEAK_BF16_TFLOPS * 1e12)}
         del net, opt
         gc.collect()
@@ -102,13 +113,15 @@ def run(model: str = "gpt2-small",
             torch.cuda.empty_cache()
     base = results.get("adamw", {}).get("tokens_per_s")
     for r in results.values():
-        r["vs_adamw"] = r["tokens_per_s"] / base if base else None
+        if r["status"] == "ok":
+            r["vs_adamw"] = r["tokens_per_s"] / base if base else None
     return {"benchmark": "train", "model": model, "batch": B, "block_size": T, "vocab": vocab,
             "env": environment(device), "results": results, **kernel_choices()}
 
 
 def format_tables(record: dict[str, Any]) -> str:
-    rows = [{"optimizer": name, "step ms": r["step_ms"]["median"], "tokens/s": r["tokens_per_s"],
-             "vs AdamW": r["vs_adamw"], "MFU": r["mfu"]} for name, r in record["results"].items()]
+    rows = [{"optimizer": name, "step ms": r.get("step_ms", {}).get("median"), "tokens/s": r.get("tokens_per_s"),
+             "vs AdamW": r.get("vs_adamw"), "MFU": r.get("mfu"), "status": r["status"]}
+            for name, r in record["results"].items()]
     return (f"Training throughput, {record['model']}, batch {record['batch']}x{record['block_size']} (medians)\n"
-            + table(rows, ["optimizer", "step ms", "tokens/s", "vs AdamW", "MFU"]))
+            + table(rows, ["optimizer", "step ms", "tokens/s", "vs AdamW", "MFU", "status"]))
