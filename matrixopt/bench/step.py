@@ -14,7 +14,10 @@ to the matrix optimizer, the embeddings, head, norms and biases to AdamW. Compar
   and with ``deferred_nonfinite=True`` (no host sync in the step; what the trainer uses), alone and with the graph.
 
 Limit of a Muon step: the Newton–Schulz FLOPs at ``PEAK_BF16_TFLOPS`` plus the fewest bytes at ``COPY_TBPS``:
-    FLOPs = sum over hidden matrices of steps * (4 m^2 n + 2 m^3), m <= n
+    FLOPs = sum over hidden matrices of the fewer of the two forms' dense counts
+            (:func:`matrixopt.linalg.ortho.newton_schulz_flops`): the Gram form's for matrices at least 1.5 times
+            longer than wide, else the standard form's, steps * (4 m^2 n + 2 m^3) with m <= n
+            (``standard_gflop`` keeps the standard form's total, which the records before run 43 used)
     bytes = 20 per Muon parameter (read grad and momentum, write momentum, read and write the fp32 weight)
           + 28 per AdamW parameter (read grad, weight, m, v; write weight, m, v)
 """
@@ -41,6 +44,7 @@ from matrixopt.bench.ns import ns_flops
 from matrixopt.bench.peers import peer_muons, split_hidden
 from matrixopt.kernels.muon_elementwise import elementwise_backend
 from matrixopt.kernels.ns_step import ns_backend
+from matrixopt.linalg.ortho import newton_schulz_flops
 from matrixopt.optim.registry import OPTIMIZERS, build_optimizer
 
 # (n_layer, n_embd, block_size, vocab): the issue's parameter sets; "toy" keeps the CPU test fast.
@@ -130,11 +134,12 @@ def candidates(ps: ParamSet, device: torch.device) -> dict[str, Any]:
 
 def step_limit(ps: ParamSet) -> dict[str, float]:
     hidden = hidden_matrices(ps)
-    flops = sum(ns_flops(1, min(p.shape), max(p.shape), NS_STEPS) for p in hidden)
+    flops = sum(newton_schulz_flops(*p.shape, NS_STEPS, "auto") for p in hidden)
     n_muon = sum(p.numel() for p in hidden)
     n_adamw = sum(p.numel() for p in ps.parameters()) - n_muon
     nbytes = 20 * n_muon + 28 * n_adamw
-    return {"ns_gflop": flops / 1e9, "bytes_gb": nbytes / 1e9,
+    standard = sum(ns_flops(1, min(p.shape), max(p.shape), NS_STEPS) for p in hidden)
+    return {"ns_gflop": flops / 1e9, "standard_gflop": standard / 1e9, "bytes_gb": nbytes / 1e9,
             "flop_ms": flops / (PEAK_BF16_TFLOPS * 1e12) * 1e3, "byte_ms": nbytes / (COPY_TBPS * 1e12) * 1e3,
             "muon_limit_ms": flops / (PEAK_BF16_TFLOPS * 1e12) * 1e3 + nbytes / (COPY_TBPS * 1e12) * 1e3,
             "adamw_limit_ms": 28 * (n_muon + n_adamw) / (COPY_TBPS * 1e12) * 1e3,
