@@ -8,7 +8,8 @@
   for the Gram row of ``bench ns``. It needs Python >= 3.12; where it is missing the rows say why instead.
 
 Each Muon peer runs 5 quintic Newton–Schulz steps (the package defaults), at the learning rate torch's Muon
-documents (0.02); step time does not depend on it.
+documents (0.02); step time does not depend on it. ``emerging_optimizers``' Triton SYRK autotunes 486 configs on
+each new shape (17–44 s per shape on an H100), so its first step, and the Gram row's first call, take that long.
 """
 
 from __future__ import annotations
