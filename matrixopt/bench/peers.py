@@ -59,7 +59,7 @@ def peer_muons(model: nn.Module, *, ns_steps: int = 5, adamw_lr: float = 1e-3,
     """name -> factory of the peer's stepper over ``model``'s parameters (Muon on the hidden matrices, fused AdamW
     on a GPU, foreach elsewhere, on the rest), or a string saying why the peer is missing."""
     hidden, rest = split_hidden(model)
-    fused = hidden[0].is_cuda
+    fused = next(model.parameters()).is_cuda
 
     def adamw() -> torch.optim.AdamW:
         return torch.optim.AdamW(rest, lr=adamw_lr, weight_decay=weight_decay, fused=fused,

@@ -121,7 +121,7 @@ def run(model: str = "gpt2-small",
 
 def format_tables(record: dict[str, Any]) -> str:
     rows = [{"optimizer": name, "step ms": r.get("step_ms", {}).get("median"), "tokens/s": r.get("tokens_per_s"),
-             "vs AdamW": r.get("vs_adamw"), "MFU": r.get("mfu"), "status": r["status"]}
+             "vs AdamW": r.get("vs_adamw"), "MFU": r.get("mfu"), "status": r.get("status", "ok")}
             for name, r in record["results"].items()]
     return (f"Training throughput, {record['model']}, batch {record['batch']}x{record['block_size']} (medians)\n"
             + table(rows, ["optimizer", "step ms", "tokens/s", "vs AdamW", "MFU", "status"]))
