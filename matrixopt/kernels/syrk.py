@@ -21,7 +21,7 @@ When the tiles times the batch cannot fill the GPU (a single 1024 x 1024 Gram ma
 SMs) the K range is split: each split writes its fp32 partial (mirrored) to a workspace and a second kernel sums
 the splits and applies alpha and beta. Coefficients are runtime arguments: a new (alpha, beta) never recompiles.
 
-Two kernels compute the same tiles; the tuner times both where both apply:
+Three kernels compute the same triangle; the tuner times each where it applies:
 - ``_syrk_kernel``: one program per tile, pointer loads (any strides, any sizes, split-K);
 - ``_syrk_tma_kernel``: a persistent grid (one program per SM walks the tiles of the whole batch, so the next
   tile's loads overlap the last one's epilogue) with tensor-memory-accelerator (TMA) loads and stores through
@@ -31,6 +31,10 @@ Two kernels compute the same tiles; the tuner times both where both apply:
   (i, j + 1), per work item: the row tile is loaded once for both, a 128 x 256 output like the widest fast GEMM
   tiles. A row with an odd number of tiles ends in a pair whose second tile lies above the diagonal: it is
   computed (at most one tile in T per row) but not stored.
+- ``_syrk_wide_kernel``: one program per 64 x 128 output tile (a pair of 64-tiles computed by one dot, the shape
+  of one Hopper warpgroup's MMA), TMA loads and stores, for a single matrix or a few, where the 128-tiles leave
+  SMs idle. A tile that the diagonal crosses is stored by halves: the half holding the diagonal symmetrized, as
+  above. Same TMA requirements.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class SyrkConfig:
     num_stages: int
     persistent: bool = False  # the persistent TMA kernel (split_k must be 1)
     pair: bool = False  # persistent only: each program item is two tiles side by side on a row
+    wide: bool = False  # the wide TMA kernel: one program per block x 2 block output tile (split_k must be 1)
 
 
 NUM_SMS_H100 = 132
@@ -99,19 +104,24 @@ def num_sms(device: torch.device) -> int:
 
 
 def get_syrk_configs(batch: int, m: int, k: int, num_sms: int = NUM_SMS_H100, tma: bool = False) -> list[SyrkConfig]:
-    """Candidates for one shape: 128-tiles (Hopper wgmma sweet spot); 64-tiles only where the 128-tiles cannot
-    fill the SMs (more programs for a single small matrix); K splits when even those are fewer than the SMs; and
-    the persistent TMA kernel at 128-tiles, alone and in pairs, when ``tma`` (see :func:`tma_compatible`).
+    """Candidates for one shape: 128-tiles (Hopper wgmma sweet spot); where the 128-tiles are a wave or two at
+    most, 64 x 128 tiles through TMA (the wide kernel) when ``tma`` (see :func:`tma_compatible`), else 64-tiles
+    only where the 128-tiles cannot fill the SMs (more programs for a single small matrix); K splits when even
+    those are fewer than the SMs; and the persistent TMA kernel at 128-tiles, alone and in pairs, when ``tma``.
 
     Every candidate costs a compile on a shape's first call, so the list holds only configs that won somewhere:
     over the 36 shape decisions of ``docs/results/bench/ns_run14.json`` the 64-tiles won only for single 1024-row
-    matrices (36 tiles of 128 on 132 SMs), and a 3-stage persistent variant never won, so it is gone."""
+    matrices (36 tiles of 128 on 132 SMs), and a 3-stage persistent variant never won, so it is gone. The wide
+    kernel beat the pointer 64-tiles on every single-matrix shape of runs 40 and 45 (e.g. 8.6 against 10.8 us at
+    1 x 1024 x 2048), with a 128-wide K block, except at 2048 x 2048 (a 64-wide one, 3 stages)."""
     tiles = lambda blk: batch * (triton.cdiv(m, blk) * (triton.cdiv(m, blk) + 1) // 2)  # noqa: E731
     out = [SyrkConfig(128, 64, 1, 8, 4)]
-    if tiles(128) < num_sms:
+    if tiles(128) < num_sms and not tma:
         out.append(SyrkConfig(64, 64, 1, 4, 4))
     if tma:
         out += [SyrkConfig(128, 64, 1, 8, 4, persistent=True), SyrkConfig(128, 64, 1, 8, 3, persistent=True, pair=True)]
+        if tiles(128) <= 2 * num_sms:
+            out += [SyrkConfig(64, 128, 1, 4, 4, wide=True), SyrkConfig(64, 64, 1, 4, 3, wide=True)]
     for split in (2, 4, 8):
         if tiles(128) * split <= 2 * num_sms and k // split >= 256:
             out.append(SyrkConfig(128, 64, split, 8, 4))
@@ -260,6 +270,55 @@ def _syrk_tma_kernel(
             _store_mirrored(o_desc, y_desc, bid, ti, tj + 1, acc2, M, alpha, beta, BLOCK, HAS_Y)
 
 @triton.jit
+def _symmetrized(tile, BLOCK: tl.constexpr):
+    """A diagonal tile with its upper half replaced by its lower half mirrored: exactly symmetric."""
+    loc = tl.arange(0, BLOCK)
+    return tl.where(loc[:, None] < loc[None, :], tile.T, tile)
+
+
+@triton.jit
+def _syrk_wide_kernel(
+    # tensor descriptors: X (batch, M, K) in (1, BLOCK, BLOCK_K) blocks, W in (1, 2 BLOCK, BLOCK_K); Y in
+    # (1, BLOCK, 2 BLOCK); the output C three times: in (1, BLOCK, 2 BLOCK), (1, 2 BLOCK, BLOCK) and
+    # (1, BLOCK, BLOCK) blocks
+    x_desc, w_desc, y_desc, o_desc, ot_desc, q_desc,
+    # K columns of X and W; runtime coefficients
+    K, alpha, beta,
+    # meta-parameters
+    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_Y: tl.constexpr,
+):
+    # one program per BLOCK x 2 BLOCK output tile of the lower triangle (numbered as _lower_pair's pairs): the
+    # shape of one Hopper warpgroup's MMA at BLOCK = 64, and ~72 programs for a single 1024-row C
+    bid = tl.program_id(1)
+    ti, tj = _lower_pair(tl.program_id(0))
+    r0 = ti * BLOCK
+    c0 = tj * BLOCK
+    acc = tl.zeros((BLOCK, 2 * BLOCK), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        a = x_desc.load([bid, r0, k]).reshape(BLOCK, BLOCK_K)
+        b = w_desc.load([bid, c0, k]).reshape(2 * BLOCK, BLOCK_K)
+        acc = tl.dot(a, b.T, acc)
+    acc = acc * alpha
+    if HAS_Y:
+        acc += beta * y_desc.load([bid, r0, c0]).reshape(BLOCK, 2 * BLOCK).to(tl.float32)
+    out = acc.to(o_desc.dtype)
+    if c0 + 2 * BLOCK <= r0:  # wholly below the diagonal: stored and mirrored whole
+        o_desc.store([bid, r0, c0], out.reshape(1, BLOCK, 2 * BLOCK))
+        ot_desc.store([bid, c0, r0], out.T.reshape(1, 2 * BLOCK, BLOCK))
+    else:
+        # the diagonal crosses one of the two halves: that half is symmetrized and stored once; a half below it is
+        # stored and mirrored; a half above it is another tile's mirror, not stored. Every element of C is then
+        # written once, or twice from one value: C is exactly symmetric
+        left, right = tl.split(tl.reshape(out, (BLOCK, 2, BLOCK)).permute(0, 2, 1))
+        if c0 == r0:
+            q_desc.store([bid, r0, c0], _symmetrized(left, BLOCK).reshape(1, BLOCK, BLOCK))
+        else:
+            q_desc.store([bid, r0, c0], left.reshape(1, BLOCK, BLOCK))
+            q_desc.store([bid, c0, r0], left.T.reshape(1, BLOCK, BLOCK))
+            q_desc.store([bid, r0, c0 + BLOCK], _symmetrized(right, BLOCK).reshape(1, BLOCK, BLOCK))
+
+
+@triton.jit
 def _splitk_reduce_kernel(
     ws_ptr, y_ptr, out_ptr,  # ws: (SPLIT, N) fp32; y, out: N contiguous elements
     N, SPLIT,
@@ -280,12 +339,16 @@ def _splitk_reduce_kernel(
 # ----------------------------------------------------------------------------------------------- launcher
 
 
+def _pairs(T: int) -> int:
+    """Tile pairs (or wide tiles) covering the lower triangle of T x T tiles: row i holds i // 2 + 1."""
+    return sum(i // 2 + 1 for i in range(T))
+
+
 def _launch_tma(X: Tensor, W: Tensor, Y: Tensor | None, out: Tensor, alpha: float, beta: float,
                 cfg: SyrkConfig) -> None:
     batch, m, k = X.shape
     T = triton.cdiv(m, cfg.block)
-    # row i holds i + 1 tiles, or i // 2 + 1 pairs
-    per_matrix = sum(i // 2 + 1 for i in range(T)) if cfg.pair else T * (T + 1) // 2
+    per_matrix = _pairs(T) if cfg.pair else T * (T + 1) // 2
     items = batch * per_matrix
     programs = min(items, num_sms(X.device))
     x_desc = TensorDescriptor.from_tensor(X, [1, cfg.block, cfg.block_k])
@@ -299,10 +362,27 @@ def _launch_tma(X: Tensor, W: Tensor, Y: Tensor | None, out: Tensor, alpha: floa
     )
 
 
+def _launch_wide(X: Tensor, W: Tensor, Y: Tensor | None, out: Tensor, alpha: float, beta: float,
+                 cfg: SyrkConfig) -> None:
+    batch, m, k = X.shape
+    b, bk = cfg.block, cfg.block_k
+    o_desc = TensorDescriptor.from_tensor(out, [1, b, 2 * b])
+    launch_kernel(_syrk_wide_kernel, (_pairs(triton.cdiv(m, b)), batch),
+        TensorDescriptor.from_tensor(X, [1, b, bk]), TensorDescriptor.from_tensor(W, [1, 2 * b, bk]),
+        TensorDescriptor.from_tensor(Y, [1, b, 2 * b]) if Y is not None else o_desc, o_desc,
+        TensorDescriptor.from_tensor(out, [1, 2 * b, b]), TensorDescriptor.from_tensor(out, [1, b, b]),
+        k, alpha, beta, BLOCK=b, BLOCK_K=bk, HAS_Y=Y is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
 def _launch(X: Tensor, W: Tensor, Y: Tensor | None, out: Tensor, alpha: float, beta: float,
             cfg: SyrkConfig) -> None:
     if cfg.persistent:
         _launch_tma(X, W, Y, out, alpha, beta, cfg)
+        return
+    if cfg.wide:
+        _launch_wide(X, W, Y, out, alpha, beta, cfg)
         return
     batch, m, k = X.shape
     T = triton.cdiv(m, cfg.block)
@@ -355,8 +435,8 @@ def syrk(X: Tensor, alpha: float = 1.0, beta: float = 0.0, Y: Tensor | None = No
         key = ("syrk", tuple(X.shape), X.stride(), W.stride(), X.dtype, X.device, Y is not None, tma)
         config = pick(key, lambda: get_syrk_configs(*X.shape, num_sms=num_sms(X.device), tma=tma),
                       lambda c: _launch(X, W, Y, out, alpha, beta, c), X.device)
-    elif config.persistent and not tma:
-        raise ValueError("the persistent TMA SYRK needs X (and W) with a contiguous last dimension and 16-byte "
+    elif (config.persistent or config.wide) and not tma:
+        raise ValueError("the TMA SYRK kernels need X (and W) with a contiguous last dimension and 16-byte "
                          "aligned rows (m and k multiples of 8 in bf16), Triton >= 3.3 and a compute capability "
                          f">= 9 GPU; got X of shape {tuple(X.shape)}, strides {X.stride()}, {X.dtype}: pass "
                          "config=None to let the tuner choose")

@@ -32,7 +32,7 @@ def test_syrk_and_update_on_gpu(shape):
 
 
 @pytest.mark.parametrize("shape", [(1, 1024, 4096), (24, 768, 3072), (3, 304, 520)])
-def test_every_persistent_tma_config_on_gpu(shape):
+def test_every_tma_syrk_config_on_gpu(shape):
     from matrixopt.kernels.ns_update import get_ns_update_configs, ns_update
     from matrixopt.kernels.syrk import get_syrk_configs, syrk
 
@@ -43,9 +43,10 @@ def test_every_persistent_tma_config_on_gpu(shape):
     X = torch.randn(shape, device="cuda").bfloat16()
     X64 = X.double()
     ran = 0
-    for cfg in [c for c in get_syrk_configs(*shape, tma=True) if c.persistent]:
+    for cfg in [c for c in get_syrk_configs(*shape, tma=True) if c.persistent or c.wide]:
         A = syrk(X, config=cfg)
         assert rel_err(A, X64 @ X64.mT) < BF16_TOL, cfg
+        assert torch.equal(A, A.mT), cfg
         A64 = A.double()
         try:  # the tuner passes over a config that does not fit (the paired tiles with the Y term may not)
             B = syrk(A, alpha=0.5, beta=-2.0, Y=A, config=cfg)

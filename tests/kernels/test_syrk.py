@@ -28,7 +28,8 @@ TOL = {torch.float32: FP32_TOL, torch.bfloat16: BF16_TOL, torch.float16: FP16_TO
 SYRK_CONFIGS = [SyrkConfig(16, 16, 1, 4, 1), SyrkConfig(32, 16, 1, 4, 1), SyrkConfig(16, 16, 3, 4, 1)]
 GEMM_CONFIGS = [GemmConfig(16, 32, 16, 2, 4, 1), GemmConfig(32, 16, 16, 1, 4, 1)]
 SYRK_TMA = [SyrkConfig(16, 16, 1, 4, 1, persistent=True), SyrkConfig(32, 16, 1, 4, 1, persistent=True),
-            SyrkConfig(16, 16, 1, 4, 1, persistent=True, pair=True)]
+            SyrkConfig(16, 16, 1, 4, 1, persistent=True, pair=True),
+            SyrkConfig(16, 16, 1, 4, 1, wide=True), SyrkConfig(16, 32, 1, 4, 1, wide=True)]
 GEMM_TMA = [GemmConfig(16, 32, 16, 2, 4, 1, persistent=True), GemmConfig(32, 16, 16, 1, 4, 1, persistent=True)]
 
 
@@ -60,7 +61,8 @@ def test_syrk_with_y_is_b_a_plus_c_a_squared(dtype, cfg):
 
 
 @pytest.mark.parametrize("cfg", SYRK_CONFIGS + SYRK_TMA,
-                         ids=lambda c: f"b{c.block}-split{c.split_k}{'-tma' * c.persistent}{'-pair' * c.pair}")
+                         ids=lambda c: f"b{c.block}-split{c.split_k}{'-tma' * c.persistent}{'-pair' * c.pair}"
+                                       f"{'-wide' * c.wide}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_syrk_two_operands_multiplies_commuting_symmetric_matrices(dtype, cfg, monkeypatch):
     import matrixopt.kernels.syrk as syrk_mod
@@ -118,7 +120,7 @@ def test_ns_update_rejects_mismatched_shapes():
         ns_update(torch.randn(2, 5, 6), torch.randn(2, 5, 6), 1.0)
 
 
-@pytest.mark.parametrize("cfg", SYRK_TMA, ids=lambda c: f"b{c.block}{'-pair' * c.pair}")
+@pytest.mark.parametrize("cfg", SYRK_TMA, ids=lambda c: f"b{c.block}k{c.block_k}{'-pair' * c.pair}{'-wide' * c.wide}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(3, 40, 72), (1, 48, 16), (2, 64, 24)])  # 3, 3 and 4 tiles of 16 per side
 def test_persistent_tma_syrk(shape, dtype, cfg, monkeypatch):
@@ -128,6 +130,7 @@ def test_persistent_tma_syrk(shape, dtype, cfg, monkeypatch):
     X = torch.randn(shape).to(dtype)
     C = syrk(X, config=cfg)
     assert C.shape == (shape[0], shape[1], shape[1]) and C.is_contiguous()
+    assert torch.equal(C, C.mT)
     assert rel_err(C, syrk_reference(X.double())) < TOL[dtype]
     A = (X.double() @ X.double().mT / shape[2]).to(dtype)
     out = syrk(A, alpha=0.5000178, beta=-2.8089, Y=A, config=cfg)
@@ -158,6 +161,11 @@ def test_tma_configs_only_where_tma_can_address_the_tensors():
     assert not tma_compatible(torch.randn(2 * 40 * 72 + 1).bfloat16()[1:].view(2, 40, 72))  # base 2 bytes off
     assert not any(c.persistent for c in get_syrk_configs(2, 40, 72))
     assert any(c.persistent for c in get_syrk_configs(2, 40, 72, tma=True))
+    # the wide kernel (TMA) takes the pointer 64-tiles' place for a single matrix, not for a GPT-2-medium stack
+    single = get_syrk_configs(1, 1024, 2048, tma=True)
+    assert any(c.wide for c in single) and not any(c.block == 64 and not c.wide and c.split_k == 1 for c in single)
+    assert not any(c.wide for c in get_syrk_configs(48, 1024, 4096, tma=True))
+    assert not any(c.wide for c in get_syrk_configs(1, 1024, 2048))
     with pytest.raises(ValueError, match="TMA"):
         syrk(torch.randn(2, 37, 75).bfloat16(), config=SYRK_TMA[0])
     with pytest.raises(ValueError, match="TMA"):
