@@ -269,6 +269,7 @@ def _syrk_tma_kernel(
         if PAIR:
             _store_mirrored(o_desc, y_desc, bid, ti, tj + 1, acc2, M, alpha, beta, BLOCK, HAS_Y)
 
+
 @triton.jit
 def _symmetrized(tile, BLOCK: tl.constexpr):
     """A diagonal tile with its upper half replaced by its lower half mirrored: exactly symmetric."""
