@@ -144,6 +144,13 @@ def _lower_tile(p):
 
 
 @triton.jit
+def _symmetrized(tile, BLOCK: tl.constexpr):
+    """A diagonal tile with its upper half replaced by its lower half mirrored: exactly symmetric."""
+    loc = tl.arange(0, BLOCK)
+    return tl.where(loc[:, None] < loc[None, :], tile.T, tile)
+
+
+@triton.jit
 def _syrk_kernel(
     # pointers
     x_ptr, w_ptr, y_ptr, out_ptr,
@@ -198,7 +205,7 @@ def _syrk_kernel(
             acc += beta * y.to(tl.float32)
         tile = acc.to(out_ptr.dtype.element_ty)
     if ti == tj:  # a diagonal tile's upper half mirrors its lower half, so C is exactly symmetric
-        tile = tl.where(offs_i[:, None] < offs_j[None, :], tl.trans(tile), tile)
+        tile = _symmetrized(tile, BLOCK)
     tl.store(ob + offs_i[:, None] * stride_om + offs_j[None, :] * stride_on, tile, mask=mask)
     if ti != tj:
         tl.store(ob + offs_j[:, None] * stride_om + offs_i[None, :] * stride_on, tl.trans(tile), mask=mask_t)
@@ -268,13 +275,6 @@ def _syrk_tma_kernel(
         _store_mirrored(o_desc, y_desc, bid, ti, tj, acc, M, alpha, beta, BLOCK, HAS_Y)
         if PAIR:
             _store_mirrored(o_desc, y_desc, bid, ti, tj + 1, acc2, M, alpha, beta, BLOCK, HAS_Y)
-
-
-@triton.jit
-def _symmetrized(tile, BLOCK: tl.constexpr):
-    """A diagonal tile with its upper half replaced by its lower half mirrored: exactly symmetric."""
-    loc = tl.arange(0, BLOCK)
-    return tl.where(loc[:, None] < loc[None, :], tile.T, tile)
 
 
 @triton.jit

@@ -92,8 +92,12 @@ def scale_grads(optimizer: Optimizer, coef: Tensor) -> None:
     :class:`MatrixOptimizer` that can (:meth:`MatrixOptimizer.scale_grads_`), else in place now."""
     if isinstance(optimizer, MatrixOptimizer):
         optimizer.scale_grads_(coef)
-        return
-    grads = current_grads(optimizer)
+    else:
+        _multiply(current_grads(optimizer), coef)
+
+
+def _multiply(grads: list[Tensor], coef: Tensor) -> None:
+    """``grads *= coef`` in place, one foreach call (``coef``: a 0-d tensor, moved to the gradients' device)."""
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].device))
 
@@ -331,8 +335,8 @@ class MatrixOptimizer(Optimizer):
         if self._defers_grad_scale and grads and len({g.device for g in grads}) == 1:
             self._pending_clip = _PendingClip(coef.to(grads[0].device), nonfinite,
                                               [(id(g), g._version) for g in grads])
-        elif grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        else:
+            _multiply(grads, coef)
 
     def _take_pending_clip(self, flat: list[Tensor]) -> _PendingClip | None:
         """The coefficient clip_grad_norm_ left for this step, checked against the gradients it was computed
