@@ -48,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt2-small", choices=list(train.BATCHES))
     p.add_argument("--optimizers", nargs="+",
                    default=list(train.DEFAULT_OPTIMIZERS),
-                   help="registry names (with the trainer's options), suffixed +eager (without the CUDA graph) "
-                        "and/or +standard (standard Newton–Schulz, not the Gram form), or a peer: "
+                   help="registry names (with the trainer's options), suffixed +eager (without the CUDA graph), "
+                        "+standard (standard Newton–Schulz, not the Gram form) and/or +fused_qkv (the QKV weight "
+                        "orthogonalized whole, as the issue's shapes and the peers take it), or a peer: "
                         "'torch.optim.Muon', 'emerging_optimizers Muon', 'emerging_optimizers Muon, SYRK'")
     p.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
     p.add_argument("--batch", type=int, default=None, help="override the preset's batch size")

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from matrixopt.bench import cli
 
@@ -65,6 +66,23 @@ def test_train_writes_json(tmp_path):
     rec = json.loads(path.read_text())
     assert rec["results"]["adamw"]["vs_adamw"] == 1.0 and rec["results"]["muon"]["tokens_per_s"] > 0
     assert rec["results"]["muon+eager"]["tokens_per_s"] > 0
+
+
+def test_train_fused_qkv_variant_keeps_the_qkv_weight_whole():
+    pytest.importorskip("matrixopt.train.model")
+    from matrixopt.bench.train import _optimizer
+    from matrixopt.train.model import GPT, GPTConfig
+
+    def qkv_split(name):
+        torch.manual_seed(0)
+        net = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16))
+        _optimizer(net, name)
+        return getattr(net.transformer.h[0].attn.c_attn.weight, "_matrixopt_split", None)
+
+    assert qkv_split("muon") == (0, (16, 16, 16))  # the trainer's Q, K, V
+    assert qkv_split("muon+fused_qkv") is None  # the fused (3d, d) matrix, as the peers take it
+    with pytest.raises(ValueError, match="unknown optimizer variant"):
+        qkv_split("muon+fused")
 
 
 def test_bad_shape_is_explained(capsys):
