@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from matrixopt.kernels._tuning import captured
+
 # One H100 SXM as measured on the lent machines (device README, KINDS.md, 2026-11-13): an 8192^3 bf16 matmul ran
 # at 798 TFLOP/s on random data and a device-to-device copy moved 3.0 TB/s (read + write). These are the limits
 # the benchmarks report against; on another device the ratios are still printed, against these numbers.
@@ -55,20 +57,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _graphed(fn: Callable[[], Any], inner: int) -> Callable[[], Any]:
-    """``inner`` calls of ``fn`` captured in one CUDA graph; returns its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    return graph.replay
-
-
 def time_ms(fn: Callable[[], Any], device: torch.device, *, reps: int = 10, inner: int = 1,
             warmup: int = 2, graph: bool = False) -> dict[str, float]:
     """Milliseconds per call of ``fn``: ``reps`` blocks of ``inner`` back-to-back calls (CUDA events on the GPU,
@@ -81,7 +69,7 @@ def time_ms(fn: Callable[[], Any], device: torch.device, *, reps: int = 10, inne
     sync(device)
     calls, per_block = fn, inner
     if graph and device.type == "cuda":
-        calls, inner = _graphed(fn, inner), 1  # one replay runs per_block calls
+        calls, inner = captured(fn, device, inner), 1  # one replay runs per_block calls
         calls()
         sync(device)
     times = []

@@ -112,12 +112,10 @@ def _compile_all(candidates: Sequence[C], launch: Callable[[C], object]) -> None
             pass
 
 
-def time_replayed(fn: Callable[[], object], device: torch.device, calls: int = TUNE_CALLS,
-                  reps: int = TUNE_REPS) -> float:
-    """Median milliseconds per call of ``fn`` over ``reps`` replays of a CUDA graph of ``calls`` back-to-back
-    calls: the GPU time with the operands warm in L2 and no launch gaps, as in a Newton–Schulz chain (each product
-    reads what the last one wrote) and in a captured step. ``fn`` runs once first, outside capture (a kernel's
-    first launch loads it, and fails there if it does not fit the GPU)."""
+def captured(fn: Callable[[], object], device: torch.device, calls: int) -> Callable[[], None]:
+    """``calls`` back-to-back calls of ``fn`` captured in one CUDA graph; returns its replay. ``fn`` runs once
+    first, on a side stream outside capture (a kernel's first launch loads it, and fails there if it does not fit
+    the GPU)."""
     current = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
     side.wait_stream(current)
@@ -128,11 +126,20 @@ def time_replayed(fn: Callable[[], object], device: torch.device, calls: int = T
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
+    return graph.replay
+
+
+def time_replayed(fn: Callable[[], object], device: torch.device, calls: int = TUNE_CALLS,
+                  reps: int = TUNE_REPS) -> float:
+    """Median milliseconds per call of ``fn`` over ``reps`` replays of a CUDA graph of ``calls`` back-to-back
+    calls (:func:`captured`): the GPU time with the operands warm in L2 and no launch gaps, as in a Newton–Schulz
+    chain (each product reads what the last one wrote) and in a captured step."""
+    replay = captured(fn, device, calls)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
