@@ -1,8 +1,10 @@
 """matrixopt: matrix-aware optimizers (Muon, MOP, Shampoo, SOAP) for PyTorch.
 
 Public API:
-    newton_schulz(G, steps=5, coefficients="quintic", *, dtype=None, method="auto")
+    newton_schulz(G, steps=5, coefficients="modded_nanogpt", *, dtype=None, method="auto")
                                                                       approximate polar factor, (m, n) or (b, m, n)
+    NewtonSchulzConfig(steps=, coefficients=, dtype=, method=)        the same settings as one checked value
+    SCHEDULES                                                         the named coefficient schedules
     polar(G)                                                          exact polar factor via float64 SVD
     Muon, MOP                                                         torch.optim.Optimizer subclasses
     opt.clip_grad_norm_(max_norm, norm_type=2.0)                      clipping as torch's, applied inside Muon's step
@@ -13,10 +15,10 @@ Public API:
     OPTIMIZERS, register_optimizer(name, factory)                     the registry
 """
 
-from matrixopt.linalg.ortho import SCHEDULES, newton_schulz, polar
-from matrixopt.optim.base import NonFiniteGradientError
+from matrixopt.linalg.ortho import SCHEDULES, NewtonSchulzConfig, newton_schulz, polar
 from matrixopt.optim.layout import mark_experts, mark_split
 from matrixopt.optim.muon import MOP, Muon
+from matrixopt.optim.nonfinite import NonFiniteGradientError
 from matrixopt.optim.registry import OPTIMIZERS, build_optimizer, register_optimizer
 from matrixopt.optim.routing import param_groups, routing_summary
 from matrixopt.optim.shampoo import Shampoo
@@ -28,6 +30,7 @@ __all__ = [
     "SCHEDULES",
     "SOAP",
     "Muon",
+    "NewtonSchulzConfig",
     "NonFiniteGradientError",
     "Shampoo",
     "build_optimizer",

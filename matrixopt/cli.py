@@ -232,8 +232,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from matrixopt.train.compare import compare, run_configs
-    from matrixopt.train.report import table, write_report
-    from matrixopt.train.trainer import train
 
     base = run_config(args)
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
@@ -253,22 +251,22 @@ def cmd_compare(args: argparse.Namespace) -> int:
             raise ValueError(f"--opt {key}=... needs an optimizer prefix, e.g. --opt muon.{key}=...")
         hparams.setdefault(name, {})[field] = value
     configs = run_configs(base, names, {k: float(v) for k, v in lrs.items()}, hparams)
-    if base.parallel == "none":
-        summary = compare(configs, args.out, resume=args.resume, overwrite=args.overwrite,
-                          progress=not args.no_progress, target=args.target)
-    else:  # every rank trains each run; rank 0 alone writes the report
-        for name, cfg in configs.items():
-            train(cfg, Path(args.out) / name, resume=args.resume, overwrite=args.overwrite,
-                  progress=not args.no_progress)
-        if not is_rank_zero():
-            return 0
-        summary = write_report(args.out, target=args.target)
+    summary = compare(configs, args.out, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
+                      target=args.target)
+    if summary is not None:  # rank 0 (or the only process) writes the report
+        print_summary(summary, Path(args.out))
+    return 0
+
+
+def print_summary(summary: dict, out: Path) -> None:
+    """The summary table of a compare folder, and where its report is."""
+    from matrixopt.train.report import table
+
     header, rows = table(summary)
     print(" | ".join(header))
     for row in rows:
         print(" | ".join(row))
-    print(f"report: {Path(args.out) / 'report.md'}")
-    return 0
+    print(f"report: {out / 'report.md'}")
 
 
 def parse_floats(text: str, flag: str) -> list[float]:
@@ -297,15 +295,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_compare_sweeps(args: argparse.Namespace) -> int:
-    from matrixopt.train.report import table
     from matrixopt.train.sweep import compare_best
 
     summary = compare_best(args.sweeps, args.out, overwrite=args.overwrite, target=args.target)
-    header, rows = table(summary)
-    print(" | ".join(header))
-    for row in rows:
-        print(" | ".join(row))
-    print(f"report: {Path(args.out) / 'report.md'}")
+    print_summary(summary, Path(args.out))
     return 0
 
 

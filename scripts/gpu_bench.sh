@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# One device call: GPU kernel tests, then `matrixopt bench ns|step|train` for the issue-5 table, JSON under $OUT.
-# Usage (on the GPU machine, repo root): bash scripts/gpu_bench.sh [quick]
+# One device call: the GPU kernel tests, then `matrixopt bench ns|step|train|kernels` on one GPU, JSON and tables
+# under $OUT (default out/bench). The multi-GPU benchmarks run under torchrun:
+#   torchrun --standalone --nproc-per-node N -m matrixopt bench scale --json "$OUT/scale.json"
+#   torchrun --standalone --nproc-per-node N -m matrixopt bench tp --json "$OUT/tp.json"
+# Usage (on the GPU machine, repo root): bash scripts/gpu_bench.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out/bench}
@@ -19,3 +22,4 @@ done
 for m in gpt2-small gpt2-medium; do
   $B train --model $m --json "$OUT/train_$m.json" 2>&1 | tee -a "$OUT/train.md"
 done
+timeout 900 python3 -m matrixopt.bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.md"

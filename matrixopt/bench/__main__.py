@@ -1,4 +1,4 @@
-"""``python -m matrixopt.bench ns|step|train [--json PATH]``."""
+"""``python -m matrixopt.bench SUBCOMMAND [--json PATH]``: the same benchmarks as ``matrixopt bench``."""
 
 import argparse
 import sys

@@ -1,19 +1,19 @@
-"""What every benchmark shares: the machine's limits, timing, the environment record, tables and JSON."""
+"""What every benchmark shares: the machine's limits, the environment record, tables and JSON. Timing and the
+device are :mod:`matrixopt.device`."""
 
 from __future__ import annotations
 
 import json
 import platform
-import statistics
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from matrixopt.kernels._tuning import captured
+from matrixopt.device import describe
 
 # One H100 SXM as measured on the lent machines (device README, KINDS.md, 2026-11-13): an 8192^3 bf16 matmul ran
 # at 798 TFLOP/s on random data and a device-to-device copy moved 3.0 TB/s (read + write). These are the limits
@@ -38,7 +38,7 @@ def environment(device: torch.device) -> dict[str, Any]:
     except (OSError, subprocess.CalledProcessError):
         commit, dirty = None, None
     return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device": describe(device),
         "device_type": device.type,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -50,46 +50,6 @@ def environment(device: torch.device) -> dict[str, Any]:
                    "source": "H100 measured on the lent machine: 8192^3 bf16 matmul, device-to-device copy"},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(fn: Callable[[], Any], device: torch.device, *, reps: int = 10, inner: int = 1,
-            warmup: int = 2, graph: bool = False) -> dict[str, float]:
-    """Milliseconds per call of ``fn``: ``reps`` blocks of ``inner`` back-to-back calls (CUDA events on the GPU,
-    ``perf_counter`` plus a sync elsewhere), after ``warmup`` calls. Returns median, p20, p80 and min.
-
-    ``graph=True`` (CUDA only) captures each block of ``inner`` calls in a CUDA graph and times its replays: the
-    GPU time without the host's launch overhead, which dominates kernels of a few tens of microseconds."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    calls, per_block = fn, inner
-    if graph and device.type == "cuda":
-        calls, inner = captured(fn, device, inner), 1  # one replay runs per_block calls
-        calls()
-        sync(device)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(inner):
-                calls()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / per_block)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                calls()
-            sync(device)
-            times.append((time.perf_counter() - t0) * 1e3 / per_block)
-    q = statistics.quantiles(times, n=5, method="inclusive") if len(times) > 1 else [times[0]] * 4
-    return {"median": statistics.median(times), "p20": q[0], "p80": q[3], "min": min(times)}
 
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
@@ -114,16 +74,6 @@ def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-
-
-def resolve_device(name: str) -> torch.device:
-    """``"auto"`` is CUDA when available, else the CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but CUDA is not available here; use --device cpu")
-    return device
 
 
 def exposed_comm(prof) -> tuple[float, float]:

@@ -1,15 +1,18 @@
 """``matrixopt bench ns``: how fast is one Newton–Schulz orthogonalization, and how close to the exact polar factor?
 
-For each ``(batch, m, n)`` stack of fp32 matrices (m <= n), ``steps`` quintic iterations through
+For each ``(batch, m, n)`` stack of fp32 matrices (m <= n), ``steps`` iterations of the default schedule
+(``modded_nanogpt``, :mod:`matrixopt.linalg.ortho`) through
 :func:`matrixopt.newton_schulz`: the default (the Gram form for wide shapes, in float16) with the dispatcher on
 ``auto``, forced to cuBLAS (``torch``) and forced to Triton, and the standard form (``method="standard"``), against
 torch.optim.Muon's iteration (``torch.optim._muon._zeropower_via_newtonschulz``, one matrix at a time, as
 the optimizer runs it). Then the Gram matrix ``X X^T`` alone: cuBLAS ``bmm`` against the Triton SYRK, and against
 ``emerging_optimizers``' Triton ``tsyrk_ex`` where that is installed (:mod:`matrixopt.bench.peers`).
 
-FLOPs (dense count, the work a GEMM library does; the SYRK does about half of the first two terms):
-    per Newton–Schulz step on an (m, n) matrix: 2 m^2 n (X X^T) + 2 m^3 (A A) + 2 m^2 n (B X) = 4 m^2 n + 2 m^3
-    Gram X X^T of an (m, k) matrix: 2 m^2 k
+FLOPs (dense count, the work a GEMM library does; the SYRK does about half of the first two terms), from
+:mod:`matrixopt.linalg.ortho`:
+    per Newton–Schulz step on an (m, n) matrix (``ns_step_flops``): 2 m^2 n (X X^T) + 2 m^3 (A A) + 2 m^2 n (B X)
+    = 4 m^2 n + 2 m^3, times ``steps`` (``newton_schulz_flops(..., method="standard")``)
+    Gram X X^T of an (m, k) matrix (``gram_flops``): 2 m^2 k
 ``limit`` is the time those FLOPs take at ``PEAK_BF16_TFLOPS``; ``of_limit`` = limit / measured. The limit counts
 the standard form's FLOPs, so the Gram form, with fewer, can exceed 1.
 """
@@ -23,25 +26,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from matrixopt.bench.common import PEAK_BF16_TFLOPS, environment, kernel_choices, resolve_device, sync, table, time_ms
+from matrixopt.bench.common import PEAK_BF16_TFLOPS, environment, kernel_choices, table
 from matrixopt.bench.peers import peer_gram
+from matrixopt.device import resolve_device, sync, time_ms
 from matrixopt.kernels.ns_step import ns_backend, triton_available
-from matrixopt.linalg.ortho import newton_schulz, polar
+from matrixopt.linalg.ortho import DEFAULT_SCHEDULE, QUINTIC, gram_flops, newton_schulz, newton_schulz_flops, polar
 
 # Muon's shapes: GPT-2 small (12 x 768: QKV, attn proj, MLP in/out), medium's MLP, 1.3B's MLP, and squares.
 DEFAULT_SHAPES = [(1, 1024, 1024), (1, 1024, 4096), (1, 4096, 4096), (12, 768, 2304), (12, 768, 768),
                   (24, 768, 3072), (48, 1024, 4096), (8, 2048, 8192)]
 DEFAULT_GRAM = [(1, 1024, 1024), (1, 1024, 2048), (1, 1024, 4096), (1, 1024, 8192), (1, 4096, 4096),
                 (24, 768, 3072)]
-TORCH_MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's default ns_coefficients
-
-
-def ns_flops(batch: int, m: int, n: int, steps: int) -> float:
-    return batch * steps * (4 * m * m * n + 2 * m**3)
-
-
-def gram_flops(batch: int, m: int, k: int) -> float:
-    return batch * 2 * m * m * k
+TORCH_MUON_COEFFICIENTS = QUINTIC[0]  # torch.optim.Muon's default ns_coefficients
 
 
 def torch_muon_ns(G: Tensor, steps: int) -> Tensor:
@@ -62,11 +58,11 @@ def _methods(G: Tensor, steps: int) -> dict[str, Callable[[], Tensor]]:
     def ours(backend: str) -> Callable[[], Tensor]:
         def fn() -> Tensor:
             with ns_backend(backend):
-                return newton_schulz(G, steps, "quintic")
+                return newton_schulz(G, steps)
         return fn
 
     def standard() -> Tensor:
-        return newton_schulz(G, steps, "quintic", method="standard")
+        return newton_schulz(G, steps, method="standard")
 
     methods = {"matrixopt": ours("auto"), "matrixopt standard form": standard, "matrixopt cuBLAS only": ours("torch")}
     if G.is_cuda and triton_available():
@@ -80,7 +76,7 @@ def bench_ns(shapes: Sequence[tuple[int, int, int]], steps: int, device: torch.d
     for batch, m, n in shapes:
         G = torch.randn(batch, m, n, device=device)
         P = polar(G[:1])  # (1, m, n) exact polar factor of the first matrix, float64 SVD
-        flops = ns_flops(batch, m, n, steps)
+        flops = newton_schulz_flops(m, n, steps, "standard", batch)
         limit_ms = flops / (PEAK_BF16_TFLOPS * 1e12) * 1e3
         row: dict[str, Any] = {"batch": batch, "m": m, "n": n, "steps": steps, "gflop": flops / 1e9,
                                "limit_ms": limit_ms, "methods": {}}
@@ -107,7 +103,7 @@ def bench_gram(shapes: Sequence[tuple[int, int, int]], device: torch.device, rep
     for batch, m, k in shapes:
         X = torch.randn(batch, m, k, device=device).to(torch.bfloat16)
         ref = torch.bmm(X.double(), X.double().mT) if device.type == "cpu" else None
-        flops = gram_flops(batch, m, k)
+        flops = gram_flops(m, k, batch)
         row: dict[str, Any] = {"batch": batch, "m": m, "k": k, "gflop": flops / 1e9,
                                "limit_ms": flops / (PEAK_BF16_TFLOPS * 1e12) * 1e3}
         t = time_ms(lambda X=X: torch.bmm(X, X.mT), device, reps=reps)
@@ -152,7 +148,7 @@ def run(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES,
     device = device or resolve_device("auto")
     ns_rows = bench_ns(shapes, steps, device, reps)
     gram_rows = bench_gram(gram, device, reps)
-    return {"benchmark": "ns", "env": environment(device), "coefficients": "quintic", "reps": reps,
+    return {"benchmark": "ns", "env": environment(device), "coefficients": DEFAULT_SCHEDULE, "reps": reps,
             "ns": ns_rows, "gram": gram_rows, **kernel_choices()}
 
 
@@ -171,7 +167,8 @@ def format_tables(record: dict[str, Any]) -> str:
                   "SYRK eff. TFLOP/s": r.get("triton_syrk", {}).get("graph_tflops"),
                   "graphed emerging tsyrk ms": r.get("emerging_tsyrk", {}).get("graph_ms", {}).get("median")}
                  for r in record["gram"]]
-    return ("Newton–Schulz, " + f"{record['ns'][0]['steps'] if record['ns'] else 0} quintic steps (medians)\n"
+    steps = record["ns"][0]["steps"] if record["ns"] else 0
+    return (f"Newton–Schulz, {steps} {record['coefficients']} steps (medians)\n"
             + table(ns_rows, ["shape", "method", "ms", "TFLOP/s", "of limit", "err vs polar"])
             + "\n\nGram X X^T, bf16 (medians, eager and replayed from a CUDA graph of 10 calls; effective TFLOP/s"
               " on the dense 2 m^2 k count)\n"

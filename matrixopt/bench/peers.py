@@ -38,7 +38,7 @@ class Stepper:
 
 def split_hidden(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(hidden matrices, the rest) of a GPT: the 2-D parameters of the blocks (``.h.`` in the name) go to Muon;
-    embeddings, head, norms and biases to AdamW (the issue's split)."""
+    embeddings, head, norms and biases to AdamW (Muon's authors keep the embedding and the head on AdamW)."""
     hidden = [p for name, p in model.named_parameters() if p.ndim == 2 and ".h." in f".{name}"]
     ids = {id(p) for p in hidden}
     return hidden, [p for p in model.parameters() if id(p) not in ids]

@@ -8,8 +8,10 @@ to the matrix optimizer, the embeddings, head, norms and biases to AdamW. Compar
 - the peers of :mod:`matrixopt.bench.peers`: ``torch.optim.Muon``, and ``emerging_optimizers Muon`` with and
   without its SYRK where that package is installed (recorded as missing otherwise), each on the hidden matrices
   plus fused AdamW on the rest, stepped together;
-- ``matrixopt <name>``: every matrix optimizer in ``matrixopt.OPTIMIZERS`` (muon, and shampoo / soap once they
-  are registered) through ``build_optimizer``; Muon also with the Newton–Schulz dispatcher forced to cuBLAS or
+- ``matrixopt <name>``: every matrix optimizer in ``matrixopt.OPTIMIZERS`` through ``build_optimizer``; those with
+  a ``precondition_frequency`` (Shampoo, SOAP) as ``matrixopt <name>, frequency F`` for F in 1 and 10,
+  preconditioning from the first step and timed in blocks of whole refresh periods, so a figure is the cost per
+  step amortized over the refresh; Muon also with the Newton–Schulz dispatcher forced to cuBLAS or
   to Triton, with its elementwise passes as foreach ops instead of the fused kernels, with ``cuda_graph=True``,
   and with ``deferred_nonfinite=True`` (no host sync in the step; what the trainer uses), alone and with the graph.
 
@@ -17,7 +19,7 @@ Limit of a Muon step: the Newton–Schulz FLOPs at ``PEAK_BF16_TFLOPS`` plus the
     FLOPs = sum over hidden matrices of the fewer of the two forms' dense counts
             (:func:`matrixopt.linalg.ortho.newton_schulz_flops`): the Gram form's for matrices at least 1.5 times
             longer than wide, else the standard form's, steps * (4 m^2 n + 2 m^3) with m <= n
-            (``standard_gflop`` keeps the standard form's total, which the records before run 43 used)
+            (``standard_gflop`` keeps the standard form's total)
     bytes = 20 per Muon parameter (read grad and momentum, write momentum, read and write the fp32 weight)
           + 28 per AdamW parameter (read grad, weight, m, v; write weight, m, v)
 """
@@ -26,28 +28,22 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from matrixopt.bench.common import (
-    COPY_TBPS,
-    PEAK_BF16_TFLOPS,
-    environment,
-    kernel_choices,
-    resolve_device,
-    table,
-    time_ms,
-)
-from matrixopt.bench.ns import ns_flops
+from matrixopt.bench.common import COPY_TBPS, PEAK_BF16_TFLOPS, environment, kernel_choices, table
 from matrixopt.bench.peers import peer_muons, split_hidden
+from matrixopt.device import resolve_device, time_ms
 from matrixopt.kernels.muon_elementwise import elementwise_backend
 from matrixopt.kernels.ns_step import ns_backend
 from matrixopt.linalg.ortho import newton_schulz_flops
-from matrixopt.optim.registry import OPTIMIZERS, build_optimizer
+from matrixopt.optim.registry import OPTIMIZERS, accepted, build_optimizer
 
-# (n_layer, n_embd, block_size, vocab): the issue's parameter sets; "toy" keeps the CPU test fast.
+# (n_layer, n_embd, block_size, vocab): GPT-2 small and medium, a 1.3B GPT; "toy" keeps the CPU test fast.
 MODELS: dict[str, tuple[int, int, int, int]] = {
     "gpt2-small": (12, 768, 1024, 50304),
     "gpt2-medium": (24, 1024, 1024, 50304),
@@ -56,6 +52,7 @@ MODELS: dict[str, tuple[int, int, int, int]] = {
 }
 NS_STEPS = 5
 LR = 1e-3
+PRECONDITION_FREQUENCIES = (1, 10)  # Shampoo's and SOAP's root / eigenbasis refresh: every step, and the default
 
 
 class Block(nn.Module):
@@ -97,38 +94,51 @@ def _one_stream(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return opt
 
 
-def candidates(ps: ParamSet, device: torch.device) -> dict[str, Any]:
-    """name -> (factory of a stepper, context) or a string saying why it is missing."""
+@dataclass
+class Candidate:
+    """An optimizer to time: ``factory()`` builds it inside ``context()``. A preconditioner refreshed every
+    ``period`` steps is timed in blocks of whole periods, so the median block gives the cost per step amortized
+    over the refresh."""
+
+    factory: Callable[[], Any]
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    period: int = 1
+
+
+def candidates(ps: ParamSet, device: torch.device) -> dict[str, Candidate | str]:
+    """name -> the candidate, or a string saying why it is missing."""
     fused = device.type == "cuda"
-    out: dict[str, Any] = {
-        "adamw (fused)": (lambda: torch.optim.AdamW(ps.parameters(), lr=LR, weight_decay=0.1, fused=fused,
-                                                    foreach=None if fused else True), contextlib.nullcontext),
+    out: dict[str, Candidate | str] = {
+        "adamw (fused)": Candidate(lambda: torch.optim.AdamW(ps.parameters(), lr=LR, weight_decay=0.1, fused=fused,
+                                                             foreach=None if fused else True)),
     }
     for name, peer in peer_muons(ps, ns_steps=NS_STEPS, adamw_lr=LR).items():
-        out[name] = peer if isinstance(peer, str) else (peer, contextlib.nullcontext)
+        out[name] = peer if isinstance(peer, str) else Candidate(peer)
     for name, factory in OPTIMIZERS.items():
         if getattr(factory, "matrix_flag", None) is None or name == "mop":
             continue  # plain AdamW is the fused row above; MOP is the slow SVD reference
-        out[f"matrixopt {name}"] = (lambda name=name: build_optimizer(ps, name, lr=LR), contextlib.nullcontext)
-    out["matrixopt muon, cuBLAS only"] = (lambda: build_optimizer(ps, "muon", lr=LR), lambda: ns_backend("torch"))
-    out["matrixopt muon, Triton only"] = (lambda: build_optimizer(ps, "muon", lr=LR), lambda: ns_backend("triton"))
-    out["matrixopt muon, CUDA graph"] = (lambda: build_optimizer(ps, "muon", lr=LR, cuda_graph=True),
-                                         contextlib.nullcontext)
-    out["matrixopt muon, deferred check"] = (lambda: build_optimizer(ps, "muon", lr=LR, deferred_nonfinite=True),
-                                             contextlib.nullcontext)
-    out["matrixopt muon, deferred check, CUDA graph"] = (
-        lambda: build_optimizer(ps, "muon", lr=LR, deferred_nonfinite=True, cuda_graph=True), contextlib.nullcontext)
-    out["matrixopt muon, deferred check, CUDA graph, one stream"] = (
-        lambda: _one_stream(build_optimizer(ps, "muon", lr=LR, deferred_nonfinite=True, cuda_graph=True)),
-        contextlib.nullcontext)
-    out["matrixopt muon, standard NS, deferred check, CUDA graph"] = (
-        lambda: build_optimizer(ps, "muon", lr=LR, deferred_nonfinite=True, cuda_graph=True, ns_method="standard"),
-        contextlib.nullcontext)
-    out["matrixopt muon, standard NS, deferred check"] = (
-        lambda: build_optimizer(ps, "muon", lr=LR, deferred_nonfinite=True, ns_method="standard"),
-        contextlib.nullcontext)
-    out["matrixopt muon, unfused elementwise"] = (lambda: build_optimizer(ps, "muon", lr=LR),
-                                                  lambda: elementwise_backend("torch"))
+        if not accepted(name, precondition_frequency=1):
+            out[f"matrixopt {name}"] = Candidate(lambda name=name: build_optimizer(ps, name, lr=LR))
+            continue
+        for freq in PRECONDITION_FREQUENCIES:  # preconditioning from the first step, roots every freq steps
+            hp = {"precondition_frequency": freq} | accepted(name, start_preconditioning_step=1)
+            out[f"matrixopt {name}, frequency {freq}"] = Candidate(
+                lambda name=name, hp=hp: build_optimizer(ps, name, lr=LR, **hp), period=freq)
+
+    def muon(context=contextlib.nullcontext, **options: Any) -> Candidate:
+        return Candidate(lambda: build_optimizer(ps, "muon", lr=LR, **options), context)
+
+    out["matrixopt muon, cuBLAS only"] = muon(lambda: ns_backend("torch"))
+    out["matrixopt muon, Triton only"] = muon(lambda: ns_backend("triton"))
+    out["matrixopt muon, CUDA graph"] = muon(cuda_graph=True)
+    out["matrixopt muon, deferred check"] = muon(deferred_nonfinite=True)
+    out["matrixopt muon, deferred check, CUDA graph"] = muon(deferred_nonfinite=True, cuda_graph=True)
+    out["matrixopt muon, deferred check, CUDA graph, one stream"] = Candidate(
+        lambda: _one_stream(build_optimizer(ps, "muon", lr=LR, deferred_nonfinite=True, cuda_graph=True)))
+    out["matrixopt muon, standard NS, deferred check, CUDA graph"] = muon(deferred_nonfinite=True, cuda_graph=True,
+                                                                          ns_method="standard")
+    out["matrixopt muon, standard NS, deferred check"] = muon(deferred_nonfinite=True, ns_method="standard")
+    out["matrixopt muon, unfused elementwise"] = muon(lambda: elementwise_backend("torch"))
     return out
 
 
@@ -138,7 +148,7 @@ def step_limit(ps: ParamSet) -> dict[str, float]:
     n_muon = sum(p.numel() for p in hidden)
     n_adamw = sum(p.numel() for p in ps.parameters()) - n_muon
     nbytes = 20 * n_muon + 28 * n_adamw
-    standard = sum(ns_flops(1, min(p.shape), max(p.shape), NS_STEPS) for p in hidden)
+    standard = sum(newton_schulz_flops(*p.shape, NS_STEPS, "standard") for p in hidden)
     return {"ns_gflop": flops / 1e9, "standard_gflop": standard / 1e9, "bytes_gb": nbytes / 1e9,
             "flop_ms": flops / (PEAK_BF16_TFLOPS * 1e12) * 1e3, "byte_ms": nbytes / (COPY_TBPS * 1e12) * 1e3,
             "muon_limit_ms": flops / (PEAK_BF16_TFLOPS * 1e12) * 1e3 + nbytes / (COPY_TBPS * 1e12) * 1e3,
@@ -161,11 +171,11 @@ def run(model: str = "gpt2-small", *, device: torch.device | None = None, reps: 
         if isinstance(entry, str):
             results[name] = {"status": entry}
             continue
-        factory, ctx = entry
-        with ctx():
-            opt = factory()
-            t = time_ms(opt.step, device, reps=reps, inner=inner, warmup=3)
-        results[name] = {"status": "ok", "ms": t}
+        block = -(-inner // entry.period) * entry.period  # inner steps, rounded up to whole refresh periods
+        with entry.context():
+            opt = entry.factory()
+            t = time_ms(opt.step, device, reps=reps, inner=block, warmup=3)
+        results[name] = {"status": "ok", "ms": t, "steps_per_block": block}
         del opt
         gc.collect()
         if device.type == "cuda":

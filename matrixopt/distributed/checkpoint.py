@@ -1,5 +1,11 @@
-"""Checkpoints of a layer-wise run through ``torch.distributed.checkpoint`` (DCP): one set of files, written by N
-ranks, readable by any number M of ranks, and exportable to one plain ``torch.save`` file.
+"""Checkpoints: one file for a state every rank holds whole, and torch.distributed.checkpoint (DCP) folders for a
+state the ranks shard.
+
+**One file** (one process, DDP): :func:`save_checkpoint` writes a ``torch.save`` payload behind a magic number and
+its sha256, atomically; :func:`load_checkpoint` refuses a truncated or corrupt file (:class:`CheckpointError`).
+
+**A layer-wise run** (:func:`save`, :func:`load`, :func:`export`): one set of files, written by N ranks, readable
+by any number M of ranks, and exportable to one plain ``torch.save`` file.
 
 Each rank writes what it owns, keyed by parameter name, so no tensor is written twice and nothing in the files
 depends on the number of ranks that wrote them::
@@ -13,23 +19,103 @@ depends on the number of ranks that wrote them::
 state it now owns, then the owners broadcast the parameters. From the start of a load until that broadcast has
 finished on every rank, ``opt.step()`` and the model's forward raise, so a run whose load was interrupted cannot
 train on stale parameters. DCP writes its metadata file last, so an interrupted save is not loadable either.
+
+**A DTensor run** (FSDP2, tensor parallelism: :func:`save_dtensor`, :func:`load_dtensor`): the state dicts of
+``torch.distributed.checkpoint.state_dict.get_state_dict``, each rank writing its shards.
+
+:func:`replace_folder` writes a folder checkpoint beside the previous one and swaps it in, so a crash during the
+write leaves the previous one whole; :func:`recover_folder` finishes a swap a crash interrupted.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from matrixopt.distributed.layerwise import LayerwiseOptimizer
+
+CKPT_MAGIC = b"MXOPTCK1"  # 8 bytes, then the sha256 (32 bytes) of the torch.save payload, then the payload
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used (truncated, corrupt, or from another run)."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# one file
+
+
+def save_checkpoint(path: Path, payload: dict) -> None:
+    """Write ``payload`` atomically: to ``path.tmp``, fsync, then ``os.replace`` onto ``path``. A crash at any
+    point leaves either the previous checkpoint or the new one at ``path``, never a mix."""
+    data = _pickled(payload)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(CKPT_MAGIC + hashlib.sha256(data).digest())
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path) -> dict:
+    """Read a checkpoint written by ``save_checkpoint``; a truncated or corrupt file raises CheckpointError."""
+    raw = path.read_bytes()
+    fix = f"delete {path} to start over, or restore a good copy"
+    if len(raw) < 40 or raw[:8] != CKPT_MAGIC:
+        raise CheckpointError(f"checkpoint {path} is truncated or not a matrixopt checkpoint; {fix}")
+    if hashlib.sha256(raw[40:]).digest() != raw[8:40]:
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt (checksum mismatch); {fix}")
+    return torch.load(io.BytesIO(raw[40:]), map_location="cpu", weights_only=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# folders
+
+
+def replace_folder(path: Path, write: Callable[[Path], None]) -> None:
+    """Write the folder checkpoint ``path`` on every rank (collective): ``write(path.tmp)``, then rank 0 swaps it
+    in, so a crash during the write leaves the previous checkpoint (``path``, or ``path.old`` during the swap)
+    whole."""
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    write(tmp)
+    if dist.get_rank() == 0:
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def recover_folder(path: Path) -> None:
+    """Finish a :func:`replace_folder` swap that a crash interrupted between its two renames: ``path.old`` back to
+    ``path``."""
+    old = path.with_name(path.name + ".old")
+    if not path.exists() and old.is_dir():
+        old.rename(path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a layer-wise run
 
 
 def _aliases(model: nn.Module, opt: LayerwiseOptimizer) -> dict[str, str]:
@@ -149,3 +235,34 @@ def export(path: str | os.PathLike, out: str | os.PathLike | None = None) -> dic
     if out is not None:
         torch.save(sd, out)
     return sd
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a DTensor run
+
+# reorder(model_sd, optim_sd, to_canonical=bool): converts the state dicts between the layout the sharded model
+# trains in and the one on disk, in place (e.g. fused QKV rows under tensor parallelism)
+Reorder = Callable[..., None]
+
+
+def save_dtensor(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Any,
+                 reorder: Reorder | None = None) -> None:
+    """Write ``model`` and ``optimizer`` (DTensor parameters and state, e.g. FSDP2's) and ``extra`` (pickled) to
+    the folder ``path``, each rank its shards. Collective."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    if reorder is not None:
+        reorder(model_sd, optim_sd, to_canonical=True)
+    dcp.save({"model": model_sd, "optim": optim_sd, "trainer": _pickled(extra)}, checkpoint_id=path)
+
+
+def load_dtensor(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 reorder: Reorder | None = None) -> Any:
+    """Load a checkpoint written by :func:`save_dtensor` into ``model`` and ``optimizer`` (sharded as for the run
+    that saved it, or on another mesh); returns ``extra``. Collective."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    sd = {"model": model_sd, "optim": optim_sd, "trainer": b""}
+    dcp.load(sd, checkpoint_id=path)
+    if reorder is not None:
+        reorder(sd["model"], sd["optim"], to_canonical=False)
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    return torch.load(io.BytesIO(sd["trainer"]), weights_only=True)

@@ -1,13 +1,19 @@
-"""The collective calls of the layer-wise optimizer, in one place. Ranks here are ranks within ``group``.
+"""Every collective call of :mod:`matrixopt.distributed`, in one place: the layer-wise optimizer's owner reduce
+and broadcast, tensor-parallel Newton–Schulz's all-reduces and all-gathers, and the FSDP owner exchange.
 
-Everything else in :mod:`matrixopt.distributed` moves tensors only through these functions, so the schedule
-(what is sent when) can be read in ``layerwise.py`` and the transport swapped here.
+Everything else in :mod:`matrixopt.distributed` moves tensors only through these functions, so a schedule (what
+is sent when) can be read where it is used (``layerwise.py``, ``tp.py``, ``sharded.py``) and the transport swapped
+here. Every function takes local tensors and a process group (None means the default group; ranks are ranks
+within the group) and does no math beyond padding and slicing. Uneven shards are first-class: sizes along a
+sharded dim may differ by rank (a rank may even hold zero rows, as FSDP2 does for a dim 0 smaller than the world
+size).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -31,12 +37,26 @@ def new_group(timeout: timedelta) -> Group:
     return dist.new_group(timeout=timeout)
 
 
-def rank(group: Group) -> int:
+def rank(group: Group | None) -> int:
     return dist.get_rank(group)
 
 
-def world_size(group: Group) -> int:
+def world_size(group: Group | None) -> int:
     return dist.get_world_size(group)
+
+
+def group_ranks(group: Group | None) -> tuple[int, ...]:
+    """The global ranks of ``group``'s members, in group rank order."""
+    return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+
+def chunk_sizes(n: int, parts: int) -> list[int]:
+    """Sizes of ``torch.chunk(n, parts)`` padded with zeros to ``parts`` entries: how DTensor ``Shard`` and FSDP2
+    split a dim of size n over ``parts`` ranks (``ceil(n / parts)`` each, the remainder last, then empties)."""
+    if parts < 1:
+        raise ValueError(f"chunk_sizes needs parts >= 1, got {parts}")
+    step = -(-n // parts)
+    return [max(0, min(step, n - i * step)) for i in range(parts)]
 
 
 def reduce_to_owner(buffer: Tensor, owner: int, group: Group) -> dist.Work:
@@ -49,23 +69,147 @@ def broadcast_from_owner(buffer: Tensor, owner: int, group: Group) -> dist.Work:
     return dist.broadcast(buffer, group_src=owner, group=group, async_op=True)
 
 
-def all_reduce_sum(t: Tensor, group: Group) -> Tensor:
-    """In-place sum over ranks (blocking)."""
+def all_reduce_sum(t: Tensor, group: Group | None) -> Tensor:
+    """In-place sum over ranks (blocking); returns ``t``."""
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 
-def all_reduce_max(t: Tensor, group: Group) -> Tensor:
-    """In-place max over ranks (blocking)."""
+def all_reduce_sum_async(t: Tensor, group: Group | None) -> dist.Work:
+    """Launch an in-place sum over ranks; ``wait()`` the returned handle before reading ``t``."""
+    return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def all_reduce_max(t: Tensor, group: Group | None) -> Tensor:
+    """In-place max over ranks (blocking); returns ``t``."""
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
 
 
-def all_gather_object(obj: Any, group: Group) -> list[Any]:
+def all_gather_sizes(size: int, group: Group | None, device: torch.device) -> list[int]:
+    """Every rank's ``size``, in group rank order."""
+    t = torch.zeros(world_size(group), dtype=torch.int64, device=device)
+    t[rank(group)] = size
+    return all_reduce_sum(t, group).tolist()
+
+
+def all_gather_last_dim(local: Tensor, sizes: Sequence[int], group: Group | None) -> Tensor:
+    """Concatenate every rank's ``local`` along the last dim.
+
+    local: ``(..., sizes[rank])``. Returns ``(..., sum(sizes))``. Pads to ``max(sizes)`` so every backend
+    (gloo included) sees equal-sized buffers, then trims."""
+    width = max(sizes)
+    pad = local.new_zeros(*local.shape[:-1], width)
+    pad[..., : local.size(-1)] = local
+    bufs = [torch.empty_like(pad) for _ in sizes]
+    dist.all_gather(bufs, pad, group=group)
+    return torch.cat([b[..., :s] for b, s in zip(bufs, sizes)], dim=-1)
+
+
+def all_gather_object(obj: Any, group: Group | None) -> list[Any]:
     """Every rank's picklable ``obj``, indexed by rank (blocking)."""
     out: list[Any] = [None] * world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def all_to_all_async(send: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                     group: Group | None) -> tuple[Tensor, dist.Work]:
+    """Launch a personalized exchange of flat buffers: rank r's ``send`` is cut into ``send_splits`` (elements per
+    destination rank); the returned buffer receives the concatenation of what every rank sent here,
+    ``sum(recv_splits)`` elements, once the returned handle is ``wait()``-ed (on CUDA the current stream waits,
+    not the host). Keep ``send`` alive until then."""
+    recv = send.new_empty(sum(recv_splits))
+    work = dist.all_to_all_single(recv, send, output_split_sizes=list(recv_splits),
+                                  input_split_sizes=list(send_splits), group=group, async_op=True)
+    return recv, work
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the FSDP owner exchange
+#
+# With ``fully_shard`` (DTensor ``Shard(0)``) every rank holds a slice of rows of every matrix. Orthogonalization
+# needs whole matrices, but only one rank needs each one. For a stack of ``b`` same-shape matrices, ordered so
+# that each owner's matrices are consecutive (owners ascending)::
+#
+#     owned = gather_to_owners(local, counts, sizes, rows_dim, group).wait()    # (b, rows, n) -> (k, m, n)
+#     owned = orthogonalize(owned)                                              # the k matrices this rank owns
+#     local = scatter_from_owners(owned, counts, sizes, rows_dim, group).wait() # (k, m, n) -> (b, rows, n)
+#
+# Each matrix crosses the network once each way, (P-1)/P of it: in total less than one all-gather plus one
+# reduce-scatter of the matrix parameters, and no rank ever materializes a matrix it does not own (no
+# ``full_tensor()``). ``sizes`` lists every rank's rows (uneven and empty shards allowed).
+#
+# A stack may hold its matrices transposed (``rows_dim=2``: ``(b, n, rows)``), as Muon packs tall matrices short
+# side first; the exchange then moves them as they lie and the owner gets ``(k, n, m)``, with no transposing copy
+# on either side. Both calls are asynchronous: ``wait()`` makes the current stream wait (not the host), so
+# exchanges of several stacks overlap the orthogonalization of others.
+
+
+class InFlight:
+    """An exchange launched on the network: :meth:`wait` returns its result."""
+
+    def __init__(self, work: dist.Work, finish: Callable[[], Tensor], keep: Tensor) -> None:
+        self._work, self._finish, self._keep = work, finish, keep  # keep: the send buffer, alive until the wait
+
+    def wait(self) -> Tensor:
+        self._work.wait()
+        self._keep = None
+        return self._finish()
+
+
+def _matrices(k: int, rows: int, width: int, rows_dim: int) -> tuple[int, int, int]:
+    return (k, rows, width) if rows_dim == 1 else (k, width, rows)
+
+
+def gather_to_owners(local: Tensor, counts: Sequence[int], sizes: Sequence[int], rows_dim: int,
+                     group: Group | None) -> InFlight:
+    """Whole matrices to their owners.
+
+    local: contiguous ``(b, sizes[rank], n)`` (``rows_dim=1``) or ``(b, n, sizes[rank])`` (``rows_dim=2``), this
+    rank's rows of b matrices, the first ``counts[0]`` owned by rank 0, the next ``counts[1]`` by rank 1, ...
+    sizes: every rank's row count (uneven allowed). Result: ``(k, m, n)`` or ``(k, n, m)``, the ``k = counts[rank]``
+    matrices this rank owns in stack order, ``m = sum(sizes)``."""
+    world, me = world_size(group), rank(group)
+    b = local.size(0)
+    width = local.size(3 - rows_dim)
+    if (rows_dim not in (1, 2) or len(sizes) != world or len(counts) != world or sum(counts) != b
+            or local.size(rows_dim) != sizes[me] or not local.is_contiguous()):
+        raise ValueError(f"gather_to_owners: a contiguous stack {tuple(local.shape)} with rows along dim {rows_dim} "
+                         f"does not match counts {list(counts)} and row sizes {list(sizes)} on rank {me}")
+    k = counts[me]
+    recv_splits = [k * s * width for s in sizes]
+    recv, work = all_to_all_async(local.reshape(-1), [c * sizes[me] * width for c in counts], recv_splits, group)
+
+    def finish() -> Tensor:
+        pieces = [p.view(_matrices(k, s, width, rows_dim)) for p, s in zip(recv.split(recv_splits), sizes)]
+        return torch.cat(pieces, dim=rows_dim)
+
+    return InFlight(work, finish, local)
+
+
+def scatter_from_owners(owned: Tensor, counts: Sequence[int], sizes: Sequence[int], rows_dim: int,
+                        group: Group | None) -> InFlight:
+    """The inverse of :func:`gather_to_owners`: owned ``(k, m, n)`` or ``(k, n, m)`` (any strides) -> this rank's
+    rows ``(b, sizes[rank], n)`` or ``(b, n, sizes[rank])`` of all ``b = sum(counts)`` matrices, contiguous."""
+    world, me = world_size(group), rank(group)
+    k = owned.size(0)
+    width = owned.size(3 - rows_dim)
+    if counts[me] != k or owned.size(rows_dim) != sum(sizes) or len(sizes) != world:
+        raise ValueError(f"scatter_from_owners: owned stack {tuple(owned.shape)} does not match counts "
+                         f"{list(counts)} and row sizes {list(sizes)} on rank {me}")
+    send = owned.new_empty(k * sum(sizes) * width)  # grouped by destination: each rank's rows of the k matrices
+    offset = 0
+    for blk, s in zip(owned.split(list(sizes), dim=rows_dim), sizes):
+        send[offset:offset + k * s * width].view(blk.shape).copy_(blk)
+        offset += k * s * width
+    rows = sizes[me]
+    recv, work = all_to_all_async(send, [k * s * width for s in sizes], [c * rows * width for c in counts], group)
+    return InFlight(work, lambda: recv.view(_matrices(sum(counts), rows, width, rows_dim)), send)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# process lifetime
 
 
 def host_group() -> Group:

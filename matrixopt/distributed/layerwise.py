@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -45,7 +46,17 @@ from torch import Tensor, nn
 
 from matrixopt.distributed import comm
 from matrixopt.distributed.balance import MATRIX_COSTS, Assignment, assign, muon_cost
-from matrixopt.optim.base import HostMirror, MatrixOptimizer, NonFiniteGradientError, nonfinite_flags, scale_grads
+from matrixopt.optim.base import MatrixOptimizer
+from matrixopt.optim.nonfinite import (
+    NonFiniteGradientError,
+    NonFinitePolicy,
+    check_clip,
+    clip_coefficient,
+    grad_norms,
+    label,
+    nonfinite_flags,
+    scale_grads,
+)
 from matrixopt.optim.registry import OPTIMIZERS
 from matrixopt.optim.routing import param_groups, routing_summary
 
@@ -91,17 +102,6 @@ class Chunk:
 
 def _strip(groups: Sequence[dict[str, Any]], keep_names: bool) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if keep_names or k != "names"} for g in groups]
-
-
-@dataclass
-class _PendingAgreement:
-    """A deferred agreement on finiteness on its way to the host: ``flags`` is ``[agreed count, this rank's flag per
-    owned gradient...]`` (pinned when copied from a GPU), completed by ``event``; ``names`` are the owned gradients'
-    parameters."""
-
-    flags: Tensor
-    event: torch.cuda.Event | None
-    names: list[str]
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer):
@@ -168,12 +168,13 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         # Validate the hyperparameters once, on all parameters, and take the filled-in groups as the global ones.
         ref = factory(_strip(groups, keep_names=flag is not None), **hparams)
         outer = [dict(rg, names=g["names"]) for rg, g in zip(ref.param_groups, groups)]
-        self._check_finite = isinstance(ref, MatrixOptimizer) and not ref.skip_nonfinite
-        # deferred_nonfinite=True (the trainer's setting): the ranks agree on the device and the owners' updates
-        # skip on the agreed flag; the error comes from the next step() or state_dict() (raise_deferred_nonfinite)
-        self._deferred = self._check_finite and bool(getattr(ref, "deferred_nonfinite", False))
-        self._pending: _PendingAgreement | None = None
-        self._flags_host = HostMirror()
+        # An optimizer that raises on NaN/Inf gradients: the ranks agree on finiteness before any owner steps
+        # (:meth:`_agree_finite`), and the owners' optimizers leave the check to that agreement. With
+        # deferred_nonfinite=True (the trainer's setting) they agree on the device and the owners' updates skip on
+        # the agreed flag; the error comes from the next step() or state_dict() (raise_deferred_nonfinite).
+        checks = isinstance(ref, MatrixOptimizer) and not ref.skip_nonfinite
+        self.nonfinite = NonFinitePolicy(deferred=ref.deferred_nonfinite, ranks=True) if checks else None
+        self._labels = [label(self.names[id(p)], p) for p in self.params]
         super().__init__(outer, dict(ref.defaults))
         del ref
         if verbose and self.rank == 0:
@@ -184,6 +185,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         cost = cost or MATRIX_COSTS.get(name, muon_cost)
         self.assignment: Assignment = assign(self.params, is_matrix, self.world_size, cost, self._state_bytes)
         self.owner = {id(p): r for p, r in zip(self.params, self.assignment.owner)}
+        self._owned_index = torch.tensor([i for i, p in enumerate(self.params) if self.owner[id(p)] == self.rank],
+                                         dtype=torch.int64, device=comm.object_device(self.group))
         if verbose and self.rank == 0:
             print(self.assignment.summary())
 
@@ -324,8 +327,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 outer_index.append(gi)
             masters = [(p, self.masters[id(p)]) for p in ps if id(p) in self.masters]
             inner = factory(inner_groups, **hparams)
-            if self._check_finite:  # step() agrees on finiteness across ranks first: no second check and sync
-                inner.check_nonfinite = False
+            if self.nonfinite is not None:  # step() agrees on finiteness across ranks first: no second check
+                inner.nonfinite.wrapped = True
             chunks.append(Chunk(inner, outer_index, masters, run[-1].index + 1))
         return chunks
 
@@ -434,7 +437,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._next_grad = -1  # reductions done; reset to the last bucket when the step consumes the gradients
 
     def _owned_grads(self) -> list[Tensor]:
-        return [g for _, g in self._owned_named_grads()]
+        """The reduced gradients of the parameters this rank owns, in ``self.params`` order."""
+        return [self._inner_param(p).grad for p in self.params
+                if self.owner[id(p)] == self.rank and self._inner_param(p).grad is not None]
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -443,22 +448,15 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         same fp32 scalar on every rank. Collective: call it on every rank, after backward, before ``step()``. The
         coefficient is applied by ``step()``: each owner's Muon reads its gradients scaled (no pass of its own);
         other optimizers have theirs multiplied just before they step."""
+        max_norm, norm_type = check_clip(max_norm, norm_type)
         self._finish_grad_sync()
-        grads = self._owned_grads()
-        dev = comm.object_device(self.group)
-        norm_type = float(norm_type)
-        if norm_type == float("inf"):
-            local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else None
-            total = torch.zeros((), device=dev) if local is None else local.to(dev)
-            total = comm.all_reduce_max(total, self.group)
+        local, _ = grad_norms(self._owned_grads(), norm_type, comm.object_device(self.group))
+        if norm_type == math.inf:
+            total = comm.all_reduce_max(local, self.group)
         else:
-            local = (torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) for g in grads]) ** norm_type
-                     ).sum() if grads else None
-            total = torch.zeros((), device=dev) if local is None else local.to(dev)
-            total = comm.all_reduce_sum(total, self.group) ** (1.0 / norm_type)
-        # applied by step(), to each owner's optimizer just before it steps (its chunks may be rebuilt before then):
-        # Muon reads its gradients scaled, with no pass of its own
-        self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            total = comm.all_reduce_sum(local**norm_type, self.group) ** (1.0 / norm_type)
+        # applied by step(), to each owner's optimizer just before it steps (its chunks may be rebuilt before then)
+        self._clip_coef = clip_coefficient(total, max_norm)
         return total
 
     def _apply_clip(self, opt: torch.optim.Optimizer) -> None:
@@ -467,57 +465,33 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if self._clip_coef is not None:
             scale_grads(opt, self._clip_coef)
 
-    def _owned_named_grads(self) -> list[tuple[str, Tensor]]:
-        """``(name, reduced gradient)`` of the parameters this rank owns that have one."""
-        return [(self.names[id(p)], self._inner_param(p).grad) for p in self.params
-                if self.owner[id(p)] == self.rank and self._inner_param(p).grad is not None]
-
-    def _agree_finite(self) -> None:
-        """Raise NonFiniteGradientError on every rank if any rank's gradients hold NaN/Inf (checked before any
-        parameter or state is written), so no rank steps while another raises."""
-        owned = self._owned_named_grads()
-        bad_mask = nonfinite_flags([g for _, g in owned], comm.object_device(self.group))
-        if comm.all_reduce_sum(bad_mask.sum(), self.group).item() == 0:  # the step's one host sync
-            return
-        bad_local = [n for (n, _), b in zip(owned, bad_mask.tolist()) if b]
-        bad = [n for names in comm.all_gather_object(bad_local, self.group) for n in names]
-        self._drop_grads()
-        raise NonFiniteGradientError(
-            f"non-finite (NaN/Inf) gradient in {', '.join(f'`{n}`' for n in bad[:5])}{' ...' if len(bad) > 5 else ''}"
-            "; no parameter or state was updated on any rank. Lower the learning rate, clip gradients or pass "
-            "skip_nonfinite=True to skip such updates.")
-
-    def _agree_finite_deferred(self) -> Tensor:
-        """:meth:`_agree_finite` without the host sync: the ranks' counts are all-reduced on the device, the result
-        starts on its way to the host for :meth:`raise_deferred_nonfinite`, and the returned 0-d float32 device flag
-        (nonzero when any rank's gradient holds NaN/Inf) makes every owner's updates write nothing."""
-        owned = self._owned_named_grads()
-        bad_mask = nonfinite_flags([g for _, g in owned], comm.object_device(self.group))
-        total = comm.all_reduce_sum(bad_mask.sum().reshape(1), self.group)
-        flags, event = self._flags_host.send(torch.cat([total, bad_mask]))
-        self._pending = _PendingAgreement(flags, event, [n for n, _ in owned])
-        return (total[0] > 0).to(torch.float32)
+    def _agree_finite(self) -> Tensor | None:
+        """The ranks agree on finiteness before any owner steps: a flag per parameter (set by its owner where its
+        reduced gradient holds NaN/Inf), summed over ranks on the device. Without ``deferred_nonfinite`` the flags
+        are read on the host (the step's one sync) and every rank raises NonFiniteGradientError, naming every bad
+        parameter, before anything is written. With it, the flags start on their way to the host for
+        :meth:`raise_deferred_nonfinite`, and the returned 0-d float32 device flag (nonzero when any rank's
+        gradient holds NaN/Inf) makes every owner's updates write nothing."""
+        dev = comm.object_device(self.group)
+        flags = torch.zeros(len(self.params), device=dev).index_copy_(
+            0, self._owned_index, nonfinite_flags(self._owned_grads(), dev))
+        flags = comm.all_reduce_sum(flags, self.group)
+        if self.nonfinite.deferred:
+            return self.nonfinite.defer(flags, lambda: self._labels)
+        try:
+            self.nonfinite.check(flags, lambda: self._labels)
+        except NonFiniteGradientError:
+            self._drop_grads()  # this step's reductions are finished and forgotten
+            raise
+        return None
 
     def raise_deferred_nonfinite(self) -> None:
         """With ``deferred_nonfinite=True``: raise ``NonFiniteGradientError`` if some rank's gradients held NaN/Inf
-        at the last step, which every rank then skipped (no parameter or state written). Every rank raises (the
-        count was agreed); each names its own parameters. ``step()`` and ``state_dict()`` call it first. Not
+        at the last step, which every rank then skipped (no parameter or state written). Every rank raises,
+        naming the same parameters (the flags were agreed). ``step()`` and ``state_dict()`` call it first. Not
         collective."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        if pending.event is not None:
-            pending.event.synchronize()
-        total, *mask = pending.flags.tolist()
-        if total == 0:
-            return
-        bad = [n for n, b in zip(pending.names, mask) if b]
-        here = (f"{', '.join(f'`{n}`' for n in bad[:5])}{' ...' if len(bad) > 5 else ''} on this rank" if bad else
-                "parameters owned by other ranks")
-        raise NonFiniteGradientError(
-            f"non-finite (NaN/Inf) gradient at the last step in {int(total)} parameter(s): {here}. That step was "
-            "skipped: no parameter or state was updated on any rank (deferred_nonfinite=True reports it at the next "
-            "call). Lower the learning rate, clip gradients or use loss scaling.")
+        if self.nonfinite is not None:
+            self.nonfinite.raise_pending()
 
     def _drop_grads(self) -> None:
         """Forget all gradients: finish reductions in flight (every rank launched the same ones) and reset."""
@@ -553,20 +527,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._finish_grad_sync()
         if self._arrivals is not None:
             self._adopt_arrival_order()
-        skip = None
-        if self._deferred:
-            skip = self._agree_finite_deferred()
-        elif self._check_finite:
-            self._agree_finite()
+        skip = None if self.nonfinite is None else self._agree_finite()
         self._push_hyperparameters()
         launched = 0
         for chunk in self.chunks:
-            chunk.optimizer.external_skip = skip
+            if skip is not None:
+                chunk.optimizer.nonfinite.agreed = skip
             self._apply_clip(chunk.optimizer)
-            try:
-                chunk.optimizer.step()
-            finally:
-                chunk.optimizer.external_skip = None
+            chunk.optimizer.step()
             for p, master in chunk.masters:
                 p.copy_(master if skip is None else torch.where(skip > 0, p, master))
             launched = self._launch_param_broadcasts(launched, chunk.bucket_end)

@@ -37,14 +37,14 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from matrixopt.distributed import tp_comm
+from matrixopt.distributed import comm
 from matrixopt.distributed.balance import lpt, muon_cost
-from matrixopt.distributed.fsdp import InFlight, gather_to_owners, scatter_from_owners
+from matrixopt.distributed.comm import InFlight, gather_to_owners, scatter_from_owners
 from matrixopt.distributed.tp import MODES, CostModel, tp_newton_schulz
 from matrixopt.kernels.muon_elementwise import apply_update, momentum_pack
-from matrixopt.optim.base import nonfinite_flags
 from matrixopt.optim.layout import _SPLIT
-from matrixopt.optim.muon import Muon, update_scale
+from matrixopt.optim.muon import Muon, ns_config, update_scale
+from matrixopt.optim.nonfinite import nonfinite_flags
 
 
 @dataclass(frozen=True)
@@ -92,11 +92,10 @@ class ShardedMuon(Muon):
         tp_cost_model: a fixed :class:`CostModel` for ``auto``; None measures one at the first TP step.
 
     Every rank must call ``step()``: the updates are collective. Plain-tensor parameters are updated exactly as
-    by Muon, so a model can mix sharded and unsharded matrices. DTensor matrices must be 2-D.
+    by Muon, so a model can mix sharded and unsharded matrices. DTensor matrices must be 2-D. Where any gradient is
+    a DTensor, the non-finite check reads its flags on the host, agreed over all ranks (``deferred_nonfinite``
+    then changes nothing), and ``clip_grad_norm_`` scales the gradients at once.
     """
-
-    _skips_on_device = False  # the collective updates of sharded matrices check the gradients on the host
-    _defers_grad_scale = False  # clip_grad_norm_ scales the gradients itself (the sharded path reads them raw)
 
     def __init__(self, params: Iterable[Any], *args: Any, tp_mode: str = "auto", tp_mesh_dim: str = "tp",
                  tp_chunks: int = 4, tp_cost_model: CostModel | None = None, **kwargs: Any) -> None:
@@ -109,24 +108,24 @@ class ShardedMuon(Muon):
         self._load: dict[Any, list[float]] = {}  # per FSDP group: matrix cost owned by each rank this step
         super().__init__(params, *args, **kwargs)
 
-    def _finite_mask(self, grads: list[Tensor]) -> list[bool]:
-        """Muon's non-finite check on local shards, agreed over all ranks (a NaN in one shard skips or stops
-        the whole matrix everywhere)."""
+    def _nonfinite_flags(self, grads: list[Tensor]) -> Tensor:
+        """Muon's non-finite flags on local shards, agreed over all ranks (a NaN in one shard skips or stops the
+        whole matrix everywhere)."""
         if not any(isinstance(g, DTensor) for g in grads):
-            return super()._finite_mask(grads)
+            return super()._nonfinite_flags(grads)
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        bad = nonfinite_flags(local, local[0].device)
-        return (tp_comm.all_reduce_max(bad, None) == 0).tolist()
+        return comm.all_reduce_max(nonfinite_flags(local, local[0].device), None)
 
-    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                       skip: Tensor | None = None) -> None:
         """Muon's update, once for the plain tensors and once per (shape, placements) bucket of DTensors on local
         shards, pipelined over the buckets: every bucket's momentum pass and owner gather are launched first,
         then each is orthogonalized as its gather lands and scattered back while the next one computes, and the
-        updates are applied last."""
+        updates are applied last. ``skip`` comes only with plain-tensor gradients (class docstring)."""
         self._load.clear()
         plain = [i for i, p in enumerate(params) if not isinstance(p, DTensor)]
         if plain:
-            super()._matrix_update(group, [params[i] for i in plain], [grads[i] for i in plain])
+            super()._matrix_update(group, [params[i] for i in plain], [grads[i] for i in plain], skip)
         buckets: dict[tuple, list[int]] = {}
         for i, p in enumerate(params):
             if isinstance(p, DTensor):
@@ -208,10 +207,8 @@ class ShardedMuon(Muon):
         ``tp_sizes`` along the TP dim) -> ``scale * polar``, same layout."""
         if sh.tp_group is not None:
             M = Y.mT if transposed else Y
-            M = scale * tp_newton_schulz(M, sh.tp_dim, sh.tp_group, steps=group["ns_steps"],
-                                         coefficients=group["ns_coefficients"], dtype=group["ns_dtype"],
-                                         mode=self.tp_mode, chunks=self.tp_chunks, sizes=tp_sizes,
-                                         cost_model=self.tp_cost_model, method=group["ns_method"])
+            M = scale * tp_newton_schulz(M, sh.tp_dim, sh.tp_group, config=ns_config(group), mode=self.tp_mode,
+                                         chunks=self.tp_chunks, sizes=tp_sizes, cost_model=self.tp_cost_model)
             return M.mT if transposed else M
         # polar(A^T) = polar(A)^T, so the layout does not matter; Newton–Schulz takes the short side first,
         # row-major (the Triton SYRK path takes row-major stacks; a transposed view would be copied every iteration)
@@ -257,7 +254,7 @@ class ShardedMuon(Muon):
                              f"{p.placements} on mesh dims {names or '(unnamed)'} for shape {tuple(p.shape)}")
         rows = p.shape[0]  # the rows FSDP splits: the TP shard's under FSDP x TP rows
         if strided:
-            rows = tp_comm.chunk_sizes(rows, mesh.size(tp_dim))[mesh.get_local_rank(tp_dim)]
+            rows = comm.chunk_sizes(rows, mesh.size(tp_dim))[mesh.get_local_rank(tp_dim)]
         split = getattr(p, _SPLIT, None)
         if split is not None and split[0] == tp_mat_dim:  # rank-major: each TP shard holds 1/tp of every piece
             dim, sizes = split
@@ -271,8 +268,8 @@ class ShardedMuon(Muon):
             shape=(p.shape[0], p.shape[1]),
             local_shape=tuple(p.to_local().shape),
             fsdp_group=mesh.get_group(fsdp_dim) if fsdp_dim is not None else None,
-            fsdp_rows=tuple(tp_comm.chunk_sizes(rows, mesh.size(fsdp_dim))) if fsdp_dim is not None else (),
+            fsdp_rows=tuple(comm.chunk_sizes(rows, mesh.size(fsdp_dim))) if fsdp_dim is not None else (),
             tp_group=mesh.get_group(tp_dim) if tp_dim is not None else None,
             tp_dim=max(tp_mat_dim, 0),
-            tp_sizes=tuple(tp_comm.chunk_sizes(p.shape[tp_mat_dim], mesh.size(tp_dim))) if tp_dim is not None else (),
+            tp_sizes=tuple(comm.chunk_sizes(p.shape[tp_mat_dim], mesh.size(tp_dim))) if tp_dim is not None else (),
             split=split)

@@ -21,26 +21,31 @@ Under tensor parallelism no rank holds the whole weight. Four modes (NVIDIA's Em
 
 Weights come as local shards plus ``partition_dim`` and a process group (Megatron style,
 :func:`tp_newton_schulz`) or as DTensors with ``Shard(0)``/``Shard(1)`` on a TP mesh dim
-(:func:`tp_newton_schulz_dtensor`). Collectives live in :mod:`matrixopt.distributed.tp_comm`; the math
+(:func:`tp_newton_schulz_dtensor`). Collectives live in :mod:`matrixopt.distributed.comm`; the math
 functions below take and return local tensors only.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from matrixopt.distributed import tp_comm
-from matrixopt.linalg.ortho import Coefficients, newton_schulz, resolve_schedule
+from matrixopt.device import time_ms
+from matrixopt.distributed import comm
+from matrixopt.linalg.ortho import (
+    NewtonSchulzConfig,
+    gram_flops,
+    newton_schulz_flops,
+    newton_schulz_with,
+    ns_apply_flops,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +73,6 @@ def ns_apply(X: Tensor, A: Tensor, a: float, b: float, c: float) -> Tensor:
     X: ``(batch, r, c)`` (a column block of the matrix suffices), A: ``(batch, r, r)``; same dtype."""
     B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A @ A, (batch, r, r)
     return torch.baddbmm(X, B, X, beta=a, alpha=1.0)  # (batch, r, c)
-
-
-def ns_step_flops(r: int, c: int) -> float:
-    """FLOPs of one step on an ``(r, c)`` matrix with an ``r x r`` Gram: X X^T, A A and B X."""
-    return 2.0 * r * r * c + 2.0 * r**3 + 2.0 * r * r * c
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -108,15 +108,17 @@ def mode_costs(rows: int, cols: int, parts: int, *, batch: int = 1, steps: int =
     duplicated:  all-gather of the matrix, then ``steps`` full iterations on the short side.
     distributed: one norm all-reduce, then per step the local Gram, a Gram all-reduce of ``rows^2`` elements
     (hidden behind the Gram compute when ``chunks > 1``, so only the longer of the two counts) and the local
-    rest of the step (``A^2`` is computed on every rank).
+    rest of the step (``A^2`` is computed on every rank). FLOPs: the standard form's counts of
+    :mod:`matrixopt.linalg.ortho` (a step, :func:`~matrixopt.linalg.ortho.ns_step_flops`, is its Gram product
+    plus the rest, :func:`~matrixopt.linalg.ortho.ns_apply_flops`).
     """
     frac = (parts - 1) / parts
     gather = cost.latency + frac * batch * rows * cols * itemsize / cost.bandwidth
     short, long = min(rows, cols), max(rows, cols)
-    duplicated = gather + steps * batch * ns_step_flops(short, long) / cost.flops
+    duplicated = gather + newton_schulz_flops(short, long, steps, "standard", batch) / cost.flops
     local_cols = -(-cols // parts)
-    gram = batch * 2.0 * rows * rows * local_cols / cost.flops
-    rest = batch * (2.0 * rows**3 + 2.0 * rows * rows * local_cols) / cost.flops
+    gram = gram_flops(rows, local_cols, batch) / cost.flops
+    rest = ns_apply_flops(rows, local_cols, batch) / cost.flops
     reduce = cost.latency + 2 * frac * batch * rows * rows * itemsize / cost.bandwidth
     per_step = rest + (max(gram, reduce) if chunks > 1 else gram + reduce)
     distributed = cost.latency + steps * per_step
@@ -127,22 +129,15 @@ _MEASURED: dict[tuple, CostModel] = {}
 
 
 def _seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) / reps
+    """Median seconds per call of ``fn`` after one warm-up call (``fn`` runs ``reps + 1`` times on every rank)."""
+    return time_ms(fn, device, reps=reps, warmup=1)["median"] / 1e3
 
 
 def measure_cost_model(group: ProcessGroup | None, device: torch.device) -> CostModel:
     """Time a matmul, a one-element all-reduce (latency) and a large all-reduce (bandwidth) on ``group``, once
     per (group ranks, device type); later calls return the cached model. Collective: every rank of the group
     must call it. Ranks agree on the slowest measurement, so they all make the same ``auto`` choices."""
-    key = (tuple(dist.get_process_group_ranks(group or dist.group.WORLD)), device.type)
+    key = (comm.group_ranks(group), device.type)
     if key in _MEASURED:
         return _MEASURED[key]
     cuda = device.type == "cuda"
@@ -150,12 +145,12 @@ def measure_cost_model(group: ProcessGroup | None, device: torch.device) -> Cost
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
     mm = _seconds(lambda: a @ a, device, reps)
     tiny = torch.zeros(1, device=device)
-    lat = _seconds(lambda: tp_comm.all_reduce_sum(tiny, group), device, reps)
+    lat = _seconds(lambda: comm.all_reduce_sum(tiny, group), device, reps)
     big = torch.zeros(nbytes // 4, device=device)
-    t_big = _seconds(lambda: tp_comm.all_reduce_sum(big, group), device, reps)
-    times = tp_comm.all_reduce_max(torch.tensor([mm, lat, t_big], dtype=torch.float64, device=device), group)
+    t_big = _seconds(lambda: comm.all_reduce_sum(big, group), device, reps)
+    times = comm.all_reduce_max(torch.tensor([mm, lat, t_big], dtype=torch.float64, device=device), group)
     mm, lat, t_big = times.tolist()
-    parts = dist.get_world_size(group)
+    parts = comm.world_size(group)
     bw = 2 * (parts - 1) / parts * nbytes / max(t_big - lat, 1e-9)
     model = CostModel(latency=lat, bandwidth=bw, flops=2.0 * n**3 / mm)
     logger.info("tp cost model for %d ranks on %s: latency %.1f us, bandwidth %.2f GB/s, matmul %.1f TFLOP/s",
@@ -193,33 +188,33 @@ def gram_all_reduce(X: Tensor, group: ProcessGroup | None, chunks: int) -> Tenso
     blocks, handles = [], []
     for r0, r1 in row_blocks(X.size(-2), chunks):
         block = gram_rows(X, r0, r1)  # (b, r1 - r0, r)
-        handles.append(tp_comm.all_reduce_sum_async(block, group))
+        handles.append(comm.all_reduce_sum_async(block, group))
         blocks.append(block)
     for h in handles:
         h.wait()
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
 
 
-def distributed_newton_schulz(X: Tensor, group: ProcessGroup | None, schedule: Sequence[Coefficients],
-                              dtype: torch.dtype, chunks: int = 4) -> Tensor:
+def distributed_newton_schulz(X: Tensor, group: ProcessGroup | None, config: NewtonSchulzConfig,
+                              chunks: int = 4) -> Tensor:
     """Newton–Schulz of the matrix ``[X_1 | ... | X_P]`` whose column block ``X_p`` (``(b, r, c_p)``, any float
     dtype, ``c_p`` may be 0) this rank holds. Returns this rank's column block of the result, ``(b, r, c_p)``
-    in ``dtype``. Normalizes by the global max-abs, then the global Frobenius norm, like :func:`newton_schulz`."""
+    in ``config``'s iteration dtype. Normalizes by the global max-abs, then the global Frobenius norm, like
+    :func:`matrixopt.linalg.ortho.newton_schulz`; always the standard form (``config.method`` is not used)."""
     X = X.float()
     # global max-abs first, as newton_schulz does, so the float32 sum of squares can neither overflow nor underflow
     peak = X.abs().amax(dim=(-2, -1)) if X.numel() else X.new_zeros(X.size(0))  # (b,)
-    X = X / tp_comm.all_reduce_max(peak, group).clamp_min(torch.finfo(torch.float32).tiny)[:, None, None]
-    sq = tp_comm.all_reduce_sum(X.square().sum(dim=(-2, -1)), group)  # (b,)
-    X = (X / sq.sqrt().clamp_min(1e-30)[:, None, None]).to(dtype)
-    for a, b, c in schedule:
+    X = X / comm.all_reduce_max(peak, group).clamp_min(torch.finfo(torch.float32).tiny)[:, None, None]
+    sq = comm.all_reduce_sum(X.square().sum(dim=(-2, -1)), group)  # (b,)
+    X = (X / sq.sqrt().clamp_min(1e-30)[:, None, None]).to(config.iteration_dtype(X.device))
+    for a, b, c in config.schedule:
         X = ns_apply(X, gram_all_reduce(X, group, chunks), a, b, c)
     return X
 
 
-def tp_newton_schulz(local: Tensor, partition_dim: int, group: ProcessGroup | None = None, *, steps: int = 5,
-                     coefficients: str | Sequence[Sequence[float]] = "quintic", dtype: torch.dtype | None = None,
-                     mode: str = "auto", chunks: int = 4, sizes: Sequence[int] | None = None,
-                     cost_model: CostModel | None = None, method: str = "auto") -> Tensor:
+def tp_newton_schulz(local: Tensor, partition_dim: int, group: ProcessGroup | None = None, *,
+                     config: NewtonSchulzConfig | None = None, mode: str = "auto", chunks: int = 4,
+                     sizes: Sequence[int] | None = None, cost_model: CostModel | None = None) -> Tensor:
     """Newton–Schulz of a matrix split over ``group`` along ``partition_dim``; returns this rank's shard of the
     result (same shape and dtype as ``local``).
 
@@ -227,9 +222,9 @@ def tp_newton_schulz(local: Tensor, partition_dim: int, group: ProcessGroup | No
     of such shards (``partition_dim`` counts within each matrix). Shards are in group-rank order and may be
     uneven. sizes: every rank's size along ``partition_dim``; None all-gathers them (one tiny collective).
     mode: one of ``MODES``. chunks: Gram row blocks whose all-reduce overlaps compute (distributed mode).
-    cost_model: for ``auto``; None measures one (collective, once per group). steps, coefficients, dtype, method:
-    as :func:`matrixopt.linalg.ortho.newton_schulz` (``method`` for the modes that iterate on whole matrices,
-    blockwise and duplicated). Every rank of the group must call this with the same
+    cost_model: for ``auto``; None measures one (collective, once per group). config: the iteration (None: the
+    defaults of :class:`~matrixopt.linalg.ortho.NewtonSchulzConfig`); its ``method`` applies to the modes that
+    iterate on whole matrices, blockwise and duplicated. Every rank of the group must call this with the same
     arguments except ``local``."""
     if mode not in MODES:
         raise ValueError(f"Unknown TP Newton–Schulz mode {mode!r}; use one of {MODES}")
@@ -240,37 +235,35 @@ def tp_newton_schulz(local: Tensor, partition_dim: int, group: ProcessGroup | No
         raise ValueError(f"tp_newton_schulz takes a (m, n) or (b, m, n) shard, got shape {tuple(local.shape)}")
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
-    schedule = resolve_schedule(coefficients, steps)
-    if dtype is None:
-        dtype = torch.bfloat16 if local.is_cuda else torch.float32
-    parts = dist.get_world_size(group)
+    config = config or NewtonSchulzConfig()
+    parts = comm.world_size(group)
     if mode == "blockwise" or parts == 1:
-        return newton_schulz(local, steps, coefficients, dtype=dtype, method=method) if local.numel() else local.clone()
+        return newton_schulz_with(local, config) if local.numel() else local.clone()
     X = local.unsqueeze(0) if local.ndim == 2 else local  # (b, m, n)
     X = X.mT if partition_dim == 0 else X  # (b, r, c_p): the sharded dim is the contracted (last) one
     if sizes is None:
-        sizes = tp_comm.all_gather_sizes(X.size(-1), group, X.device)
+        sizes = comm.all_gather_sizes(X.size(-1), group, X.device)
     sizes = list(sizes)
-    me = dist.get_rank(group)
+    me = comm.rank(group)
     if len(sizes) != parts or sizes[me] != X.size(-1):
         raise ValueError(f"sizes {sizes} must list the {parts} ranks' shard sizes along partition_dim "
                          f"{partition_dim}, and this rank (group rank {me}) holds {X.size(-1)}")
     rows, cols = X.size(-2), sum(sizes)
     if mode == "auto":
         cost = cost_model or measure_cost_model(group, X.device)
-        mode = choose_mode(rows, cols, parts, batch=X.size(0), steps=steps, itemsize=dtype.itemsize,
-                           chunks=chunks, cost=cost)
+        mode = choose_mode(rows, cols, parts, batch=X.size(0), steps=config.steps,
+                           itemsize=config.iteration_dtype(X.device).itemsize, chunks=chunks, cost=cost)
     if mode == "duplicated":
-        full = tp_comm.all_gather_last_dim(X, sizes, group)  # (b, r, c)
+        full = comm.all_gather_last_dim(X, sizes, group)  # (b, r, c)
         start = sum(sizes[:me])
-        Y = newton_schulz(full, steps, coefficients, dtype=dtype, method=method)[..., start:start + sizes[me]]
+        Y = newton_schulz_with(full, config)[..., start:start + sizes[me]]
     else:
         if rows > cols:
             warnings.warn(f"distributed TP Newton–Schulz contracts the sharded dim, so this ({rows}, {cols}) "
                           f"matrix (sharded along dim {partition_dim} of the weight) iterates on its long side: a "
                           f"{rows}x{rows} Gram instead of {cols}x{cols}. mode='duplicated' or 'auto' may be "
                           f"faster.", stacklevel=2)
-        Y = distributed_newton_schulz(X, group, schedule, dtype, chunks)
+        Y = distributed_newton_schulz(X, group, config, chunks)
     Y = Y.mT if partition_dim == 0 else Y
     Y = Y.to(local.dtype).contiguous()
     return Y.squeeze(0) if local.ndim == 2 else Y
@@ -304,7 +297,7 @@ def tp_shard_spec(X: DTensor, mesh_dim: int | str | None = None) -> tuple[int, P
                          f"Shard({X.ndim - 1})) on mesh dim {mesh_dim} and replicated elsewhere; got placements "
                          f"{X.placements}")
     partition_dim = pl.dim - (X.ndim - 2)
-    sizes = tp_comm.chunk_sizes(X.shape[pl.dim], mesh.size(mesh_dim))
+    sizes = comm.chunk_sizes(X.shape[pl.dim], mesh.size(mesh_dim))
     return partition_dim, mesh.get_group(mesh_dim), sizes
 
 

@@ -20,13 +20,15 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import statistics
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
 from typing import Any, TypeVar
 
 import torch
+
+from matrixopt.device import time_ms
 
 C = TypeVar("C")
 
@@ -103,6 +105,17 @@ def launch_kernel(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any)
         _AHEAD.jobs.append(_POOL.submit(_compile, kernel, _AHEAD.device, grid, args, kwargs))
 
 
+def import_triton(module: str) -> tuple[ModuleType, ModuleType]:
+    """``(triton, triton.language)`` for the kernel module named ``module``; without Triton an ImportError that
+    says what to install (the dispatchers catch it and fall back to the torch references)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError as e:
+        raise ImportError(f"{module} needs Triton: pip install triton (or pip install matrixopt[triton])") from e
+    return triton, tl
+
+
 def _compile_all(candidates: Sequence[C], launch: Callable[[C], object]) -> None:
     """``launch`` each candidate under :func:`compile_ahead`; an error is left for the timing to meet again."""
     for c in candidates:
@@ -112,38 +125,12 @@ def _compile_all(candidates: Sequence[C], launch: Callable[[C], object]) -> None
             pass
 
 
-def captured(fn: Callable[[], object], device: torch.device, calls: int) -> Callable[[], None]:
-    """``calls`` back-to-back calls of ``fn`` captured in one CUDA graph; returns its replay. ``fn`` runs once
-    first, on a side stream outside capture (a kernel's first launch loads it, and fails there if it does not fit
-    the GPU)."""
-    current = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        fn()
-    current.wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph.replay
-
-
 def time_replayed(fn: Callable[[], object], device: torch.device, calls: int = TUNE_CALLS,
                   reps: int = TUNE_REPS) -> float:
     """Median milliseconds per call of ``fn`` over ``reps`` replays of a CUDA graph of ``calls`` back-to-back
-    calls (:func:`captured`): the GPU time with the operands warm in L2 and no launch gaps, as in a Newton–Schulz
-    chain (each product reads what the last one wrote) and in a captured step."""
-    replay = captured(fn, device, calls)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    calls: the GPU time with the operands warm in L2 and no launch gaps, as in a Newton–Schulz chain (each product
+    reads what the last one wrote) and in a captured step."""
+    return time_ms(fn, device, reps=reps, inner=calls, warmup=0, graph=True)["median"]
 
 
 def pick(key: Hashable, candidates: Callable[[], Sequence[C]], launch: Callable[[C], object],

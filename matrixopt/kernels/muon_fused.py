@@ -43,34 +43,21 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as e:  # pragma: no cover - the dispatcher falls back to the torch references
-    raise ImportError("matrixopt.kernels.muon_fused needs Triton: pip install triton (or pip install "
-                      "matrixopt[triton])") from e
-
-from matrixopt.kernels._tuning import launch_kernel
+from matrixopt.kernels._tuning import import_triton, launch_kernel
 from matrixopt.kernels.muon_elementwise import KERNEL_DTYPES, _dense_layout
+
+triton, tl = import_triton(__name__)
 
 # ----------------------------------------------------------------------------------------------- configs
 
 
-@dataclass(frozen=True)
-class TileConfig:
-    block_r: int
-    block_c: int
-    num_warps: int
-
-
 # A 64 x 64 tile moves 16 KB of fp32 per operand: large enough to saturate HBM with a few programs per SM, small
 # enough that a 768 x 768 matrix still gives 144 programs. Memory-bound, so no tuning per shape.
-TILE = TileConfig(64, 64, 4)
+TILE_ROWS, TILE_COLS, TILE_WARPS = 64, 64, 4
 
 _TL_DTYPES = {dt: getattr(tl, str(dt).removeprefix("torch.")) for dt in KERNEL_DTYPES}
 
@@ -265,7 +252,7 @@ def apply_rows(params: Sequence[Tensor], s: int, l: int,
 
 def pack_tiles(s: int, l: int) -> int:
     """Programs of :func:`momentum_pack_triton` per ``(s, l)`` matrix: the width of its ``parts``."""
-    return triton.cdiv(s, TILE.block_r) * triton.cdiv(l, TILE.block_c)  # square tiles: either orientation
+    return triton.cdiv(s, TILE_ROWS) * triton.cdiv(l, TILE_COLS)  # square tiles: either orientation
 
 
 def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, momentum: float,
@@ -296,13 +283,13 @@ def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: T
     for j, (tall, rows) in enumerate(layout):
         R, C = (l, s) if tall else (s, l)
         table = tables[j] if tables is not None else _table(rows, out.device)
-        grid = (triton.cdiv(R, TILE.block_r) * triton.cdiv(C, TILE.block_c), len(rows))
+        grid = (triton.cdiv(R, TILE_ROWS) * triton.cdiv(C, TILE_COLS), len(rows))
         _momentum_pack_kernel[grid](table, out, R, C, 1.0 - momentum, momentum, table if skip is None else skip,
                                     table if parts is None else parts, table if grad_scale is None else grad_scale,
                                     G_DTYPE=_TL_DTYPES[grads[0].dtype], NESTEROV=nesterov, TALL=tall,
                                     HAS_SKIP=skip is not None, HAS_PARTS=parts is not None,
                                     HAS_SCALE=grad_scale is not None,
-                                    BLOCK_R=TILE.block_r, BLOCK_C=TILE.block_c, num_warps=TILE.num_warps)
+                                    BLOCK_R=TILE_ROWS, BLOCK_C=TILE_COLS, num_warps=TILE_WARPS)
 
 
 def apply_update_triton(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int], float], lr: float | Tensor,
@@ -322,13 +309,13 @@ def apply_update_triton(params: Sequence[Tensor], Y: Tensor, scale: Callable[[in
     for j, (tall, rows) in enumerate(apply_rows(params, s, l, transpose)):
         R, C = (l, s) if tall else (s, l)
         table = tables[j] if tables is not None else _table(rows, Y.device)
-        grid = (triton.cdiv(R, TILE.block_r) * triton.cdiv(C, TILE.block_c), len(rows))
+        grid = (triton.cdiv(R, TILE_ROWS) * triton.cdiv(C, TILE_COLS), len(rows))
         _apply_update_kernel[grid](table, Y, Y.stride(0), Y.stride(1), Y.stride(2), R, C,
                                    lr if lr_ptr else float(lr), float(weight_decay), float(scale(R, C)),
                                    table if skip is None else skip,
                                    P_DTYPE=_TL_DTYPES[params[0].dtype], LR_PTR=lr_ptr, TALL=tall,
                                    HAS_SKIP=skip is not None,
-                                   BLOCK_R=TILE.block_r, BLOCK_C=TILE.block_c, num_warps=TILE.num_warps)
+                                   BLOCK_R=TILE_ROWS, BLOCK_C=TILE_COLS, num_warps=TILE_WARPS)
 
 
 NORM_BLOCK = 4096  # elements per program of the two normalization passes

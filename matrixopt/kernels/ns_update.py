@@ -26,15 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as e:  # pragma: no cover - exercised by the dispatcher test through ns_step
-    raise ImportError("matrixopt.kernels.ns_update needs Triton: pip install triton (or pip install "
-                      "matrixopt[triton])") from e
+from matrixopt.kernels._tuning import import_triton, launch_kernel, pick
+from matrixopt.kernels.syrk import NUM_SMS_H100, TensorDescriptor, masked_dot, num_sms, tma_compatible
 
-from matrixopt.kernels._tuning import launch_kernel, pick
-from matrixopt.kernels.syrk import NUM_SMS_H100, TensorDescriptor, num_sms, tma_compatible
+triton, tl = import_triton(__name__)
 
 # ----------------------------------------------------------------------------------------------- autotune configs
 
@@ -103,14 +98,7 @@ def _ns_update_kernel(
     b_ptrs = b_ptr + bid * stride_bb + rows[:, None] * stride_bm + offs_k[None, :] * stride_bk  # (BLOCK_M, BLOCK_K)
     x_ptrs = x_ptr + bid * stride_xb + offs_k[:, None] * stride_xm + cols[None, :] * stride_xn  # (BLOCK_K, BLOCK_N)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, M, BLOCK_K):
-        kmask = (k + offs_k) < M
-        bt = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
-        xt = tl.load(x_ptrs, mask=kmask[:, None], other=0.0)
-        acc = tl.dot(bt, xt, acc)
-        b_ptrs += BLOCK_K * stride_bk
-        x_ptrs += BLOCK_K * stride_xm
+    acc = masked_dot(b_ptrs, x_ptrs, stride_bk, stride_xm, 0, M, M, BLOCK_M, BLOCK_N, BLOCK_K)
 
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     x_tile = tl.load(x_ptr + bid * stride_xb + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn,

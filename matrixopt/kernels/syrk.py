@@ -45,18 +45,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as e:  # pragma: no cover - exercised by the dispatcher test through ns_step
-    raise ImportError("matrixopt.kernels.syrk needs Triton: pip install triton (or pip install matrixopt[triton])") \
-        from e
+from matrixopt.kernels._tuning import import_triton, launch_kernel, pick
+
+triton, tl = import_triton(__name__)
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - Triton < 3.3 has no host-side tensor descriptors: pointer kernels only
     TensorDescriptor = None
-
-from matrixopt.kernels._tuning import launch_kernel, pick
 
 # ----------------------------------------------------------------------------------------------- autotune configs
 
@@ -151,6 +146,26 @@ def _symmetrized(tile, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def masked_dot(a_ptrs, b_ptrs, stride_ak, stride_bk, k0, k_len, K,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``A[:, k0:k0 + k_len] @ B[k0:k0 + k_len, :]`` of one output tile in fp32, columns k >= K read as zero.
+
+    a_ptrs: ``(BLOCK_M, BLOCK_K)`` pointers to A's tile at column k0 (``stride_ak`` between columns); b_ptrs:
+    ``(BLOCK_K, BLOCK_N)`` pointers to B's tile at row k0 (``stride_bk`` between rows). The K loop of the pointer
+    kernels (the SYRK's and the update's)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, k_len, BLOCK_K):
+        kmask = (k0 + k + offs_k) < K
+        a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
 def _syrk_kernel(
     # pointers
     x_ptr, w_ptr, y_ptr, out_ptr,
@@ -182,14 +197,7 @@ def _syrk_kernel(
     bt_ptrs = (w_ptr + bid.to(tl.int64) * stride_wb + rows_j[None, :] * stride_wm
                + (k_start + offs_k)[:, None] * stride_wk)  # (BLOCK_K, BLOCK)
 
-    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    for k in range(0, K_PER_SPLIT, BLOCK_K):
-        kmask = (k_start + k + offs_k) < K
-        a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-        bt = tl.load(bt_ptrs, mask=kmask[:, None], other=0.0)
-        acc = tl.dot(a, bt, acc)
-        a_ptrs += BLOCK_K * stride_xk
-        bt_ptrs += BLOCK_K * stride_wk
+    acc = masked_dot(a_ptrs, bt_ptrs, stride_xk, stride_wk, k_start, K_PER_SPLIT, K, BLOCK, BLOCK, BLOCK_K)
 
     mask = (offs_i[:, None] < M) & (offs_j[None, :] < M)
     mask_t = (offs_j[:, None] < M) & (offs_i[None, :] < M)

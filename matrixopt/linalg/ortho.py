@@ -8,7 +8,15 @@ A Newton–Schulz step applies the odd polynomial ``p(x) = a x + b x^3 + c x^5``
     X <- a X + (b A + c A^2) X     (m, n)
 
 Starting from ``X = G / ||G||_F`` (all singular values in (0, 1]) a good schedule of (a, b, c) drives every
-singular value towards 1, so X tends to the polar factor ``U V^T`` of ``G = U S V^T``.
+singular value towards 1, so X tends to the polar factor ``U V^T`` of ``G = U S V^T``. The named schedules
+(:data:`SCHEDULES`):
+
+- ``"modded_nanogpt"`` (the default): the 5-step table of modded-nanogpt's Muon (:data:`MODDED_NANOGPT`);
+- ``"quintic"``: Keller Jordan's one (a, b, c) = (3.4445, -4.7750, 2.0315) for every step (:data:`QUINTIC`), the
+  default of torch.optim.Muon and Emerging-Optimizers (its old name here, ``"simple"``, still works, with a
+  FutureWarning);
+- ``"polar_express"``, ``"cans"``: computed for the number of steps (:func:`polar_express_schedule`,
+  :func:`cans_schedule`).
 
 Gram Newton–Schulz (Zhang, Amsel, Chen and Dao, 2026) computes the same iterates for a wide ``(m, n)`` X, m < n,
 with most products on ``(m, m)`` matrices. Every iterate is ``X_t = Q_t X_0`` with ``Q_t`` a polynomial in the
@@ -29,7 +37,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -39,15 +49,16 @@ from matrixopt.kernels.ns_step import compile_ahead_once, gram, launches_replaye
 
 Coefficients = tuple[float, float, float]
 
-# Keller Jordan's quintic (github.com/KellerJordan/Muon): one (a, b, c) for every step. a = 3.4445 makes
-# p'(0) large so tiny singular values grow fast; the price is that the fixed point is not 1: singular values
-# end in a band of roughly [0.7, 1.2], which Muon tolerates.
-SIMPLE: tuple[Coefficients, ...] = ((3.4445, -4.7750, 2.0315),)
+# Keller Jordan's quintic (github.com/KellerJordan/Muon), what torch.optim.Muon and NVIDIA's Emerging-Optimizers
+# also call "quintic": one (a, b, c) for every step. a = 3.4445 makes p'(0) large so tiny singular values grow
+# fast; the price is that the fixed point is not 1: singular values end in a band of roughly [0.7, 1.2], which
+# Muon tolerates.
+QUINTIC: tuple[Coefficients, ...] = ((3.4445, -4.7750, 2.0315),)
 
-# The 5-step schedule of modded-nanogpt's Muon (KellerJordan/modded-nanogpt, train_gpt.py, 2025): Polar
-# Express polynomials computed for 5 iterations with a 2e-2 safety factor and cushion 2, applied after a
+# The 5-step schedule of modded-nanogpt's Muon (KellerJordan/modded-nanogpt, train_gpt.py, 2025), our default:
+# Polar Express polynomials computed for 5 iterations with a 2e-2 safety factor and cushion 2, applied after a
 # Frobenius normalization. Published values; `schedule_band` documents where they send singular values.
-QUINTIC: tuple[Coefficients, ...] = (
+MODDED_NANOGPT: tuple[Coefficients, ...] = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),
     (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
@@ -146,25 +157,35 @@ def cans_schedule(steps: int, lo: float = 1e-3, delta: float = 0.3) -> tuple[Coe
     return tuple(out)
 
 
-SCHEDULES = ("simple", "quintic", "polar_express", "cans")
+# name -> the schedule for a number of steps
+_SCHEDULES: dict[str, Callable[[int], Sequence[Coefficients]]] = {
+    "quintic": lambda steps: QUINTIC,
+    "modded_nanogpt": lambda steps: MODDED_NANOGPT,
+    "polar_express": polar_express_schedule,
+    "cans": cans_schedule,
+}
+SCHEDULES = tuple(_SCHEDULES)
+DEFAULT_SCHEDULE = "modded_nanogpt"
+# old name -> the name to use; the old name still works, with a FutureWarning
+RENAMED_SCHEDULES = {"simple": "quintic"}
 
 
 def resolve_schedule(coefficients: str | Sequence[Sequence[float]], steps: int) -> tuple[Coefficients, ...]:
-    """The (a, b, c) of each of ``steps`` iterations; a schedule shorter than ``steps`` repeats its last step."""
+    """The (a, b, c) of each of ``steps`` iterations; a schedule shorter than ``steps`` repeats its last step.
+
+    coefficients: a name in :data:`SCHEDULES` or a list of (a, b, c)."""
     if steps < 1:
         raise ValueError(f"Newton–Schulz needs steps >= 1, got {steps}")
     if isinstance(coefficients, str):
-        if coefficients == "simple":
-            sched: Sequence[Coefficients] = SIMPLE
-        elif coefficients == "quintic":
-            sched = QUINTIC
-        elif coefficients == "polar_express":
-            sched = polar_express_schedule(steps)
-        elif coefficients == "cans":
-            sched = cans_schedule(steps)
-        else:
+        if coefficients in RENAMED_SCHEDULES:
+            new = RENAMED_SCHEDULES[coefficients]
+            warnings.warn(f"the Newton–Schulz schedule {coefficients!r} is now called {new!r}; use {new!r} (the "
+                          f"same coefficients)", FutureWarning, stacklevel=2)
+            coefficients = new
+        if coefficients not in _SCHEDULES:
             raise ValueError(f"Unknown Newton–Schulz schedule {coefficients!r}; use one of {SCHEDULES} "
                              "or a list of (a, b, c) tuples")
+        sched: Sequence[Coefficients] = _SCHEDULES[coefficients](steps)
     else:
         sched = [tuple(float(v) for v in abc) for abc in coefficients]  # type: ignore[misc]
         if len(sched) == 0 or any(len(abc) != 3 for abc in sched):
@@ -191,13 +212,13 @@ METHODS = ("auto", "standard", "gram")
 # FLOPs saved (3r + 7 against 7.5r + 2.5, see the module docstring) do not pay for the extra, smaller launches.
 GRAM_MIN_ASPECT = 1.5
 # Launched eagerly on CUDA, the Gram form's ~22 launches for five steps (against 15) cost the host more than its
-# FLOPs save on small stacks. Measured on an H100 (docs/results/bench, run 14): 1 x 1024 x 4096 took 1.29 ms against
+# FLOPs save on small stacks. Measured on an H100 (docs/results/bench): 1 x 1024 x 4096 took 1.29 ms against
 # 0.60, 12 x 768 x 2304 1.32 against 1.20, while 24 x 768 x 3072 took 2.10 against 2.36. So eagerly "auto" also
 # needs batch * m^2 * n of at least this; replayed from a CUDA graph, launches are cheap and the aspect suffices.
 GRAM_MIN_EAGER_WORK = 2**34
 
 # Gram Newton–Schulz restarts every three steps. Measured in float16 against a float64 iteration (256 x 1024,
-# singular values spread over 1e-2..1e-5, quintic and Polar Express): restarting after steps 3 (phases 3 + 2)
+# singular values spread over 1e-2..1e-5, modded_nanogpt and Polar Express): restarting after steps 3 (phases 3 + 2)
 # gave half the error of restarting after step 2 (2 + 3), 0.5-2% against 1.3-3.4%; without a restart the
 # iteration diverged (top singular value 2.9-5.8). The bfloat16 standard form erred by 3-17% on the same inputs.
 GRAM_PHASE = 3
@@ -256,15 +277,70 @@ def gram_phases(steps: int) -> list[int]:
     return [GRAM_PHASE] * (steps // GRAM_PHASE) + ([steps % GRAM_PHASE] if steps % GRAM_PHASE else [])
 
 
-def newton_schulz_flops(m: int, n: int, steps: int = 5, method: str = "auto") -> float:
-    """FLOPs of ``steps`` iterations on one ``(m, n)`` matrix as :func:`newton_schulz` computes it (dense count,
-    2 per multiply-add; the SYRK halves the symmetric products). Standard form, per step: ``4 s^2 l + 2 s^3``
-    (``X X^T``, ``A^2``, ``B X``), with ``s = min(m, n)``, ``l = max(m, n)``. Gram form, per phase of k steps: a
-    Gram matrix and a final ``Q X`` (``4 s^2 l``) and ``4 k - 3`` products of ``(s, s)`` matrices (``2 s^3`` each)."""
+@dataclass(frozen=True, kw_only=True)
+class NewtonSchulzConfig:
+    """How a Newton–Schulz iteration runs: what :func:`newton_schulz` takes as arguments, as one value for Muon,
+    the sharded and the tensor-parallel Newton–Schulz to pass around. Checks itself when built (ValueError).
+    Two configs are equal when they compute the same iteration (same resolved ``schedule``)."""
+
+    steps: int = 5
+    """Iterations, >= 1."""
+    coefficients: str | Sequence[Sequence[float]] = field(default=DEFAULT_SCHEDULE, compare=False)
+    """A name in :data:`SCHEDULES` or a list of (a, b, c); a list shorter than ``steps`` repeats its last entry."""
+    dtype: torch.dtype | None = None
+    """The iteration dtype; None means bfloat16 on CUDA, float32 elsewhere."""
+    method: str = "auto"
+    """One of :data:`METHODS`: the standard form, the Gram form, or "auto" (:func:`uses_gram`)."""
+    schedule: tuple[Coefficients, ...] = field(init=False, repr=False)
+    """The (a, b, c) of each step, resolved from ``coefficients`` (:func:`resolve_schedule`)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"Newton–Schulz steps must be an int >= 1, got {self.steps!r}")
+        if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
+            raise ValueError(f"Newton–Schulz dtype must be a floating-point torch.dtype or None (the device's "
+                             f"default), got {self.dtype!r}")
+        check_method(self.method)
+        object.__setattr__(self, "schedule", resolve_schedule(self.coefficients, self.steps))
+
+    def iteration_dtype(self, device: torch.device) -> torch.dtype:
+        """``dtype``, or the default for ``device``: bfloat16 on CUDA, float32 elsewhere."""
+        return self.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FLOPs: dense counts, 2 per multiply-add (the work a GEMM library does; a SYRK does about half of a symmetric
+# product). ``batch`` matrices of the same shape cost ``batch`` times one.
+
+
+def gram_flops(m: int, k: int, batch: int = 1) -> int:
+    """The Gram matrix ``X X^T`` of an ``(m, k)`` X: ``2 m^2 k``."""
+    return 2 * batch * m * m * k
+
+
+def ns_apply_flops(m: int, n: int, batch: int = 1) -> int:
+    """The rest of a standard step on an ``(m, n)`` X once its ``(m, m)`` Gram matrix A is known: ``A A`` and
+    ``B X`` with ``B = b A + c A^2``, ``2 m^3 + 2 m^2 n``."""
+    return batch * (2 * m**3 + 2 * m * m * n)
+
+
+def ns_step_flops(m: int, n: int, batch: int = 1) -> int:
+    """One standard step on an ``(m, n)`` X iterating on its ``(m, m)`` Gram matrix (``X X^T``, ``A A``,
+    ``B X``): ``4 m^2 n + 2 m^3``. :func:`newton_schulz` takes ``m`` as the short side; tensor-parallel Newton–
+    Schulz contracts the sharded side, which may be the long one."""
+    return gram_flops(m, n, batch) + ns_apply_flops(m, n, batch)
+
+
+def newton_schulz_flops(m: int, n: int, steps: int = 5, method: str = "auto", batch: int = 1) -> int:
+    """FLOPs of ``steps`` iterations on ``batch`` ``(m, n)`` matrices as :func:`newton_schulz` computes them, with
+    ``s = min(m, n)``, ``l = max(m, n)``. Standard form: ``steps`` times :func:`ns_step_flops` ``(s, l)``,
+    ``4 s^2 l + 2 s^3`` per step. Gram form, per phase of k steps (:func:`gram_phases`): a Gram matrix and a final
+    ``Q X`` (``4 s^2 l``) and ``4 k - 3`` products of ``(s, s)`` matrices (``2 s^3`` each). ``method`` as for
+    :func:`newton_schulz` ("auto" decides by the aspect alone, as on the CPU or replayed from a CUDA graph)."""
     s, l = min(m, n), max(m, n)
     if not uses_gram(method, 1, s, l):
-        return steps * (4 * s * s * l + 2 * s**3)
-    return sum(4 * s * s * l + (4 * k - 3) * 2 * s**3 for k in gram_phases(steps))
+        return steps * ns_step_flops(s, l, batch)
+    return batch * sum(2 * gram_flops(s, l) + (4 * k - 3) * 2 * s**3 for k in gram_phases(steps))
 
 
 def gram_newton_schulz(Y: Tensor, schedule: Sequence[Coefficients]) -> Tensor:
@@ -296,22 +372,21 @@ def gram_newton_schulz(Y: Tensor, schedule: Sequence[Coefficients]) -> Tensor:
     return Y
 
 
-def newton_schulz_short_side(X: Tensor, schedule: Sequence[Coefficients], dtype: torch.dtype,
-                             method: str = "auto", parts: Tensor | None = None) -> Tensor:
+def newton_schulz_short_side(X: Tensor, config: NewtonSchulzConfig, parts: Tensor | None = None) -> Tensor:
     """The iteration proper, on a batch already laid out short side first.
 
     X: ``(b, m, n)`` with ``m <= n``, any float dtype. Returns ``(b, m, n)`` in the iteration dtype (no cast back):
-    ``dtype``, except float16 for the Gram form asked for bfloat16 (or float32 for a schedule float16 can't hold,
-    :func:`gram_dtype`). Each matrix is divided
-    by its Frobenius norm, accumulated in float64 so that gradients of any finite scale (1e-30 to 1e30) neither
-    overflow nor underflow, and cast to the iteration dtype in the same pass. ``method``: "standard", "gram" or
-    "auto" (the Gram form for ``n >= GRAM_MIN_ASPECT m``, and eagerly on CUDA for stacks of at least
-    ``GRAM_MIN_EAGER_WORK``). ``parts``: ``(b, T)`` float64 partial sums of X's squares (rows summing to each squared
-    Frobenius norm), as :func:`matrixopt.kernels.muon_elementwise.momentum_pack` returns them: the normalization
-    then reads X once.
+    ``config.iteration_dtype``, except float16 for the Gram form asked for bfloat16 (or float32 for a schedule
+    float16 can't hold, :func:`gram_dtype`). Each matrix is divided by its Frobenius norm, accumulated in float64
+    so that gradients of any finite scale (1e-30 to 1e30) neither overflow nor underflow, and cast to the
+    iteration dtype in the same pass. ``config.method``: "standard", "gram" or "auto" (the Gram form for
+    ``n >= GRAM_MIN_ASPECT m``, and eagerly on CUDA for stacks of at least ``GRAM_MIN_EAGER_WORK``). ``parts``:
+    ``(b, T)`` float64 partial sums of X's squares (rows summing to each squared Frobenius norm), as
+    :func:`matrixopt.kernels.muon_elementwise.momentum_pack` returns them: the normalization then reads X once.
     """
-    schedule = tuple(schedule)
-    gram_form = uses_gram(method, *X.shape, eager_cuda=X.is_cuda and not launches_replayed(), schedule=schedule)
+    schedule, dtype = config.schedule, config.iteration_dtype(X.device)
+    gram_form = uses_gram(config.method, *X.shape, eager_cuda=X.is_cuda and not launches_replayed(),
+                          schedule=schedule)
 
     def iterate() -> Tensor:
         if gram_form:
@@ -327,29 +402,32 @@ def newton_schulz_short_side(X: Tensor, schedule: Sequence[Coefficients], dtype:
     return iterate()
 
 
-def newton_schulz(G: Tensor, steps: int = 5, coefficients: str | Sequence[Sequence[float]] = "quintic", *,
+def newton_schulz(G: Tensor, steps: int = 5, coefficients: str | Sequence[Sequence[float]] = DEFAULT_SCHEDULE, *,
                   dtype: torch.dtype | None = None, method: str = "auto") -> Tensor:
     """Approximate polar factor ``U V^T`` of G by a Newton–Schulz iteration.
 
     G: ``(m, n)`` or a batch ``(b, m, n)``, floating point. Returns the same shape and dtype as G.
     Iterates on the short side (transposes when m > n, so the Gram matrix is min(m, n) square), normalizes
     each matrix by its Frobenius norm, and runs in ``dtype`` (default bfloat16 on CUDA, float32 elsewhere).
-    A zero matrix maps to zero. ``coefficients``: "simple", "quintic" (default), "polar_express", "cans", or a
+    A zero matrix maps to zero. ``coefficients``: "modded_nanogpt" (default: modded-nanogpt's 5-step table),
+    "quintic" (Keller Jordan's single (a, b, c), torch.optim.Muon's default), "polar_express", "cans", or a
     list of (a, b, c); a list shorter than ``steps`` repeats its last entry. ``method``: "standard", "gram" (the
     Gram form, in float16 where ``dtype`` is bfloat16) or "auto" (default: Gram for matrices whose long side is at
     least ``GRAM_MIN_ASPECT`` times the short one, see :func:`uses_gram`).
     """
+    return newton_schulz_with(G, NewtonSchulzConfig(steps=steps, coefficients=coefficients, dtype=dtype,
+                                                    method=method))
+
+
+def newton_schulz_with(G: Tensor, config: NewtonSchulzConfig) -> Tensor:
+    """:func:`newton_schulz` with its settings given as one :class:`NewtonSchulzConfig`."""
     if G.ndim not in (2, 3):
         raise ValueError(f"newton_schulz takes (m, n) or (b, m, n) input, got shape {tuple(G.shape)}")
     if not G.is_floating_point():
         raise ValueError(f"newton_schulz needs a real floating-point input, got {G.dtype}")
-    schedule = resolve_schedule(coefficients, steps)
-    check_method(method)
-    if dtype is None:
-        dtype = torch.bfloat16 if G.is_cuda else torch.float32
     X = G.unsqueeze(0) if G.ndim == 2 else G  # (b, m, n)
     transposed = X.size(-2) > X.size(-1)
-    X = newton_schulz_short_side(X.mT if transposed else X, schedule, dtype, method)  # (b, short, long)
+    X = newton_schulz_short_side(X.mT if transposed else X, config)  # (b, short, long)
     X = (X.mT if transposed else X).to(G.dtype)
     return X.squeeze(0) if G.ndim == 2 else X
 

@@ -2,16 +2,16 @@
 carry the optimizer's flag (``use_muon=True`` for Muon), AdamW inside for every other group.
 
 Subclasses implement ``_matrix_update(group, params, grads)``; this class owns group defaults and validation,
-the non-finite gradient policy, the AdamW update, and a ``state_dict`` that keeps float32 state for low-precision
-parameters and refuses state from another optimizer or model.
+the step's use of the non-finite gradient policy and of the clip (:mod:`matrixopt.optim.nonfinite`), the AdamW
+update, and a ``state_dict`` that keeps float32 state for low-precision parameters and refuses state from another
+optimizer or model.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -19,87 +19,16 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from matrixopt.kernels import muon_elementwise
-
-
-class NonFiniteGradientError(FloatingPointError):
-    """A gradient holds NaN or Inf. Raised before any parameter or state is touched (with
-    ``deferred_nonfinite=True``: at the next call after the step, which left everything as it was)."""
-
-
-@dataclass
-class _PendingCheck:
-    """A step's non-finite flags on their way to the host: a pinned copy that ``event`` completes."""
-
-    flags: Tensor  # (n,) float32 on the host (pinned when copied from a GPU), 1 where the gradient held NaN/Inf
-    event: torch.cuda.Event | None  # completes the copy from the GPU; None for CPU gradients
-    work: list[tuple[dict[str, Any], list[Tensor]]]  # the step's (group, params with gradients), for the message
-
-
-@dataclass
-class _PendingClip:
-    """``clip_grad_norm_``'s coefficient, deferred into the next step, and the gradients it was computed from."""
-
-    coef: Tensor  # 0-d float32, on the gradients' device
-    flags: Tensor | None  # (n,) float32: 1 where a gradient's norm is not finite (NaN/Inf, or a float32 overflow)
-    grads: list[tuple[int, int]]  # (id, version counter) of each gradient, in param_groups order
-
-
-class HostMirror:
-    """A pinned host buffer that small device tensors (non-finite flags) are copied into without a host sync,
-    reused from step to step (pinned allocations are slow). Read the copy after its event completes, and before
-    the next :meth:`send` overwrites it."""
-
-    def __init__(self) -> None:
-        self._buffer: Tensor | None = None
-
-    def send(self, t: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
-        """``(host copy, event completing it)``; a CPU tensor is its own copy, with no event."""
-        if not t.is_cuda:
-            return t, None
-        if self._buffer is None or self._buffer.shape != t.shape or self._buffer.dtype != t.dtype:
-            self._buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host = self._buffer.copy_(t, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
-
-
-def nonfinite_flags(grads: list[Tensor], device: torch.device) -> Tensor:
-    """``(len(grads),)`` float32 on ``device``: 1 where a gradient holds a NaN or Inf, else 0. One pass per (device,
-    dtype) present (:func:`matrixopt.kernels.muon_elementwise.nonfinite_flags`) and no host sync, so a caller can
-    reduce the flags across ranks before reading them."""
-    by_kind: dict[tuple, list[int]] = defaultdict(list)
-    for i, g in enumerate(grads):
-        by_kind[(g.device, g.dtype)].append(i)
-    flags: list[Tensor | None] = [None] * len(grads)
-    for idx in by_kind.values():
-        bad = muon_elementwise.nonfinite_flags([grads[i] for i in idx]).to(device)
-        if len(by_kind) == 1:  # one kind, already in order: no reassembly
-            return bad
-        for j, i in enumerate(idx):  # views, not an index list (which would go to the GPU with a host sync)
-            flags[i] = bad[j]
-    return torch.stack(flags) if flags else torch.zeros(0, device=device)
-
-
-def current_grads(optimizer: Optimizer) -> list[Tensor]:
-    """The gradients an optimizer's parameters hold now, in ``param_groups`` order."""
-    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-
-
-def scale_grads(optimizer: Optimizer, coef: Tensor) -> None:
-    """Multiply ``optimizer``'s current gradients by ``coef`` (0-d): inside its next step for a
-    :class:`MatrixOptimizer` that can (:meth:`MatrixOptimizer.scale_grads_`), else in place now."""
-    if isinstance(optimizer, MatrixOptimizer):
-        optimizer.scale_grads_(coef)
-    else:
-        _multiply(current_grads(optimizer), coef)
-
-
-def _multiply(grads: list[Tensor], coef: Tensor) -> None:
-    """``grads *= coef`` in place, one foreach call (``coef``: a 0-d tensor, moved to the gradients' device)."""
-    if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
+from matrixopt.optim.adam import adam_direction, adam_moments_
+from matrixopt.optim.nonfinite import (
+    NonFinitePolicy,
+    check_clip,
+    clip_coefficient,
+    current_grads,
+    grad_norms,
+    label,
+    nonfinite_flags,
+)
 
 
 def _check_finite(name: str, value: Any) -> None:
@@ -139,8 +68,7 @@ def check_adamw_group(group: dict[str, Any]) -> None:
 def param_label(group: dict[str, Any], i: int, p: Tensor) -> str:
     """A readable name for the i-th parameter of a group: its model name when routing supplied one."""
     names = group.get("names")
-    name = names[i] if names is not None else f"params[{i}]"
-    return f"`{name}` (shape {tuple(p.shape)})"
+    return label(names[i] if names is not None else f"params[{i}]", p)
 
 
 class MatrixOptimizer(Optimizer):
@@ -148,56 +76,69 @@ class MatrixOptimizer(Optimizer):
     ``matrix_defaults`` and ``adamw_defaults`` fill in missing group keys of each kind."""
 
     matrix_flag = "use_muon"
-    # whether _matrix_update honours ``skip`` (a device flag) without a host sync; only such optimizers defer the
-    # non-finite check (``deferred_nonfinite``), others check on the host
-    _skips_on_device = False
-    # whether the step applies clip_grad_norm_'s coefficient as it reads the gradients (Muon's fused momentum pass
-    # and the AdamW path); others have their gradients scaled by clip_grad_norm_ itself
-    _defers_grad_scale = False
-    deferred_nonfinite = False  # optimizers unpickled from before the option check on the host
 
     def __init__(self, params: Iterable[Any], matrix_defaults: dict[str, Any], adamw_defaults: dict[str, Any],
-                 *, skip_nonfinite: bool = False, deferred_nonfinite: bool = False) -> None:
+                 *, skip_nonfinite: bool = False, deferred_nonfinite: bool = False,
+                 clip_in_step: bool = False) -> None:
+        """``deferred_nonfinite``: only for subclasses whose ``_matrix_update`` takes ``skip``. ``clip_in_step``:
+        declared by subclasses whose ``_matrix_update`` multiplies the gradients by ``self._step_grad_scale`` as it
+        reads them (see :meth:`clip_grad_norm_`)."""
         check_adamw_group(adamw_defaults)
         self._matrix_defaults = dict(matrix_defaults)
         self._adamw_defaults = dict(adamw_defaults)
-        self.skip_nonfinite = bool(skip_nonfinite)
-        self.deferred_nonfinite = bool(deferred_nonfinite)
-        if self.skip_nonfinite and self.deferred_nonfinite:
-            raise ValueError("skip_nonfinite skips single parameters, which needs the flags on the host before the "
-                             "step; it can't be combined with deferred_nonfinite")
-        self._deferred_check: _PendingCheck | None = None
-        self._flags_host = HostMirror()  # where the deferred check's flags are copied
-        self.skipped_updates = 0  # parameter updates skipped for non-finite gradients
-        # False when a wrapper has already checked every gradient (the layer-wise optimizer, agreed across ranks):
-        # the step then skips its own check and its host sync
-        self.check_nonfinite = True
-        # set by a wrapper that agreed on finiteness on the device (the layer-wise optimizer, deferred): the 0-d
-        # float32 flag this step's writes skip on, nonzero when some rank's gradient held NaN/Inf. The wrapper
-        # reports the error; the step only writes nothing.
-        self.external_skip: Tensor | None = None
-        self._pending_clip: _PendingClip | None = None  # clip_grad_norm_'s coefficient for the next step
-        self._step_grad_scale: Tensor | None = None  # the coefficient the running step applies (see step())
+        self.nonfinite = NonFinitePolicy(skip=skip_nonfinite, deferred=deferred_nonfinite, clip_in_step=clip_in_step)
+        self._step_grad_scale: Tensor | None = None  # the clip coefficient the running step applies (see step())
         super().__init__(params, dict(matrix_defaults))
+
+    @property
+    def skip_nonfinite(self) -> bool:
+        return self.nonfinite.skip
+
+    @property
+    def deferred_nonfinite(self) -> bool:
+        return self.nonfinite.deferred
+
+    @property
+    def skipped_updates(self) -> int:
+        """Parameter updates skipped for non-finite gradients (``skip_nonfinite=True``)."""
+        return self.nonfinite.skipped
+
+    @skipped_updates.setter
+    def skipped_updates(self, value: int) -> None:
+        self.nonfinite.skipped = value
 
     def __getstate__(self) -> dict[str, Any]:
         """torch.optim.Optimizer pickles only defaults, state and param_groups; keep our attributes too."""
-        return super().__getstate__() | {k: self.__dict__[k] for k in
-                                         ("_matrix_defaults", "_adamw_defaults", "skip_nonfinite",
-                                          "skipped_updates", "deferred_nonfinite")}
+        return super().__getstate__() | {k: self.__dict__[k] for k in ("_matrix_defaults", "_adamw_defaults",
+                                                                       "nonfinite")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # Optimizer.load_state_dict calls this with state and param_groups only: keep the policy this object has
+        if "nonfinite" not in state and "nonfinite" not in self.__dict__:  # pickled before the policy existed
+            state["nonfinite"] = NonFinitePolicy(skip=state.pop("skip_nonfinite", False),
+                                                 deferred=state.pop("deferred_nonfinite", False))
+            state["nonfinite"].skipped = state.pop("skipped_updates", 0)
         super().__setstate__(state)
-        self.__dict__.setdefault("_deferred_check", None)  # a pending check (an event, pinned memory) is not pickled
-        self.__dict__.setdefault("_flags_host", HostMirror())
-        self.__dict__.setdefault("external_skip", None)
-        self.__dict__.setdefault("_pending_clip", None)
         self.__dict__.setdefault("_step_grad_scale", None)
 
     # ----------------------------------------------------------------------------------- param groups
     def _validate_matrix_group(self, group: dict[str, Any]) -> None:
-        """Subclasses check their own hyperparameters and shapes; raise ValueError naming the value."""
+        """Subclasses check their own hyperparameters; raise ValueError naming the value."""
         raise NotImplementedError
+
+    def _check_matrices(self, group: dict[str, Any]) -> None:
+        """Every parameter of a matrix group is a real dense floating-point matrix (2-D or more)."""
+        for i, p in enumerate(group["params"]):
+            kind = "complex" if p.is_complex() else "sparse" if p.is_sparse else (
+                None if p.is_floating_point() else f"of dtype {p.dtype}")
+            if kind is not None:
+                raise ValueError(f"{type(self).__name__} handles real dense floating-point matrices; "
+                                 f"{param_label(group, i, p)} is {kind}. Put it in an AdamW group "
+                                 f"({self.matrix_flag}=False) or convert it.")
+            if p.ndim < 2:
+                raise ValueError(f"{type(self).__name__} handles matrix parameters (2-D or more); "
+                                 f"{param_label(group, i, p)} is {p.ndim}-D. Put it in an AdamW group "
+                                 f"({self.matrix_flag}=False), as matrixopt.param_groups(model) does.")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = dict(param_group)
@@ -217,6 +158,7 @@ class MatrixOptimizer(Optimizer):
             raise ValueError("param group 'names' must have one entry per parameter")
         if is_matrix:
             self._validate_matrix_group(group)
+            self._check_matrices(group)
         else:
             check_adamw_group(group)
             for i, p in enumerate(group["params"]):
@@ -241,60 +183,23 @@ class MatrixOptimizer(Optimizer):
             grads.append(p.grad)
         return params, grads
 
-    def _finite_mask(self, grads: list[Tensor]) -> list[bool]:
-        """Whether each gradient is free of NaN/Inf: one max-abs pass per (device, dtype), one host sync."""
-        if not grads:
-            return []
-        return (nonfinite_flags(grads, grads[0].device) == 0).tolist()
+    def _nonfinite_flags(self, grads: list[Tensor]) -> Tensor:
+        """``(len(grads),)`` float32 on the device, 1 where a gradient holds NaN/Inf: one pass per (device, dtype)
+        and no host sync. Subclasses whose gradients are shards agree on them over ranks here."""
+        return nonfinite_flags(grads, grads[0].device)
 
     @staticmethod
-    def _nonfinite_labels(work: list[tuple[dict[str, Any], list[Tensor]]], finite: list[bool]) -> str:
-        """The labels of the parameters whose gradient is not finite (the first five)."""
-        bad = []
-        k = 0
-        for g, params in work:
-            for p in params:
-                if not finite[k]:
-                    idx = next(i for i, q in enumerate(g["params"]) if q is p)
-                    bad.append(param_label(g, idx, p))
-                k += 1
-        return f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
+    def _labels(work: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]]) -> list[str]:
+        """The labels of the parameters with gradients, in the order of the step's flags."""
+        index = [{id(q): i for i, q in enumerate(g["params"])} for g, _, _ in work]
+        return [param_label(g, idx[id(p)], p) for (g, params, _), idx in zip(work, index) for p in params]
 
     def raise_deferred_nonfinite(self) -> None:
         """With ``deferred_nonfinite=True``: raise ``NonFiniteGradientError`` if the last step found a NaN/Inf
         gradient (that step was skipped on the GPU: no parameter or state was written). ``step()`` and
         ``state_dict()`` call it first; call it yourself to learn of a bad step before the next one. Waits for
         the last step's check only (a few kernels at its start), not for the whole step."""
-        pending, self._deferred_check = self._deferred_check, None
-        if pending is None:
-            return
-        if pending.event is not None:
-            pending.event.synchronize()
-        finite = (pending.flags == 0).tolist()
-        if not all(finite):
-            raise NonFiniteGradientError(
-                f"non-finite (NaN/Inf) gradient in {self._nonfinite_labels(pending.work, finite)} at the last "
-                "step, which was skipped: no parameter or state was updated (deferred_nonfinite=True reports it "
-                "at the next call). Lower the learning rate, use gradient clipping or loss scaling.")
-
-    def _skip_on_host(self) -> bool:
-        """For an update that can't skip on the device, mid-step: whether it must write nothing, read on the host.
-        The step's own deferred check raises here (nothing of this step is written but what the device skips); a
-        wrapper's agreed flag (``external_skip``) is read, and the wrapper reports the error itself."""
-        if self.external_skip is not None:
-            return bool(self.external_skip.item())
-        self.raise_deferred_nonfinite()
-        return False
-
-    def _defer_check(self, work: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]],
-                     flat: list[Tensor], flags: Tensor | None = None) -> Tensor:
-        """The deferred check: this step's flags (``flags``, else computed) start on their way to the host (read
-        by the next :meth:`raise_deferred_nonfinite`); returns the 0-d float32 device flag the updates skip on."""
-        if flags is None:
-            flags = nonfinite_flags(flat, flat[0].device)
-        host, event = self._flags_host.send(flags)
-        self._deferred_check = _PendingCheck(host, event, [(g, params) for g, params, _ in work])
-        return flags.amax()
+        self.nonfinite.raise_pending()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -308,19 +213,16 @@ class MatrixOptimizer(Optimizer):
         gradient whose float32 norm overflows, entries beyond ~1e19, then counts as non-finite). The gradients
         must not change in between (``zero_grad()`` drops the coefficient; other changes make ``step()`` raise).
         Other optimizers, and gradients on several devices, are scaled here."""
-        max_norm, norm_type = float(max_norm), float(norm_type)
-        if not math.isfinite(max_norm) or max_norm < 0:
-            raise ValueError(f"clip_grad_norm_ needs a finite max_norm >= 0, got {max_norm}")
-        self._pending_clip = None
+        max_norm, norm_type = check_clip(max_norm, norm_type)
+        self.nonfinite.drop_clip()
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         grads = [p.grad for p in params]  # in param_groups order, as step() gathers them
         if not grads:
             return torch.zeros(())
         if len({g.device for g in grads}) > 1 or any(g.is_sparse for g in grads):
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-        norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
-        total = norms.max() if norm_type == math.inf else torch.linalg.vector_norm(norms, norm_type)
-        self.scale_grads_(torch.clamp(max_norm / (total + 1e-6), max=1.0), (~torch.isfinite(norms)).float())
+        total, flags = grad_norms(grads, norm_type, grads[0].device)
+        self.scale_grads_(clip_coefficient(total, max_norm), flags)
         return total
 
     @torch.no_grad()
@@ -330,25 +232,10 @@ class MatrixOptimizer(Optimizer):
         optional ``(n,)`` flags, one per gradient in ``param_groups`` order, 1 where it is not finite, which the
         step then takes as its non-finite check. A wrapper that clips over several optimizers (the layer-wise
         optimizer) calls this with the global coefficient."""
-        self._pending_clip = None
-        grads = current_grads(self)
-        if self._defers_grad_scale and grads and len({g.device for g in grads}) == 1:
-            self._pending_clip = _PendingClip(coef.to(grads[0].device), nonfinite,
-                                              [(id(g), g._version) for g in grads])
-        else:
-            _multiply(grads, coef)
-
-    def _take_pending_clip(self, flat: list[Tensor]) -> _PendingClip | None:
-        """The coefficient clip_grad_norm_ left for this step, checked against the gradients it was computed
-        from."""
-        pending, self._pending_clip = self._pending_clip, None
-        if pending is not None and pending.grads != [(id(g), g._version) for g in flat]:
-            raise RuntimeError("the gradients changed between clip_grad_norm_() and step(); clip right before "
-                               "step(), after the last backward (zero_grad() drops a clip that is not wanted)")
-        return pending
+        self.nonfinite.scale(current_grads(self), coef, nonfinite)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._pending_clip = None
+        self.nonfinite.drop_clip()
         super().zero_grad(set_to_none)
 
     @torch.no_grad()
@@ -359,8 +246,8 @@ class MatrixOptimizer(Optimizer):
 
         With ``deferred_nonfinite=True`` there is no host sync: a step with a NaN/Inf gradient is skipped
         on the GPU (nothing written) and the error is raised by the next ``step()``, ``state_dict()`` or
-        :meth:`raise_deferred_nonfinite`. Optimizers whose matrix update can't skip on the GPU (MOP, sharded Muon)
-        check on the host as without the option, and so do Muon's updates off the fused kernels."""
+        :meth:`raise_deferred_nonfinite`. Muon's updates off the fused kernels check on the host, and so does
+        sharded Muon for DTensor gradients."""
         self.raise_deferred_nonfinite()
         loss = None
         if closure is not None:
@@ -368,39 +255,17 @@ class MatrixOptimizer(Optimizer):
                 loss = closure()
         work = [(g, *self._gather(g)) for g in self.param_groups]
         flat = [gr for _, _, grads in work for gr in grads]
-        clip = self._take_pending_clip(flat)
-        check = getattr(self, "check_nonfinite", True)
-        skip = None
-        external = self.external_skip
-        if external is not None:
-            check = False
-            if self._skips_on_device and all(type(g) is Tensor and g.device == external.device for g in flat):
-                skip = external
-            elif bool(external.item()):  # these updates can't skip on the device: read the flag now
-                return loss
-        elif (check and self.deferred_nonfinite and self._skips_on_device and flat
-                and all(type(g) is Tensor and g.device == flat[0].device for g in flat)):
-            skip = self._defer_check(work, flat, None if clip is None else clip.flags)
-            check = False
-        if not check:
-            finite = [True] * len(flat)
-        elif clip is not None and clip.flags is not None:
-            finite = (clip.flags == 0).tolist()
-        else:
-            finite = self._finite_mask(flat)
-        if not all(finite):
-            if not self.skip_nonfinite:
-                raise NonFiniteGradientError(
-                    f"non-finite (NaN/Inf) gradient in {self._nonfinite_labels([w[:2] for w in work], finite)}; "
-                    "no parameter or state was updated. Lower the learning rate, use gradient clipping or loss "
-                    "scaling, or pass skip_nonfinite=True to skip such updates.")
-            k = 0
-            kept = []
+        clip = self.nonfinite.take_clip(flat)
+        clip_flags = None if clip is None else clip.flags  # the clip's norms, where given, are this step's check
+        skip, keep = self.nonfinite.screen(
+            flat, lambda: self._nonfinite_flags(flat) if clip_flags is None else clip_flags,
+            functools.partial(self._labels, work))
+        if keep is not None:
+            kept, k = [], 0
             for g, params, grads in work:
-                keep = finite[k:k + len(params)]
+                mask = keep[k:k + len(params)]
                 k += len(params)
-                self.skipped_updates += keep.count(False)
-                kept.append((g, [p for p, f in zip(params, keep) if f], [x for x, f in zip(grads, keep) if f]))
+                kept.append((g, [p for p, f in zip(params, mask) if f], [x for x, f in zip(grads, mask) if f]))
             work = kept
         work = [w for w in work if w[1]]
         self._step_grad_scale = None if clip is None else clip.coef  # read by the updates as they read gradients
@@ -427,7 +292,7 @@ class MatrixOptimizer(Optimizer):
             if group[self.matrix_flag]:
                 if skip is None:
                     self._matrix_update(group, params, grads)
-                else:  # only where _skips_on_device
+                else:  # only optimizers that take deferred_nonfinite defer, or are wrapped by a deferred check
                     self._matrix_update(group, params, grads, skip)
             else:
                 self._adamw_update(group, params, grads, skip)
@@ -453,8 +318,9 @@ class MatrixOptimizer(Optimizer):
 
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                        skip: Tensor | None = None) -> None:
-        """The matrix algorithm's update of one group. ``skip`` (only where ``_skips_on_device``): a 0-d float32
-        device flag, nonzero when the step must write nothing."""
+        """The matrix algorithm's update of one group. ``skip`` (only for optimizers that take
+        ``deferred_nonfinite``): a 0-d float32 device flag, nonzero when the step must write nothing; an update
+        that can't skip on the device reads it with ``self.nonfinite.on_host(skip)``."""
         raise NotImplementedError
 
     # ----------------------------------------------------------------------------------- AdamW
@@ -479,7 +345,7 @@ class MatrixOptimizer(Optimizer):
         fused_ok = not torch.compiler.is_compiling()  # traced graphs can't functionalize _fused_adamw_
         fused = fused_ok and all(p.dtype == torch.float32 and g.dtype == torch.float32 for p, g in zip(params, grads))
         if skip is not None and not fused:  # the foreach path can't skip on the device: check on the host now
-            if self._skip_on_host():
+            if self.nonfinite.on_host(skip):
                 return
             skip = None
         torch._foreach_add_(steps, 1.0)
@@ -498,14 +364,10 @@ class MatrixOptimizer(Optimizer):
         g32 = [g.float() for g in grads]
         if scale is not None:
             g32 = torch._foreach_mul(g32, scale)
-        torch._foreach_lerp_(exp_avgs, g32, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, g32, g32, 1 - beta2)
-        for p, m, v, t in zip(params, exp_avgs, exp_avg_sqs, steps):
-            denom = (v.sqrt() / (1 - beta2**t).sqrt()).add_(eps)
+        adam_moments_(exp_avgs, exp_avg_sqs, g32, group["betas"])
+        for p, d in zip(params, adam_direction(exp_avgs, exp_avg_sqs, steps, group["betas"], eps, lr)):
             p32 = p.float().mul_(1 - lr * wd)
-            p32.sub_(m / denom * (lr / (1 - beta1**t)))
-            p.copy_(p32)
+            p.copy_(p32.sub_(d))
 
     # ----------------------------------------------------------------------------------- state_dict
     def state_dict(self) -> dict[str, Any]:

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from matrixopt.kernels import muon_elementwise
-from matrixopt.linalg.ortho import check_method, newton_schulz_short_side, polar, resolve_schedule
-from matrixopt.optim.base import MatrixOptimizer, _check_finite, check_lr, param_label
+from matrixopt.linalg.ortho import DEFAULT_SCHEDULE, NewtonSchulzConfig, newton_schulz_short_side, polar
+from matrixopt.optim.base import MatrixOptimizer, _check_finite, check_lr
 from matrixopt.optim.graphed import CapturedMuonStep
 from matrixopt.optim.layout import Bucket, momentum_buckets, orthogonalized_momentum_step
 
@@ -48,6 +48,12 @@ def update_scale(scaling: str, m: int, n: int) -> float:
     raise ValueError(f"Unknown update scaling {scaling!r}; use one of {SCALINGS}")
 
 
+def ns_config(group: dict[str, Any]) -> NewtonSchulzConfig:
+    """The Newton–Schulz settings of a Muon param group (its ``ns_*`` keys), checked."""
+    return NewtonSchulzConfig(steps=group["ns_steps"], coefficients=group["ns_coefficients"],
+                              dtype=group["ns_dtype"], method=group["ns_method"])
+
+
 def _fingerprint(tensors: list[Tensor]) -> tuple:
     """Where each tensor lies: address, strides and dtype (what a captured step's address tables depend on)."""
     return tuple((t.data_ptr(), t.stride(), t.dtype) for t in tensors)
@@ -63,7 +69,9 @@ class Muon(MatrixOptimizer):
         momentum: in [0, 1) (default 0.95). nesterov: Nesterov momentum (default True).
         weight_decay: decoupled weight decay (default 0.01).
         ns_steps: Newton–Schulz iterations (default 5).
-        ns_coefficients: "quintic" (default), "simple", "polar_express", "cans" or a list of (a, b, c).
+        ns_coefficients: "modded_nanogpt" (default: modded-nanogpt's 5-step table), "quintic" (Keller Jordan's
+            (3.4445, -4.7750, 2.0315), torch.optim.Muon's default), "polar_express", "cans" or a list of (a, b, c)
+            (:mod:`matrixopt.linalg.ortho`).
         ns_dtype: iteration dtype; None means bfloat16 on CUDA, float32 on CPU.
         ns_method: "auto" (default), "standard" or "gram": how Newton–Schulz is computed. "gram" iterates on
             each matrix's ``(s, s)`` Gram matrix (:func:`matrixopt.linalg.ortho.gram_newton_schulz`): the same
@@ -96,13 +104,11 @@ class Muon(MatrixOptimizer):
     """
 
     cuda_graph = False  # MOP and optimizers unpickled from before the option keep the eager step
-    _skips_on_device = True  # the fused kernels (and the captured step) honour the deferred check's flag
-    _defers_grad_scale = True  # the momentum pass applies clip_grad_norm_'s coefficient as it reads a gradient
     _added_options = ("ns_method",)
 
     def __init__(self, params: Iterable[Any], lr: float | Tensor = 1e-3, momentum: float = 0.95,
                  nesterov: bool = True, weight_decay: float = 0.01, ns_steps: int = 5,
-                 ns_coefficients: Any = "quintic", ns_dtype: torch.dtype | None = None,
+                 ns_coefficients: Any = DEFAULT_SCHEDULE, ns_dtype: torch.dtype | None = None,
                  scaling: str = "match_adamw", *, adamw_lr: float | None = None,
                  adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None, skip_nonfinite: bool = False,
@@ -113,8 +119,10 @@ class Muon(MatrixOptimizer):
         adamw_defaults = dict(lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                               weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
         self.cuda_graph = bool(cuda_graph)
+        # the fused kernels (and the captured step) skip on the deferred check's flag; the momentum pass applies
+        # clip_grad_norm_'s coefficient as it reads a gradient
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
-                         deferred_nonfinite=deferred_nonfinite)
+                         deferred_nonfinite=deferred_nonfinite, clip_in_step=True)
 
     def __getstate__(self) -> dict[str, Any]:
         return super().__getstate__() | {"cuda_graph": self.cuda_graph}  # captured graphs are not pickled
@@ -131,34 +139,21 @@ class Muon(MatrixOptimizer):
         if group["scaling"] not in SCALINGS:
             raise ValueError(f"Unknown update scaling {group['scaling']!r}; use one of {SCALINGS}")
         self._validate_orthogonalizer(group)
-        for i, p in enumerate(group["params"]):
-            label = param_label(group, i, p)
-            kind = "complex" if p.is_complex() else "sparse" if p.is_sparse else (
-                None if p.is_floating_point() else f"of dtype {p.dtype}")
-            if kind is not None:
-                raise ValueError(f"{type(self).__name__} handles real dense floating-point matrices; {label} is "
-                                 f"{kind}. Put it in an AdamW group (use_muon=False) or convert it.")
-            if p.ndim < 2:
-                raise ValueError(f"{type(self).__name__} handles matrix parameters (2-D or more); {label} is "
-                                 f"{p.ndim}-D. Put it in an AdamW group (use_muon=False), as "
-                                 f"matrixopt.param_groups(model) does.")
 
     def _validate_orthogonalizer(self, group: dict[str, Any]) -> None:
         if not isinstance(group["ns_steps"], int) or group["ns_steps"] < 1:
             raise ValueError(f"Invalid ns_steps: {group['ns_steps']!r} (must be an int >= 1)")
-        resolve_schedule(group["ns_coefficients"], group["ns_steps"])
-        check_method(group["ns_method"])
+        ns_config(group)
 
     def _orthogonalize(self, group: dict[str, Any], X: Tensor, parts: Tensor | None = None) -> Tensor:
         """``polar(X)`` approximated: ``(b, s, l)`` short side first -> same shape, in the iteration dtype.
         ``parts``: X's partial sums of squares from the momentum pass, or None (see ``newton_schulz_short_side``)."""
-        return newton_schulz_short_side(X, resolve_schedule(group["ns_coefficients"], group["ns_steps"]),
-                                        Muon._stack_dtype(self, group, X.device), group["ns_method"], parts)
+        return newton_schulz_short_side(X, ns_config(group), parts)
 
     def _stack_dtype(self, group: dict[str, Any], device: torch.device) -> torch.dtype:
         """The dtype updates are packed in for ``_orthogonalize``: Newton–Schulz's iteration dtype (``ns_dtype``,
         else bfloat16 on CUDA and float32 elsewhere)."""
-        return group["ns_dtype"] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        return ns_config(group).iteration_dtype(device)
 
     @staticmethod
     def _device_lr(group: dict[str, Any], device: torch.device) -> float | Tensor:
@@ -182,7 +177,7 @@ class Muon(MatrixOptimizer):
         # whether every bucket suits the fused kernels, judged once per step (the graph and the skip both ask)
         fusable = not copies and all(muon_elementwise.fusable(bk.params, bk.grads, bk.bufs) for bk in buckets)
         if skip is not None and not (fusable and all(muon_elementwise.skips_on_device(bk.params) for bk in buckets)):
-            if self._skip_on_host():  # these layouts can't skip on the device: check on the host now
+            if self.nonfinite.on_host(skip):  # these layouts can't skip on the device: check on the host now
                 return
             skip = None
         lr = self._device_lr(group, params[0].device)
@@ -201,8 +196,7 @@ class Muon(MatrixOptimizer):
     def _graph_key(group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> tuple:
         """What a captured step is specific to: the parameters, the gradients' dtypes and the group's settings."""
         return (id(group), tuple(map(id, params)), tuple(g.dtype for g in grads), group["momentum"],
-                group["nesterov"], group["weight_decay"], group["scaling"], group["ns_dtype"], group["ns_method"],
-                resolve_schedule(group["ns_coefficients"], group["ns_steps"]))
+                group["nesterov"], group["weight_decay"], group["scaling"], ns_config(group))
 
     def _graph_step(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], buckets: list[Bucket],
                     lr: float | Tensor, skip: Tensor | None, grad_scale: Tensor | None, step: dict[str, Any],
@@ -248,9 +242,8 @@ class Muon(MatrixOptimizer):
 class MOP(Muon):
     """Momentum Orthogonalized by Polar decomposition: Muon with the exact polar factor ``U V^T`` from a
     float64 SVD instead of Newton–Schulz. Slow; the quality reference for Muon's approximation. Takes Muon's
-    arguments except the Newton–Schulz ones."""
-
-    _skips_on_device = False  # an SVD of a NaN matrix fails: gradients are checked on the host first
+    arguments except the Newton–Schulz ones and ``deferred_nonfinite``: an SVD of a NaN matrix fails, so the
+    gradients are checked on the host first."""
 
     def __init__(self, params: Iterable[Any], lr: float | Tensor = 1e-3, momentum: float = 0.95,
                  nesterov: bool = True, weight_decay: float = 0.01, scaling: str = "match_adamw", *,
@@ -261,7 +254,8 @@ class MOP(Muon):
                                scaling=scaling)
         adamw_defaults = dict(lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                               weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
-        MatrixOptimizer.__init__(self, params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite)
+        MatrixOptimizer.__init__(self, params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
+                                 clip_in_step=True)
 
     def _validate_orthogonalizer(self, group: dict[str, Any]) -> None:
         pass

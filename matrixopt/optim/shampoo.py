@@ -56,7 +56,8 @@ import torch
 from torch import Tensor
 
 from matrixopt.linalg.roots import InverseRootConfig, fall_back, inverse_root, newton_inverse_root
-from matrixopt.optim.base import MatrixOptimizer, _check_finite, check_betas, check_lr, param_label
+from matrixopt.optim.adam import adam_direction, adam_moments_
+from matrixopt.optim.base import MatrixOptimizer, _check_finite, check_betas, check_lr
 from matrixopt.optim.layout import matrix_pieces
 
 GRAFTINGS = ("adam", "none")
@@ -191,15 +192,6 @@ class KroneckerOptimizer(MatrixOptimizer):
             raise ValueError(f"Invalid factor_dtype: {group['factor_dtype']} (use torch.float32 or torch.bfloat16)")
         if not isinstance(group["side_stream"], bool):
             raise ValueError(f"Invalid side_stream: {group['side_stream']!r} (must be True or False)")
-        for i, p in enumerate(group["params"]):
-            label = param_label(group, i, p)
-            if p.is_complex() or p.is_sparse or not p.is_floating_point():
-                raise ValueError(f"{type(self).__name__} handles real dense floating-point matrices; {label} is "
-                                 f"not. Put it in an AdamW group ({self.matrix_flag}=False).")
-            if p.ndim < 2:
-                raise ValueError(f"{type(self).__name__} handles matrix parameters (2-D or more); {label} is "
-                                 f"{p.ndim}-D. Put it in an AdamW group ({self.matrix_flag}=False), as "
-                                 f"matrixopt.param_groups(model) does.")
 
     # ----------------------------------------------------------------------------------- blocks and state
     def _plan(self, group: dict[str, Any], p: Tensor) -> list[Block]:
@@ -224,6 +216,21 @@ class KroneckerOptimizer(MatrixOptimizer):
 
     def _init_state(self, group: dict[str, Any], st: dict[str, Any], p: Tensor) -> None:
         raise NotImplementedError
+
+    def _init_factors(self, group: dict[str, Any], st: dict[str, Any], p: Tensor,
+                      inverse: str) -> list[tuple[str, int, int]]:
+        """For each side of each block k of ``p``: a zero factor ``{side}{k}`` and an identity
+        ``{side}_{inverse}{k}`` (its root or eigenbasis), ``(d, d)`` in ``factor_dtype``. Returns their
+        ``(side, k, d)``."""
+        dt = group["factor_dtype"]
+        made = []
+        for k, b in enumerate(self._plan(group, p)):
+            for side, d in (("left", b.r1 - b.r0), ("right", b.c1 - b.c0)):
+                if getattr(b, side):
+                    st[f"{side}{k}"] = torch.zeros(d, d, dtype=dt, device=p.device)
+                    st[f"{side}_{inverse}{k}"] = torch.eye(d, dtype=dt, device=p.device)
+                    made.append((side, k, d))
+        return made
 
     @staticmethod
     def _shampoo_beta(group: dict[str, Any]) -> float:
@@ -399,15 +406,10 @@ class Shampoo(KroneckerOptimizer):
         st["momentum_buffer"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         if group["grafting"] == "adam":
             st["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        dt = group["factor_dtype"]
-        for k, b in enumerate(self._plan(group, p)):
-            for side, d in (("left", b.r1 - b.r0), ("right", b.c1 - b.c0)):
-                if getattr(b, side):
-                    st[f"{side}{k}"] = torch.zeros(d, d, dtype=dt, device=p.device)
-                    st[f"{side}_root{k}"] = torch.eye(d, dtype=dt, device=p.device)
+        self._init_factors(group, st, p, "root")
 
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
-        beta1, beta2 = group["betas"]
+        beta1 = group["betas"][0]
         graft = group["grafting"] == "adam"
         states = [self._state(group, p) for p in params]
         layout = self._layout(group, params)
@@ -415,19 +417,14 @@ class Shampoo(KroneckerOptimizer):
             st["step"] += 1
         g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
         bufs = [st["momentum_buffer"] for st in states]
-        torch._foreach_lerp_(bufs, g32, 1 - beta1)  # B = beta1 B + (1 - beta1) G
-        D = torch._foreach_lerp(g32, bufs, beta1) if group["nesterov"] else bufs
-        if graft:  # Adam update A = (D / bc1) / (sqrt(V / bc2) + eps)
-            V = [st["exp_avg_sq"] for st in states]
-            torch._foreach_mul_(V, beta2)
-            torch._foreach_addcmul_(V, g32, g32, 1 - beta2)
-            denom = torch._foreach_div(V, [1 - beta2 ** st["step"] for st in states])
-            torch._foreach_sqrt_(denom)
-            torch._foreach_add_(denom, group["eps"])
-            fallback = torch._foreach_div(D, denom)
-            torch._foreach_div_(fallback, [1 - beta1 ** st["step"] for st in states])
+        if graft:  # B = beta1 B + (1 - beta1) G, and the graft's V = beta2 V + (1 - beta2) G^2
+            adam_moments_(bufs, [st["exp_avg_sq"] for st in states], g32, group["betas"])
         else:
-            fallback = D
+            torch._foreach_lerp_(bufs, g32, 1 - beta1)
+        D = torch._foreach_lerp(g32, bufs, beta1) if group["nesterov"] else bufs
+        # the Adam update A = (D / bc1) / (sqrt(V / bc2) + eps)
+        fallback = adam_direction(D, [st["exp_avg_sq"] for st in states], [st["step"] for st in states],
+                                  group["betas"], group["eps"]) if graft else D
         gviews = [block_views(p, self._plan(group, p), g) for p, g in zip(params, g32)]
         self._update_factors(group, layout, states, gviews)
 

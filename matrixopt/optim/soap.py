@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from matrixopt.linalg.roots import eigenbasis, refresh_eigenbasis
+from matrixopt.optim.adam import adam_direction, adam_moments_
 from matrixopt.optim.shampoo import Block, KroneckerOptimizer, Layout, _kronecker_defaults, accumulate, block_views
 
 FACTOR_UPDATES = ("shampoo", "kl")
@@ -120,21 +121,15 @@ class SOAP(KroneckerOptimizer):
     def _init_state(self, group: dict[str, Any], st: dict[str, Any], p: Tensor) -> None:
         st["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         st["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        dt = group["factor_dtype"]
-        for k, b in enumerate(self._plan(group, p)):
-            for side, d in (("left", b.r1 - b.r0), ("right", b.c1 - b.c0)):
-                if getattr(b, side):
-                    st[f"{side}{k}"] = torch.zeros(d, d, dtype=dt, device=p.device)
-                    st[f"{side}_basis{k}"] = torch.eye(d, dtype=dt, device=p.device)
-                    if group["factor_update"] == "kl":
-                        st[f"{side}_eig{k}"] = torch.zeros(d, dtype=torch.float32, device=p.device)
+        for side, k, d in self._init_factors(group, st, p, "basis"):
+            if group["factor_update"] == "kl":
+                st[f"{side}_eig{k}"] = torch.zeros(d, dtype=torch.float32, device=p.device)
 
     @staticmethod
     def _sides(b: Block) -> tuple[str, ...]:
         return ("left", "right")[0 if b.left else 1:2 if b.right else 1]
 
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
-        beta1, beta2 = group["betas"]
         kl = group["factor_update"] == "kl"
         states = [self._state(group, p) for p in params]
         for st in states:
@@ -171,14 +166,8 @@ class SOAP(KroneckerOptimizer):
             torch._foreach_copy_([gpviews[i][k] for i, k, _ in ents], list(X.unbind(0)))
         M = [st["exp_avg"] for st in states]
         V = [st["exp_avg_sq"] for st in states]
-        torch._foreach_lerp_(M, gp, 1 - beta1)
-        torch._foreach_mul_(V, beta2)
-        torch._foreach_addcmul_(V, gp, gp, 1 - beta2)
-        denom = torch._foreach_div(V, [1 - beta2**t for t in steps])
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, group["eps"])
-        N = torch._foreach_div(M, denom)
-        torch._foreach_div_(N, [1 - beta1**t for t in steps])
+        adam_moments_(M, V, gp, group["betas"])
+        N = adam_direction(M, V, steps, group["betas"], group["eps"])
         nviews = [block_views(p, plan, t) for p, plan, t in zip(params, plans, N)]
         updates = [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]
         uviews = [block_views(p, plan, t) for p, plan, t in zip(params, plans, updates)]

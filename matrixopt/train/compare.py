@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch.distributed as dist
+
 from matrixopt.train.config import TrainConfig
 from matrixopt.train.report import write_report
 from matrixopt.train.trainer import train
@@ -50,10 +52,13 @@ def run_configs(base: TrainConfig, names: list[str], lrs: dict[str, float],
 
 
 def compare(configs: dict[str, TrainConfig], out: str | Path, *, resume: bool = False, overwrite: bool = False,
-            progress: bool = True, target: str = "final") -> dict:
+            progress: bool = True, target: str = "final") -> dict | None:
     """Train each config into ``out/NAME`` and write the report (``target``: see ``write_report``); returns the
-    summary."""
+    summary. Under torchrun every rank trains each run and rank 0 alone writes the report; the other ranks
+    return None."""
     out = Path(out)
     for name, cfg in configs.items():
         train(cfg, out / name, resume=resume, overwrite=overwrite, progress=progress)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
     return write_report(out, target=target)

@@ -11,24 +11,24 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import types
 import typing
 from dataclasses import dataclass, field
 
-from matrixopt.distributed.tp import MODES as TP_MODES
+from matrixopt.distributed.parallelism import parallelism_class
+from matrixopt.optim.registry import OPTIMIZERS, accepted
 from matrixopt.train.data import DataConfig
-from matrixopt.train.model import PRESETS, GPTConfig
+from matrixopt.train.model import PRESETS, GPTConfig, GPTOptions
+from matrixopt.train.schedule import ScheduleConfig
 
-SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp32")
-PARALLEL = ("none", "ddp", "layerwise", "fsdp")
+SHAPE = ("n_layer", "n_head", "n_embd", "block_size")
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
-    """A preset plus optional overrides; the vocab comes from the data."""
+class ModelConfig(GPTOptions):
+    """A preset plus optional overrides of its shape, and the GPT's options; the vocab comes from the data."""
 
     preset: str = "tiny-cpu"
     """One of PRESETS: tiny-cpu, shakespeare-char, gpt2-small, gpt2-medium, 1.3b."""
@@ -37,31 +37,16 @@ class ModelConfig:
     n_embd: int | None = None
     block_size: int | None = None
     """Overrides of the preset's shape (None keeps the preset's value)."""
-    dropout: float = 0.0
-    bias: bool = False
-    norm: str = "layernorm"
-    rope: bool = False
-    tie_embeddings: bool = True
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
             raise ValueError(f"unknown model preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
-        self.gpt_config(vocab_size=1)  # validates the shape
+        self.gpt_config(vocab_size=1)  # validates the shape and the options
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
-        shape = dict(PRESETS[self.preset])
-        for name in ("n_layer", "n_head", "n_embd", "block_size"):
-            if getattr(self, name) is not None:
-                shape[name] = getattr(self, name)
-        return GPTConfig(
-            vocab_size=vocab_size,
-            dropout=self.dropout,
-            bias=self.bias,
-            norm=self.norm,
-            rope=self.rope,
-            tie_embeddings=self.tie_embeddings,
-            **shape,
-        )
+        shape = PRESETS[self.preset] | {k: getattr(self, k) for k in SHAPE if getattr(self, k) is not None}
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(GPTOptions)}
+        return GPTConfig(vocab_size=vocab_size, **shape, **options)
 
 
 @dataclass(kw_only=True)
@@ -87,30 +72,17 @@ class OptimConfig:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
 
-
-
-@dataclass(kw_only=True)
-class ScheduleConfig:
-    """Learning-rate multiplier over steps: linear warmup, then cosine, warmup-stable-decay or constant."""
-
-    schedule: str = "cosine"
-    """'cosine' (decay over the whole run), 'wsd' (flat, then linear decay over the last decay_frac) or
-    'constant'."""
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.1
-    """Final multiplier: nanoGPT decays lr 1e-3 to min_lr 1e-4."""
-    decay_frac: float = 0.2
-    """Share of steps spent decaying in 'wsd'."""
-
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not 0.0 < self.decay_frac <= 1.0:
-            raise ValueError(f"decay_frac must be in (0, 1], got {self.decay_frac}")
+    def optimizer_kwargs(self) -> dict[str, typing.Any]:
+        """The keyword arguments for the registered optimizer. ``betas`` go to its AdamW: as ``betas`` where it
+        takes them, else as ``adamw_betas`` (Muon, MOP). Where the optimizer has it, ``deferred_nonfinite=True``
+        (unless ``hparams`` ask for ``skip_nonfinite``): no host sync per step, which would let the GPU run dry
+        while the host queues the next forward; a NaN/Inf gradient still stops the run, one step later, and never
+        reaches a checkpoint (``state_dict()`` raises it first)."""
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.name!r}; choose from {', '.join(sorted(OPTIMIZERS))}")
+        betas_key = "adamw_betas" if accepted(self.name, adamw_betas=None) else "betas"
+        deferred = {} if self.hparams.get("skip_nonfinite") else accepted(self.name, deferred_nonfinite=True)
+        return {"lr": self.lr, "weight_decay": self.weight_decay, betas_key: self.betas} | deferred | self.hparams
 
 
 @dataclass(kw_only=True)
@@ -173,48 +145,14 @@ class TrainConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.parallel not in PARALLEL:
-            raise ValueError(f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
-        if self.tp < 1:
-            raise ValueError(f"tp must be a positive integer (1: no tensor parallelism), got {self.tp}")
-        if self.tp > 1 and self.parallel != "fsdp":
-            raise ValueError(f"tp={self.tp} needs --parallel fsdp (tensor parallelism runs under FSDP2 on a dp x tp "
-                             f"mesh; dp may be 1), got --parallel {self.parallel}")
+        parallelism_class(self.parallel, tp=self.tp, tp_mode=self.tp_mode)  # checks parallel, tp and tp_mode
         n_head = self.model.gpt_config(vocab_size=1).n_head
         if n_head % self.tp:
             raise ValueError(f"tp={self.tp} must divide the model's n_head={n_head} (each TP rank computes whole "
                              f"heads); pick a --tp that divides {n_head}")
-        if self.tp_mode not in TP_MODES:
-            raise ValueError(f"tp_mode must be one of {', '.join(TP_MODES)}, got {self.tp_mode!r}")
-        if self.tp_mode != "auto" and self.tp == 1:
-            raise ValueError(f"tp_mode={self.tp_mode!r} chooses Muon's tensor-parallel Newton–Schulz, but this run "
-                             f"has tp=1; use it with --tp N (N > 1), or drop --tp-mode")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def lr_multiplier(step: int, steps: int, cfg: ScheduleConfig) -> float:
-    """Multiplier on each group's initial lr for optimizer step ``step`` (0-based) of ``steps``.
-
-    Warmup is nanoGPT's linear ramp (step + 1) / (warmup + 1); cosine then falls from 1 to min_lr_ratio at the
-    last step; wsd holds 1 and falls linearly to min_lr_ratio over the last decay_frac of the steps."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / (cfg.warmup_steps + 1)
-    lo = cfg.min_lr_ratio
-    match cfg.schedule:
-        case "constant":
-            return 1.0
-        case "cosine":
-            progress = (step - cfg.warmup_steps) / max(1, steps - 1 - cfg.warmup_steps)
-            return lo + 0.5 * (1.0 - lo) * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-        case "wsd":
-            decay_start = steps - max(1, round(cfg.decay_frac * steps))
-            if step < decay_start:
-                return 1.0
-            progress = (step - decay_start) / max(1, steps - 1 - decay_start)
-            return 1.0 - (1.0 - lo) * min(progress, 1.0)
-    raise NotImplementedError(f"schedule {cfg.schedule!r}")
 
 
 def from_dict(cls: type, values: dict, where: str = "config"):

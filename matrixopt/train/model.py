@@ -22,19 +22,9 @@ NORMS = ("layernorm", "rmsnorm")
 
 
 @dataclass(kw_only=True)
-class GPTConfig:
-    """Shape of the GPT. Validated on construction."""
+class GPTOptions:
+    """The GPT's options besides its shape (which presets set)."""
 
-    vocab_size: int = 65
-    """Number of token ids; every input id must be below it."""
-    block_size: int = 256
-    """Context length T in tokens."""
-    n_layer: int = 6
-    """Number of transformer blocks."""
-    n_head: int = 6
-    """Attention heads per block; must divide n_embd."""
-    n_embd: int = 384
-    """Model width d."""
     dropout: float = 0.0
     """Dropout on attention weights, residual branches and embeddings, in [0, 1)."""
     bias: bool = False
@@ -47,6 +37,28 @@ class GPTConfig:
     """Share the token embedding with lm_head."""
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model dropout must be in [0, 1), got {self.dropout}")
+        if self.norm not in NORMS:
+            raise ValueError(f"model norm must be one of {', '.join(NORMS)}, got {self.norm!r}")
+
+
+@dataclass(kw_only=True)
+class GPTConfig(GPTOptions):
+    """Shape and options of the GPT. Validated on construction."""
+
+    vocab_size: int = 65
+    """Number of token ids; every input id must be below it."""
+    block_size: int = 256
+    """Context length T in tokens."""
+    n_layer: int = 6
+    """Number of transformer blocks."""
+    n_head: int = 6
+    """Attention heads per block; must divide n_embd."""
+    n_embd: int = 384
+    """Model width d."""
+
+    def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model {name} must be a positive integer, got {getattr(self, name)}")
@@ -57,10 +69,7 @@ class GPTConfig:
             )
         if self.rope and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"RoPE needs an even head size, got n_embd/n_head = {self.n_embd // self.n_head}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model dropout must be in [0, 1), got {self.dropout}")
-        if self.norm not in NORMS:
-            raise ValueError(f"model norm must be one of {', '.join(NORMS)}, got {self.norm!r}")
+        super().__post_init__()
 
 
 # Presets: shapes only; vocab_size comes from the data. "shakespeare-char" is nanoGPT's
@@ -72,6 +81,8 @@ PRESETS: dict[str, dict] = {
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),
     "1.3b": dict(n_layer=24, n_head=16, n_embd=2048, block_size=2048),
 }
+# The fused (3d, d) QKV weight, orthogonalized as Q, K and V (the ``splits`` of matrixopt.build_optimizer).
+QKV_SPLITS = {r"attn\.c_attn\.weight$": 3}
 
 
 class RMSNorm(nn.Module):

@@ -12,6 +12,7 @@ Its ``mark_split`` into Q, K, V then holds per TP shard (:class:`matrixopt.distr
 splits each rank's shard into three pieces of ``d / tp`` rows). :func:`rank_major_qkv` gives the row order;
 ``W[order]`` converts a single-process weight and ``W[order.argsort()]`` converts back. Checkpoints hold the
 single-process order (:func:`reorder_qkv_state`), so they load into a plain GPT and resume at any TP size.
+:data:`GPT_TP` hands both to :class:`matrixopt.distributed.FSDP`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from matrixopt.distributed.parallelism import TPPlan
 from matrixopt.train.model import GPT
 
 BLOCK_PLAN = {
@@ -64,13 +66,14 @@ def _tp_size(t: Tensor) -> int:
 
 
 @torch.no_grad()
-def reorder_qkv_state(model_sd: dict[str, Any], optim_sd: dict[str, Any], n_embd: int, *,
+def reorder_qkv_state(model: GPT, model_sd: dict[str, Any], optim_sd: dict[str, Any], *,
                       to_canonical: bool) -> None:
     """Reorder, in place, the rows of every fused QKV weight and bias under TP, and of their optimizer state
     (momentum, Adam moments: tensors of the same first dim), between the rank-major layout the TP model trains
     in and the single-process ``[Q; K; V]`` order its checkpoints hold. ``model_sd``/``optim_sd``: as
     ``torch.distributed.checkpoint.state_dict.get_state_dict`` returns them (DTensor values, optimizer state
     keyed by parameter name). Collective over the TP and FSDP groups of those tensors."""
+    n_embd = model.config.n_embd
     for name in [n for n in model_sd if n.endswith(("attn.c_attn.weight", "attn.c_attn.bias"))]:
         tp = _tp_size(model_sd[name])
         if tp == 1:
@@ -88,3 +91,6 @@ def reorder_qkv_state(model_sd: dict[str, Any], optim_sd: dict[str, Any], n_embd
                 model_sd[name] = moved
             else:
                 optim_sd["state"][name][key] = moved
+
+
+GPT_TP = TPPlan(shard=apply_tp, reorder_state=reorder_qkv_state)

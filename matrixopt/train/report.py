@@ -19,7 +19,7 @@ import html
 import json
 from pathlib import Path
 
-from matrixopt.train.trainer import read_metrics
+from matrixopt.train.rundir import read_metrics
 
 BASELINE = "adamw"
 TARGETS = ("final", "best")

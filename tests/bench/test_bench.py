@@ -93,7 +93,9 @@ def test_bad_shape_is_explained(capsys):
 
 def test_module_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "matrixopt.bench", "--help"], capture_output=True, text=True)
-    assert out.returncode == 0 and "{ns,step,train}" in out.stdout
+    assert out.returncode == 0
+    subcommands = set(out.stdout.split("{", 1)[1].split("}", 1)[0].split(","))
+    assert {"ns", "step", "train", "kernels", "profile", "scale", "tp"} <= subcommands
 
 
 def test_exposed_comm_counts_only_nccl_time_outside_compute():
@@ -122,7 +124,7 @@ def test_stream_timer_on_cpu_adds_laps_to_its_offset():
 
     import torch
 
-    from matrixopt.train.trainer import StreamTimer
+    from matrixopt.device import StreamTimer
 
     timer = StreamTimer(torch.device("cpu"), offset=2.0)
     for _ in range(2):
@@ -131,3 +133,15 @@ def test_stream_timer_on_cpu_adds_laps_to_its_offset():
         timer.stop()
     assert len(timer.resolve()) == 2 and all(lap >= 0.01 for lap in timer.laps)
     assert timer.total() == pytest.approx(2.0 + sum(timer.laps))
+
+
+def test_step_amortizes_shampoo_and_soap_over_their_refresh(tmp_path):
+    path = tmp_path / "step.json"
+    rows = ["matrixopt shampoo, frequency 1", "matrixopt shampoo, frequency 10", "matrixopt soap, frequency 10"]
+    assert run_cli(["step", "--device", "cpu", "--model", "toy", "--reps", "2", "--json", str(path),
+                    "--only", *rows]) == 0
+    res = json.loads(path.read_text())["results"]
+    assert set(res) == set(rows)
+    assert res["matrixopt shampoo, frequency 1"]["steps_per_block"] == 5  # the default inner block
+    for name in rows[1:]:  # one block is one whole refresh period: every median block holds one refresh
+        assert res[name]["steps_per_block"] == 10 and res[name]["ms"]["median"] > 0

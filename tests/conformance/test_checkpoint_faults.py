@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from matrixopt.train import trainer
+from matrixopt.distributed import checkpoint
+from matrixopt.distributed.checkpoint import CheckpointError, load_checkpoint
 from matrixopt.train.config import ModelConfig, OptimConfig, ScheduleConfig, TrainConfig
-from matrixopt.train.trainer import CheckpointError, load_checkpoint, read_metrics, train
+from matrixopt.train.rundir import read_metrics
+from matrixopt.train.trainer import train
 
 from .common import NAMES, child_env
 
@@ -40,17 +42,17 @@ class Crash(Exception):
 def test_resume_reproduces_the_uninterrupted_losses_exactly(name, tmp_path, monkeypatch):
     cfg = tiny_cfg(name)
     train(cfg, tmp_path / "whole", progress=False)
-    real_save = trainer.save_checkpoint
+    real_save = checkpoint.save_checkpoint
 
     def save_then_crash(path, payload):
         real_save(path, payload)
         if payload["step"] == 4:  # the process dies right after its second checkpoint
             raise Crash
 
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_crash)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_crash)
     with pytest.raises(Crash):
         train(cfg, tmp_path / "cut", progress=False)
-    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", real_save)
     train(cfg, tmp_path / "cut", resume=True, progress=False)
     assert losses(tmp_path / "cut") == losses(tmp_path / "whole")
     assert len(losses(tmp_path / "whole")) == cfg.steps + 1  # step 0's evaluation, then every step

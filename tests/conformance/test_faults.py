@@ -10,7 +10,7 @@ from torch import nn
 
 import matrixopt
 from matrixopt import NonFiniteGradientError
-from matrixopt.optim.base import nonfinite_flags
+from matrixopt.optim.nonfinite import nonfinite_flags
 
 from .common import (
     NAMES,

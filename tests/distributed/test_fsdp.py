@@ -13,10 +13,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from matrixopt.distributed.fsdp import apply_fsdp, gather_to_owners, scatter_from_owners
+from matrixopt.distributed.comm import chunk_sizes, gather_to_owners, scatter_from_owners
+from matrixopt.distributed.fsdp import apply_fsdp
 from matrixopt.distributed.sharded import ShardedMuon
 from matrixopt.distributed.tp import CostModel
-from matrixopt.distributed.tp_comm import chunk_sizes
 from matrixopt.optim.layout import mark_split
 from matrixopt.optim.muon import Muon
 from matrixopt.optim.routing import param_groups

@@ -238,9 +238,9 @@ def _faults_worker(rank: int, world: int) -> None:
         opt.step()
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
     assert not opt.state_dict()["state"]
-    assert not any(c.optimizer.check_nonfinite for c in opt.chunks)  # the agreed check is the only one
+    assert all(c.optimizer.nonfinite.wrapped for c in opt.chunks)  # the agreed check is the only one
     _, skipping = mdist.layerwise(Net(), "muon", lr=0.01, skip_nonfinite=True)
-    assert all(c.optimizer.check_nonfinite for c in skipping.chunks)  # owners skip their own bad gradients
+    assert not any(c.optimizer.nonfinite.wrapped for c in skipping.chunks)  # owners skip their own bad gradients
 
     # a second backward without no_sync is an error that says how to accumulate
     loss_of(model, idx, tgt).backward()
@@ -271,7 +271,7 @@ def _deferred_nonfinite_worker(rank: int, world: int) -> None:
     def run_steps(nan_at: int | None, raise_by: str) -> list[torch.Tensor]:
         torch.manual_seed(0)
         model, opt = mdist.layerwise(Net(), "muon", lr=0.01, deferred_nonfinite=True)
-        assert opt._deferred and not any(c.optimizer.check_nonfinite for c in opt.chunks)
+        assert opt.nonfinite.deferred and all(c.optimizer.nonfinite.wrapped for c in opt.chunks)
         for s in range(4):
             idx, tgt = batch(s, "net")
             bad = s == nan_at
@@ -445,9 +445,9 @@ def test_rebalance_state_by_hand():
 
 def gpt_1_3b(world_size: int, cost_tolerance: float = COST_TOLERANCE):
     """Ownership of GPT 1.3B's parameters under layer-wise Muon, on the meta device: the trainer's preset with
-    scripts/layerwise_gpu.py's vocab (tied embedding, fused QKV split in three), routed and ordered as
+    GPT-2's padded vocab, 50304 (tied embedding, fused QKV split in three), routed and ordered as
     LayerwiseOptimizer does. Returns the parameters, their routing and the assignment."""
-    from matrixopt.train.trainer import QKV_SPLITS  # here: spawned ranks importing this module need no trainer
+    from matrixopt.train.model import QKV_SPLITS  # here: spawned ranks importing this module need no trainer
 
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=50304, **PRESETS["1.3b"]))
@@ -459,10 +459,10 @@ def gpt_1_3b(world_size: int, cost_tolerance: float = COST_TOLERANCE):
 
 
 def test_state_bytes_are_what_muon_allocates():
-    """The bytes ownership balances are the optimizer state scripts/layerwise_gpu.py measures: Muon's fp32 momentum
+    """The bytes ownership balances are the optimizer state `matrixopt bench scale` measures: Muon's fp32 momentum
     for matrices, AdamW's two fp32 moments (plus a 4-byte step) for the rest. Checked on a small GPT; the 1.3B tests
     below rely on it."""
-    from matrixopt.train.trainer import QKV_SPLITS
+    from matrixopt.train.model import QKV_SPLITS
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))

@@ -11,12 +11,13 @@ from _mp import run
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from matrixopt.distributed import tp, tp_comm
+from matrixopt.distributed import comm, tp
 from matrixopt.distributed.tp import CostModel, choose_mode, mode_costs, tp_newton_schulz, tp_newton_schulz_dtensor
-from matrixopt.linalg.ortho import newton_schulz
+from matrixopt.linalg import ortho
+from matrixopt.linalg.ortho import NewtonSchulzConfig, newton_schulz
 
 # fp32 Newton–Schulz of the same matrix, iterated on the other side or with the Gram matrix summed in another
-# order, differs by round-off amplified over 5 quintic steps: measured <= 4e-6 on these shapes, so 5e-5 leaves
+# order, differs by round-off amplified over 5 Newton–Schulz steps: measured <= 4e-6 on these shapes, so 5e-5 leaves
 # margin while a wrong shard, transpose or norm (errors of order 1e-1) fails.
 ATOL = 5e-5
 
@@ -30,7 +31,7 @@ COMPUTE_BOUND = CostModel(latency=0.0, bandwidth=1e15, flops=1e3)  # free networ
 
 def _shard(G: torch.Tensor, partition_dim: int, world: int) -> list[torch.Tensor]:
     d = G.ndim - 2 + partition_dim
-    return list(G.split(tp_comm.chunk_sizes(G.shape[d], world), dim=d))
+    return list(G.split(comm.chunk_sizes(G.shape[d], world), dim=d))
 
 
 def _close(Y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
@@ -78,19 +79,20 @@ def _dtensor_api(rank: int, world: int) -> None:
 def _overlap_and_warning(rank: int, world: int) -> None:
     G = torch.randn(12, 8, generator=torch.Generator().manual_seed(2))
     launched = []
-    real = tp_comm.all_reduce_sum_async
+    real = comm.all_reduce_sum_async
 
     def counting(t, group):
         launched.append(tuple(t.shape))
         return real(t, group)
 
-    tp_comm.all_reduce_sum_async = counting
+    comm.all_reduce_sum_async = counting
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            tp_newton_schulz(_shard(G, 0, world)[rank], 0, None, mode="distributed", chunks=3, steps=2)
+            tp_newton_schulz(_shard(G, 0, world)[rank], 0, None, mode="distributed", chunks=3,
+                             config=NewtonSchulzConfig(steps=2))
     finally:
-        tp_comm.all_reduce_sum_async = real
+        comm.all_reduce_sum_async = real
     # sharded along rows -> transposed to (8, 12): an 8 x 8 Gram in row blocks of 2, 3, 3 rows, per step
     assert launched == [(1, 2, 8), (1, 3, 8), (1, 3, 8)] * 2, launched
     assert not caught  # contracting the long side: no warning
@@ -145,13 +147,23 @@ def test_auto_choice_follows_the_cost_model():
     assert overlapped < serial
 
 
+def test_cost_model_counts_the_shared_flops():
+    """With a free network, each mode's time is its FLOPs (linalg.ortho's counts) over the matmul rate."""
+    free = CostModel(latency=0.0, bandwidth=1e300, flops=1e12)
+    costs = mode_costs(96, 320, 4, batch=3, steps=5, chunks=1, cost=free)
+    assert costs["duplicated"] == pytest.approx(ortho.newton_schulz_flops(96, 320, 5, "standard", batch=3) / 1e12)
+    assert costs["distributed"] == pytest.approx(5 * ortho.ns_step_flops(96, 80, batch=3) / 1e12)
+    tall = mode_costs(320, 96, 4, batch=1, steps=2, chunks=1, cost=free)  # iterates on the short side
+    assert tall["duplicated"] == pytest.approx(2 * ortho.ns_step_flops(96, 320) / 1e12)
+
+
 def test_row_blocks_and_chunk_sizes():
     assert tp.row_blocks(7, 3) == [(0, 2), (2, 4), (4, 7)]
     assert tp.row_blocks(2, 5) == [(0, 1), (1, 2)]
-    assert tp_comm.chunk_sizes(5, 4) == [2, 2, 1, 0]
-    assert tp_comm.chunk_sizes(3, 4) == [1, 1, 1, 0]
-    assert tp_comm.chunk_sizes(7, 2) == [4, 3]
-    assert [t.shape[0] for t in torch.arange(5).chunk(4)] == tp_comm.chunk_sizes(5, 4)[:3]
+    assert comm.chunk_sizes(5, 4) == [2, 2, 1, 0]
+    assert comm.chunk_sizes(3, 4) == [1, 1, 1, 0]
+    assert comm.chunk_sizes(7, 2) == [4, 3]
+    assert [t.shape[0] for t in torch.arange(5).chunk(4)] == comm.chunk_sizes(5, 4)[:3]
 
 
 def test_bad_arguments_say_what_to_do():

@@ -1,5 +1,5 @@
-"""Without a GPU the kernel tests run Triton's interpreter on the CPU: TRITON_INTERPRET must be set before Triton
-is imported. With a GPU they run compiled kernels (and test_gpu.py runs too).
+"""Without a GPU the kernel tests run Triton's interpreter on the CPU (tests/conftest.py sets TRITON_INTERPRET before
+anything imports Triton). With a GPU they run compiled kernels (and test_gpu.py runs too).
 
 Two patches of Triton 3.6's interpreter (they touch nothing that runs on a GPU):
 - a runtime loop bound becomes an index through ``int(array)``, which NumPy >= 2.4 rejects for its 1-element
@@ -7,13 +7,6 @@ Two patches of Triton 3.6's interpreter (they touch nothing that runs on a GPU):
 - ``tl.dot`` on bfloat16 multiplies the raw uint16 bit patterns the interpreter stores bf16 in: widen them to
   float32 first (exact: a bf16 is the top half of a float32).
 """
-
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 try:
     import numpy as np

@@ -63,14 +63,14 @@ def test_every_tma_syrk_config_on_gpu(shape):
 @pytest.mark.parametrize("shape", [(12, 768, 2304), (2, 129, 333)])
 def test_dispatched_step_matches_float64(shape):
     from matrixopt.kernels import ns_step as ns
-    from matrixopt.linalg.ortho import QUINTIC
+    from matrixopt.linalg.ortho import MODDED_NANOGPT
 
     X = torch.randn(shape, device="cuda", dtype=torch.float64)
     X = (X / X.norm(dim=(-2, -1), keepdim=True)).bfloat16()
-    ref = ns.ns_step_reference(X.double(), *QUINTIC[1])
+    ref = ns.ns_step_reference(X.double(), *MODDED_NANOGPT[1])
     for backend in ("auto", "triton", "torch"):
         with ns.ns_backend(backend):
-            assert rel_err(ns.ns_step(X, *QUINTIC[1]), ref) < STEP_BF16_TOL, backend
+            assert rel_err(ns.ns_step(X, *MODDED_NANOGPT[1]), ref) < STEP_BF16_TOL, backend
 
 
 @pytest.mark.parametrize("shape", [(12, 768, 2304), (2, 256, 1100)])  # TMA kernels; pointer kernels (1100 % 8)

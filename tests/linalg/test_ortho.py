@@ -8,8 +8,10 @@ import torch
 import matrixopt.linalg.ortho as ortho
 from matrixopt import newton_schulz, polar
 from matrixopt.linalg.ortho import (
+    MODDED_NANOGPT,
     QUINTIC,
     SCHEDULES,
+    NewtonSchulzConfig,
     _poly,
     gram_phases,
     minimax_odd_quintic,
@@ -64,7 +66,7 @@ def test_polar_express_8_steps_close_to_exact_polar(shape):
     P = polar(G.double())
     rel = (X.double() - P).norm() / P.norm()
     assert rel < 1e-3, rel  # float32 round-off; a 5-step quintic is ~1e-1 away
-    X5 = newton_schulz(G, steps=5, coefficients="simple")
+    X5 = newton_schulz(G, steps=5, coefficients="quintic")
     assert (X5.double() - P).norm() / P.norm() > 10 * rel
 
 
@@ -94,12 +96,56 @@ def test_polar_express_schedule_converges_to_cubic_newton():
 
 
 def test_named_schedules_and_repeat():
-    assert resolve_schedule("quintic", 5) == QUINTIC
-    assert resolve_schedule("quintic", 7)[5:] == (QUINTIC[-1], QUINTIC[-1])
+    assert resolve_schedule("modded_nanogpt", 5) == MODDED_NANOGPT
+    assert resolve_schedule("modded_nanogpt", 7)[5:] == (MODDED_NANOGPT[-1], MODDED_NANOGPT[-1])
     assert resolve_schedule([(3.0, -3.2, 1.2)], 3) == ((3.0, -3.2, 1.2),) * 3
-    assert resolve_schedule("simple", 2) == ((3.4445, -4.7750, 2.0315),) * 2
+    assert resolve_schedule("quintic", 2) == ((3.4445, -4.7750, 2.0315),) * 2
     lo, hi = schedule_band("cans", 5, 1e-3)
     assert lo >= 0.7 - 1e-6 and hi <= 1.3 + 1e-6  # CANS keeps the delta = 0.3 band
+
+
+def test_schedule_names():
+    """"quintic" is Keller Jordan's (a, b, c), as in torch.optim.Muon; the default is modded-nanogpt's 5-step
+    table, unchanged under its own name."""
+    assert QUINTIC == ((3.4445, -4.7750, 2.0315),)
+    assert len(MODDED_NANOGPT) == 5 and MODDED_NANOGPT[0] == (8.156554524902461, -22.48329292557795, 15.878769915207462)
+    assert "simple" not in SCHEDULES and {"quintic", "modded_nanogpt"} <= set(SCHEDULES)
+    G = torch.randn(2, 12, 20, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(newton_schulz(G), newton_schulz(G, coefficients=[list(abc) for abc in MODDED_NANOGPT]))
+    assert NewtonSchulzConfig().schedule == MODDED_NANOGPT
+    assert not torch.equal(newton_schulz(G), newton_schulz(G, coefficients="quintic"))
+
+
+def test_simple_is_a_deprecated_alias_of_quintic():
+    with pytest.warns(FutureWarning, match="'simple' is now called 'quintic'"):
+        sched = resolve_schedule("simple", 3)
+    assert sched == resolve_schedule("quintic", 3)
+    G = torch.randn(6, 10, generator=torch.Generator().manual_seed(4))
+    with pytest.warns(FutureWarning, match="use 'quintic'"):
+        X = newton_schulz(G, coefficients="simple")
+    assert torch.equal(X, newton_schulz(G, coefficients="quintic"))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(steps=0), "steps must be an int >= 1, got 0"),
+    (dict(steps=2.0), "steps must be an int >= 1, got 2.0"),
+    (dict(coefficients="nope"), "Unknown Newton–Schulz schedule 'nope'"),
+    (dict(dtype=torch.int32), "dtype must be a floating-point torch.dtype"),
+    (dict(method="fast"), "Unknown Newton–Schulz method 'fast'"),
+])
+def test_config_checks_itself(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        NewtonSchulzConfig(**kwargs)
+
+
+def test_config_equality_is_the_iteration():
+    named = NewtonSchulzConfig(coefficients="modded_nanogpt")
+    listed = NewtonSchulzConfig(coefficients=[list(abc) for abc in MODDED_NANOGPT])
+    assert named == listed and hash(named) == hash(listed)  # a list is hashable once resolved
+    assert named != NewtonSchulzConfig(coefficients="quintic") and named != NewtonSchulzConfig(method="gram")
+    assert NewtonSchulzConfig().iteration_dtype(torch.device("cpu")) == torch.float32
+    assert NewtonSchulzConfig().iteration_dtype(torch.device("cuda")) == torch.bfloat16
+    assert NewtonSchulzConfig(dtype=torch.float64).iteration_dtype(torch.device("cuda")) == torch.float64
 
 
 @pytest.mark.parametrize("bad", ["nope", [], [(1.0, 2.0)], [(1.0, float("nan"), 0.0)]])
@@ -187,6 +233,16 @@ def test_flop_counts_of_both_forms():
     assert ortho.newton_schulz_flops(s, s) == ortho.newton_schulz_flops(s, s, method="standard")
 
 
+def test_flop_model_parts():
+    m, n, b = 96, 320, 3
+    assert ortho.gram_flops(m, n, b) == b * 2 * m * m * n  # X X^T
+    assert ortho.ns_step_flops(m, n, b) == ortho.gram_flops(m, n, b) + ortho.ns_apply_flops(m, n, b)
+    assert ortho.ns_step_flops(m, n) == 4 * m * m * n + 2 * m**3
+    for method in ("standard", "gram"):  # a batch costs batch times one matrix, in either form
+        assert ortho.newton_schulz_flops(n, m, 5, method, batch=b) == b * ortho.newton_schulz_flops(m, n, 5, method)
+    assert ortho.newton_schulz_flops(m, n, 4, "standard") == 4 * ortho.ns_step_flops(m, n)
+
+
 def test_gram_phases_and_auto_rule():
     assert gram_phases(5) == [3, 2] and gram_phases(7) == [3, 3, 1] and gram_phases(1) == [1]
     assert gram_phases(6) == [3, 3]
@@ -206,12 +262,15 @@ def test_gram_form_stays_in_float16_only_for_schedules_it_fits():
     wild = ((30.0, -60.0, 31.0),) * 5  # Q's eigenvalues grow past float16's range
     assert ortho.gram_peak(wild) > ortho.GRAM_FLOAT16_PEAK
     assert ortho.gram_dtype(torch.bfloat16, wild) == torch.float32  # an explicit "gram" then iterates in float32
-    assert not uses_gram("auto", 1, 64, 256, schedule=wild) and uses_gram("auto", 1, 64, 256, schedule=QUINTIC)
-    X = ortho.newton_schulz_short_side(torch.randn(2, 8, 24), wild, torch.bfloat16, "gram")
+    assert not uses_gram("auto", 1, 64, 256, schedule=wild) and uses_gram("auto", 1, 64, 256, schedule=MODDED_NANOGPT)
+    X = ortho.newton_schulz_short_side(torch.randn(2, 8, 24),
+                                       NewtonSchulzConfig(coefficients=wild, dtype=torch.bfloat16, method="gram"))
     assert X.dtype == torch.float32
 
 
 def test_gram_form_keeps_zero_matrices_and_its_float16_output():
     assert torch.equal(newton_schulz(torch.zeros(2, 8, 24), method="gram"), torch.zeros(2, 8, 24))
-    X = ortho.newton_schulz_short_side(torch.randn(2, 8, 24), resolve_schedule("quintic", 5), torch.bfloat16, "gram")
+    X = ortho.newton_schulz_short_side(torch.randn(2, 8, 24),
+                                       NewtonSchulzConfig(coefficients="modded_nanogpt", dtype=torch.bfloat16,
+                                                          method="gram"))
     assert X.dtype == torch.float16 and X.shape == (2, 8, 24)

@@ -30,7 +30,7 @@ def test_clip_then_step_matches_torch_clip_then_step(name, norm_type):
     ours, ref = _model(), _model()
     opt = matrixopt.build_optimizer(ours, name, lr=1e-2)
     ref_opt = matrixopt.build_optimizer(ref, name, lr=1e-2)
-    deferred = type(opt)._defers_grad_scale
+    deferred = opt.nonfinite.clip_in_step
     assert deferred == (name in ("muon", "mop"))
     for step in range(3):
         _grads(ours, step)

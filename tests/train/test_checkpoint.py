@@ -13,8 +13,8 @@ import torch
 
 import matrixopt.train.trainer as trainer
 from matrixopt.cli import main
+from matrixopt.distributed.checkpoint import CheckpointError, load_checkpoint
 from matrixopt.train.model import GPT
-from matrixopt.train.trainer import CheckpointError, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 DETERMINISTIC = ("step", "loss", "lr", "val_loss")  # timing fields differ between runs
@@ -60,14 +60,13 @@ def test_ctrl_c_saves_and_resume_matches_uninterrupted(tmp_path, tiny, monkeypat
 
 KILL_DURING_SECOND_SAVE = """
 import os, signal, sys
-import matrixopt.train.trainer as trainer
 real_fsync, calls = os.fsync, []
 def fsync_then_die(fd):
     calls.append(fd)
     if len(calls) == 2:  # the second checkpoint: its temp file is written, the rename has not happened
         os.kill(os.getpid(), signal.SIGKILL)
     real_fsync(fd)
-trainer.os.fsync = fsync_then_die
+os.fsync = fsync_then_die
 from matrixopt.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -2,7 +2,8 @@ import math
 
 import pytest
 
-from matrixopt.train.config import ScheduleConfig, TrainConfig, from_dict, lr_multiplier
+from matrixopt.train.config import ScheduleConfig, TrainConfig, from_dict
+from matrixopt.train.schedule import lr_multiplier
 
 
 def test_defaults_are_nanogpt_cpu_quickstart():
@@ -48,9 +49,8 @@ def test_from_dict_builds_nested_configs_and_rejects_typos():
 
 def test_optimizer_kwargs_defer_the_nonfinite_check_where_the_optimizer_can():
     from matrixopt.train.config import OptimConfig
-    from matrixopt.train.trainer import optimizer_kwargs
 
-    kw = lambda name, **hp: optimizer_kwargs(TrainConfig(optim=OptimConfig(name=name, hparams=hp)))  # noqa: E731
+    kw = lambda name, **hp: OptimConfig(name=name, hparams=hp).optimizer_kwargs()  # noqa: E731
     assert kw("muon")["deferred_nonfinite"] is True and kw("muon")["adamw_betas"] == (0.9, 0.99)
     assert "deferred_nonfinite" not in kw("adamw") and "deferred_nonfinite" not in kw("shampoo")
     assert "deferred_nonfinite" not in kw("muon", skip_nonfinite=True)

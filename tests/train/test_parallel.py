@@ -11,11 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from matrixopt.cli import main
+from matrixopt.distributed import FSDP
 from matrixopt.train.config import TrainConfig
-from matrixopt.train.trainer import device_mesh
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ("step", "loss", "lr", "val_loss")
@@ -160,7 +159,7 @@ def test_bad_tensor_parallel_settings_say_what_to_do(tmp_path, capsys, flags, me
 def test_tp_must_divide_the_ranks():
     cfg = TrainConfig(parallel="fsdp", tp=2)
     with pytest.raises(ValueError, match=r"--tp 2 must divide the number of ranks, 3; launch a multiple of 2"):
-        device_mesh(cfg, torch.device("cpu"), 3)
+        FSDP.mesh_dims(3, tp=cfg.tp)
 
 
 def test_parallel_without_torchrun_says_how_to_launch(tmp_path, capsys, monkeypatch):

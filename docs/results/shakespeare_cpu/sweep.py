@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from matrixopt.train.config import OptimConfig, TrainConfig
-from matrixopt.train.trainer import read_metrics, train
+from matrixopt.train.rundir import read_metrics
+from matrixopt.train.trainer import train
 
 GRID = [("adamw", 1e-3), ("muon", 2e-3), ("muon", 4e-3), ("muon", 8e-3)]
 

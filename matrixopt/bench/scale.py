@@ -1,0 +1,388 @@
+"""``matrixopt bench scale``: training throughput of the parallel modes on N GPUs, one process per GPU.
+
+    torchrun --standalone --nproc-per-node 4 -m matrixopt bench scale --json scale.json         # N GPUs, NCCL
+    torchrun --standalone --nproc-per-node 2 -m matrixopt bench scale --toy --json scale.json   # CPU, gloo, tiny GPT
+
+Each configuration ``PARALLEL:OPTIMIZER[:tpN[:MODE]]`` (default ``ddp:adamw fsdp:adamw layerwise:muon
+fsdp:muon``; ``fsdp:muon:tp2:distributed`` is tensor parallelism 2 with Newton–Schulz mode distributed) builds the
+model and optimizer as ``matrixopt train --parallel PARALLEL --optimizer OPTIMIZER --tp N --tp-mode MODE`` does,
+through :func:`matrixopt.distributed.parallelism.make_parallelism` with the trainer's hyperparameters and Q/K/V
+split (on a GPU: bf16 autocast over fp32 parameters, or FSDP2's bf16 parameters with fp32 reduction), then times
+the trainer's step on random tokens: ``--tokens-per-gpu`` tokens per GPU in micro-batches of ``--micro-batch``
+rows (gradient accumulation: only the last backward communicates), global-norm clipping at 1.0 and
+``optimizer.step()``. The model is a preset with an untied head and vocab 50304 (``--toy``: 2 layers of
+tiny-cpu, vocab 512). Per configuration, the slowest rank's figures:
+
+- tokens/s of all GPUs together and per GPU, from the wall time of ``--iters`` back-to-back steps that sync only
+  as the trainer does (it reads no loss between logs), so communication left running on other streams (layer-wise
+  broadcasts, FSDP prefetches) overlaps the next step;
+- model TFLOP/s per GPU: the GPT's ``estimate_flops_per_token`` (6 N + 12 L T d, PaLM's model FLOPs: no
+  recomputation, no optimizer) times the tokens/s per GPU;
+- the optimizer step: the median time ``optimizer.step()`` occupies the compute stream (slowest and fastest
+  rank), and each rank's optimizer state (MiB) and peak memory;
+- exposed communication (CUDA): from a profiler trace of ``--iters`` more steps, the time NCCL kernels run while
+  no compute kernel does, as a share of those steps' wall time (``--trace DIR`` writes each rank's trace);
+- ``--phases``: the step's timeline, per phase (forward, backward, clip, step): the device time (events on the
+  compute stream, so waits on other streams count) and the host's time issuing it;
+- layer-wise: the same optimizer stepping the whole model on one GPU (every GPU at once, gradients random), the
+  layer-wise step's and optimizer state's ratios to it, and per rank its owned share of the matrix cost and the
+  time of its own chunks' steps.
+
+Rank 0 prints the tables; ``--json`` writes every rank's figures and the summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import os
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from matrixopt.bench.common import environment, exposed_comm, table
+from matrixopt.device import StreamTimer, peak_mem_mb, sync, time_ms
+from matrixopt.distributed import comm
+from matrixopt.distributed.layerwise import LayerwiseOptimizer
+from matrixopt.distributed.parallelism import (
+    PARALLELISMS,
+    Layerwise,
+    MultiProcess,
+    Parallelism,
+    make_parallelism,
+    parallelism_class,
+)
+from matrixopt.optim.registry import OPTIMIZERS, build_optimizer
+from matrixopt.train.config import ModelConfig, OptimConfig
+from matrixopt.train.model import GPT, QKV_SPLITS
+from matrixopt.train.parallelize import GPT_TP
+
+CONFIGS = ("ddp:adamw", "fsdp:adamw", "layerwise:muon", "fsdp:muon")
+PRESETS = ("gpt2-medium", "1.3b")
+PHASES = ("forward", "backward", "clip", "step")
+LR = 6e-4  # throughput does not depend on it
+VOCAB, TOY_VOCAB = 50304, 512
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """What every configuration is timed with."""
+
+    toy: bool = False
+    """A 2-layer tiny-cpu GPT (vocab 512) on the CPU with gloo, whatever the presets say."""
+    tokens_per_gpu: int = 4096
+    """Tokens each GPU carries per step (a tensor-parallel group shares its rows)."""
+    micro_batch: int | None = None
+    """Rows per micro-batch (gradient accumulation over a step's rows); None: one micro-batch."""
+    iters: int = 10
+    """Timed steps, and as many profiled."""
+    warmup: int = 3
+    """Untimed steps first."""
+    trace: str | None = None
+    """A folder for each rank's profiler trace (CUDA), or None."""
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_gpu < 1:
+            raise ValueError(f"--tokens-per-gpu must be a positive number of tokens, got {self.tokens_per_gpu}")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise ValueError(f"--micro-batch must be a positive number of rows, got {self.micro_batch}; leave it out "
+                             f"for one micro-batch per step")
+        if self.iters < 2 or self.warmup < 0:
+            raise ValueError(f"--iters must be >= 2 (quantiles need two steps) and --warmup >= 0, got --iters "
+                             f"{self.iters} --warmup {self.warmup}")
+
+
+@dataclass(frozen=True)
+class ScaleConfig:
+    """One configuration, ``PARALLEL:OPTIMIZER[:tpN[:MODE]]``: see :func:`parse_config`."""
+
+    parallel: str
+    optimizer: str
+    tp: int = 1
+    tp_mode: str = "auto"
+
+    def __str__(self) -> str:
+        tp = f":tp{self.tp}" if self.tp > 1 else ""
+        return f"{self.parallel}:{self.optimizer}{tp}{f':{self.tp_mode}' * (self.tp_mode != 'auto')}"
+
+
+def parse_config(text: str) -> ScaleConfig:
+    """``"fsdp:muon:tp2:distributed"`` -> ScaleConfig("fsdp", "muon", 2, "distributed"); checked as the trainer
+    checks ``--parallel``, ``--tp`` and ``--tp-mode``."""
+    parts = text.split(":")
+    tp = parts[2][2:] if len(parts) > 2 else "1"
+    if not 2 <= len(parts) <= 4 or (len(parts) > 2 and not (parts[2].startswith("tp") and tp.isdigit())):
+        raise ValueError(f"configuration {text!r}: write PARALLEL:OPTIMIZER[:tpN[:MODE]] with PARALLEL one of "
+                         f"{', '.join(p for p in PARALLELISMS if p != 'none')}, e.g. ddp:adamw or "
+                         f"fsdp:muon:tp2:distributed")
+    config = ScaleConfig(parts[0], parts[1], int(tp), parts[3] if len(parts) > 3 else "auto")
+    if config.optimizer not in OPTIMIZERS:
+        raise ValueError(f"configuration {text!r}: unknown optimizer {config.optimizer!r}; choose from "
+                         f"{', '.join(sorted(OPTIMIZERS))}")
+    try:
+        cls = parallelism_class(config.parallel, tp=config.tp, tp_mode=config.tp_mode)
+    except ValueError as e:
+        raise ValueError(f"configuration {text!r}: {e}") from None
+    if not issubclass(cls, MultiProcess):
+        raise ValueError(f"configuration {text!r}: bench scale times the multi-process modes; the single-GPU step "
+                         f"is `matrixopt bench train`")
+    return config
+
+
+def model_config(preset: str, toy: bool) -> ModelConfig:
+    if toy:
+        return ModelConfig(preset="tiny-cpu", n_layer=2, tie_embeddings=False)
+    return ModelConfig(preset=preset, tie_embeddings=False)
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def state_mb(optimizer: torch.optim.Optimizer) -> float:
+    """MiB of optimizer state this rank holds (its shards of DTensor state; under layer-wise, what it owns)."""
+    tensors = [v for s in optimizer.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local) / 2**20
+
+
+class Timeline:
+    """Each phase of a training step timed twice: on the device (a :class:`StreamTimer`: events on the compute
+    stream, no sync) and on the host (``perf_counter`` while the host issues it). ``with timeline("forward"):``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = {p: StreamTimer(device) for p in PHASES}
+        self.host: dict[str, list[float]] = {p: [] for p in PHASES}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        self.device[phase].start()
+        yield
+        self.device[phase].stop()
+        self.host[phase].append(time.perf_counter() - t0)
+
+    def per_step_ms(self, steps: slice, laps_per_step: dict[str, int]) -> dict[str, dict[str, float]]:
+        """Median ms per step of each phase over ``steps``: ``{phase: {"device": ms, "host": ms}}``; a phase run
+        ``laps_per_step[phase]`` times a step (forward and backward: once per micro-batch) is summed per step."""
+        out = {}
+        for p in PHASES:
+            n = laps_per_step.get(p, 1)
+            per = {}
+            for where, laps in (("device", self.device[p].resolve()), ("host", self.host[p])):
+                sums = [1e3 * sum(laps[i * n:(i + 1) * n]) for i in range(len(laps) // n)][steps]
+                per[where] = statistics.median(sums)
+            out[p] = per
+        return out
+
+
+def time_owner_steps(opt: torch.optim.Optimizer, device: torch.device) -> list[StreamTimer]:
+    """For a layer-wise optimizer: a timer around each of this rank's chunks' inner ``step()`` (its own compute,
+    without the communication); none otherwise."""
+    if not isinstance(opt, LayerwiseOptimizer):
+        return []
+    timers = []
+    for chunk in opt.chunks:
+        timer, inner_step = StreamTimer(device), chunk.optimizer.step
+
+        def timed_step(*args: Any, _timer: StreamTimer = timer, _step: Any = inner_step, **kwargs: Any) -> Any:
+            _timer.start()
+            out = _step(*args, **kwargs)
+            _timer.stop()
+            return out
+
+        chunk.optimizer.step = timed_step
+        timers.append(timer)
+    return timers
+
+
+def owner_summary(opt: torch.optim.Optimizer, timers: list[StreamTimer], iters: int) -> dict[str, Any]:
+    """This rank's share of the layer-wise matrix cost, its number of owned parameters and the median ms per step of
+    its chunks' compute; nothing for other optimizers."""
+    if not isinstance(opt, LayerwiseOptimizer):
+        return {}
+    laps = [t.resolve()[:iters] for t in timers]
+    per_step = [1e3 * sum(chunk[i] for chunk in laps) for i in range(min(map(len, laps)))] if laps else [0.0]
+    compute = opt.assignment.compute
+    return dict(owned_cost_share=compute[opt.rank] / max(sum(compute), 1e-30),
+                owned_params=opt.assignment.owner.count(opt.rank), inner_step_ms=statistics.median(per_step))
+
+
+def run_config(par: Parallelism, config: ScaleConfig, preset: str, settings: Settings) -> dict[str, Any]:
+    """Time one configuration on this rank, built through ``par``; returns its measurements. Collective."""
+    device = par.device
+    gpt = model_config(preset, settings.toy).gpt_config(TOY_VOCAB if settings.toy else VOCAB)
+    T = gpt.block_size
+    rows = max(1, settings.tokens_per_gpu * config.tp // T)  # per data-parallel rank: a TP group shares its rows
+    micro = settings.micro_batch or rows
+    if rows % micro:
+        raise ValueError(f"--micro-batch {micro} must divide the {rows} rows of {T} tokens each data-parallel rank "
+                         f"takes per step (--tokens-per-gpu {settings.tokens_per_gpu}, tp {config.tp}); pick a divisor")
+    torch.manual_seed(0)
+    model = GPT(gpt).to(device)
+    flops_per_token = model.estimate_flops_per_token()
+    module = par.wrap(model)
+    hparams = OptimConfig(name=config.optimizer, lr=LR).optimizer_kwargs()  # the trainer's
+    opt = par.build_optimizer(model, config.optimizer, splits=QKV_SPLITS, **hparams)
+    n_global = rows * par.world // config.tp
+    g = torch.Generator(device).manual_seed(1)  # the same global batch on every rank; each takes its rows
+    x = torch.randint(0, gpt.vocab_size, (n_global, T + 1), device=device, generator=g)[par.batch_rows(n_global)]
+    batches = [(xb[:, :-1], xb[:, 1:]) for xb in x.split(micro)]
+    timeline = Timeline(device)
+
+    def step() -> None:
+        for i, (xb, yb) in enumerate(batches):
+            with par.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
+                with timeline("forward"), par.autocast():
+                    _, loss = module(xb, yb)
+                with timeline("backward"):
+                    (loss / len(batches)).backward()
+        with timeline("clip"):
+            par.clip_grad_norm_(1.0)
+        with timeline("step"):
+            opt.step()
+        opt.zero_grad(set_to_none=True)  # no loss.item(): the trainer reads losses only where it logs
+
+    for _ in range(settings.warmup):
+        step()
+    owner_timers = time_owner_steps(opt, device)  # after warm-up: the first step builds the chunks
+    par.barrier()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(settings.iters):
+        step()
+    sync(device)
+    step_ms = (time.perf_counter() - t0) * 1e3 / settings.iters
+    timed = slice(settings.warmup, settings.warmup + settings.iters)
+    phases = timeline.per_step_ms(timed, {"forward": len(batches), "backward": len(batches)})
+    out = dict(config=str(config), preset=preset, rank=par.rank, params=model.num_params(),
+               flops_per_token=flops_per_token, tokens_per_rank=rows * T // config.tp, micro_batches=len(batches),
+               step_ms=step_ms, opt_step_ms=phases["step"]["device"], phases=phases, state_mb=state_mb(opt),
+               peak_mem_mb=peak_mem_mb(device), comm_s=None, exposed_comm_s=None, profiled_wall_s=None,
+               **owner_summary(opt, owner_timers, settings.iters))
+    if device.type == "cuda":
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            for _ in range(settings.iters):
+                step()
+            sync(device)
+            out["profiled_wall_s"] = time.perf_counter() - t0
+        out["comm_s"], out["exposed_comm_s"] = exposed_comm(prof)
+        if settings.trace:
+            Path(settings.trace).mkdir(parents=True, exist_ok=True)
+            name = f"{preset}_{config}_rank{par.rank}.json".replace(":", "_")
+            prof.export_chrome_trace(str(Path(settings.trace) / name))
+    if isinstance(opt, LayerwiseOptimizer):
+        opt.wait_params()  # the last step's broadcasts are in flight: finish them before dropping the optimizer
+    return out  # the model and optimizer go with this frame; the caller frees the cache
+
+
+def single_gpu_step(preset: str, optimizer: str, settings: Settings, device: torch.device) -> dict[str, float]:
+    """Median ms of ``optimizer``'s step over the whole model on this one device (random gradients, the trainer's
+    hyperparameters), and its state in MiB: what layer-wise parallelism divides among the ranks."""
+    torch.manual_seed(0)
+    model = GPT(model_config(preset, settings.toy).gpt_config(TOY_VOCAB if settings.toy else VOCAB)).to(device)
+    hparams = OptimConfig(name=optimizer, lr=LR).optimizer_kwargs()
+    opt = build_optimizer(model, optimizer, splits=QKV_SPLITS, **hparams)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    t = time_ms(opt.step, device, reps=settings.iters, warmup=settings.warmup)
+    return {"step_ms": t["median"], "state_mb": state_mb(opt)}  # the caller frees the cache
+
+
+def summarize(per_config: list[list[dict[str, Any]]], singles: list[dict[tuple[str, str], dict]],
+              world: int) -> list[dict[str, Any]]:
+    """One line per (preset, configuration) from every rank's figures: the slowest rank's times."""
+    out = []
+    for ranks in per_config:
+        r0 = ranks[0]
+        step_ms = max(r["step_ms"] for r in ranks)
+        tokens_per_s = sum(r["tokens_per_rank"] for r in ranks) / step_ms * 1e3
+        shares = [r["exposed_comm_s"] / r["profiled_wall_s"] for r in ranks if r["profiled_wall_s"]]
+        line = dict(preset=r0["preset"], config=r0["config"], gpus=world, micro_batches=r0["micro_batches"],
+                    step_ms=step_ms, tokens_per_s=tokens_per_s, tokens_per_s_per_gpu=tokens_per_s / world,
+                    model_tflops_per_gpu=r0["flops_per_token"] * tokens_per_s / world / 1e12,
+                    opt_step_ms_max=max(r["opt_step_ms"] for r in ranks),
+                    opt_step_ms_min=min(r["opt_step_ms"] for r in ranks),
+                    state_mb_max=max(r["state_mb"] for r in ranks),
+                    peak_mem_mb_max=max(r["peak_mem_mb"] for r in ranks),
+                    exposed_comm_share=max(shares) if shares else None,
+                    phases={p: {w: max(r["phases"][p][w] for r in ranks) for w in ("device", "host")} for p in PHASES})
+        if "inner_step_ms" in r0:
+            key = (r0["preset"], parse_config(r0["config"]).optimizer)
+            single = {k: statistics.median(s[key][k] for s in singles) for k in ("step_ms", "state_mb")}
+            line |= dict(inner_step_ms_max=max(r["inner_step_ms"] for r in ranks),
+                         single_gpu_step_ms=single["step_ms"],
+                         opt_step_vs_single_gpu=line["opt_step_ms_max"] / single["step_ms"],
+                         state_vs_single_gpu=line["state_mb_max"] / single["state_mb"])
+        out.append(line)
+    for line in out:  # throughput against AdamW under DDP at the same preset
+        base = next((b for b in out if b["preset"] == line["preset"] and b["config"] == "ddp:adamw"), None)
+        line["vs_ddp_adamw"] = line["tokens_per_s"] / base["tokens_per_s"] if base else None
+    return out
+
+
+def run(configs: Sequence[ScaleConfig] = tuple(map(parse_config, CONFIGS)), presets: Sequence[str] = PRESETS,
+        settings: Settings = Settings()) -> dict[str, Any]:
+    """Time every configuration at every preset on the ranks torchrun started; returns the JSON record (complete
+    on rank 0). Collective."""
+    if "RANK" not in os.environ:
+        raise ValueError("matrixopt bench scale runs one process per GPU: launch it with `torchrun --nproc-per-node N "
+                         "-m matrixopt bench scale ...` (--toy: 2 ranks on the CPU)")
+    device_name, bf16 = ("cpu", False) if settings.toy else ("auto", torch.cuda.is_available())
+    per_config, singles = [], {}
+    for preset in ["tiny-cpu"] if settings.toy else presets:
+        for config in configs:
+            par = make_parallelism(config.parallel, device=device_name, tp=config.tp, tp_mode=config.tp_mode,
+                                   bf16=bf16, tp_plan=GPT_TP)
+            if isinstance(par, Layerwise) and (preset, config.optimizer) not in singles:
+                singles[preset, config.optimizer] = single_gpu_step(preset, config.optimizer, settings, par.device)
+                free(par.device)
+            ranks = comm.all_gather_object(run_config(par, config, preset, settings), None)
+            free(par.device)
+            per_config.append(ranks)
+            if par.rank == 0:
+                print(f"{preset} {config}: step {max(r['step_ms'] for r in ranks):.1f} ms, optimizer step "
+                      f"{max(r['opt_step_ms'] for r in ranks):.2f} ms", flush=True)
+    return dict(benchmark="scale", env=environment(par.device), world_size=par.world, backend=dist.get_backend(),
+                **dataclasses.asdict(settings),
+                summary=summarize(per_config, comm.all_gather_object(singles, None), par.world), per_rank=per_config)
+
+
+COLUMNS = {  # summary key -> table header
+    "preset": "preset", "config": "config", "tokens_per_s_per_gpu": "tokens/s per GPU",
+    "model_tflops_per_gpu": "TFLOP/s per GPU", "vs_ddp_adamw": "vs DDP AdamW", "step_ms": "step ms",
+    "opt_step_ms_max": "opt step ms", "opt_step_ms_min": "fastest rank", "inner_step_ms_max": "owner compute ms",
+    "opt_step_vs_single_gpu": "vs 1 GPU", "state_mb_max": "state MiB", "state_vs_single_gpu": "state vs 1 GPU",
+    "peak_mem_mb_max": "peak MiB", "exposed_comm_share": "exposed comm",
+}
+
+
+def format_tables(record: dict[str, Any], phases: bool = False) -> str:
+    """The summary table; with ``phases`` also each configuration's step timeline (slowest rank per phase)."""
+    env = record["env"]
+    whole = ("tokens_per_s_per_gpu", "state_mb_max", "peak_mem_mb_max")  # printed as integers
+    rows = [{COLUMNS[k]: round(s[k]) if k in whole else s.get(k) for k in COLUMNS} for s in record["summary"]]
+    text = (f"{record['world_size']} x {env['device']} ({record['backend']}), {record['tokens_per_gpu']} tokens per "
+            f"GPU per step; slowest rank. opt step: ms on the compute stream; vs 1 GPU: against the same optimizer "
+            f"over the whole model on one GPU\n" + table(rows, list(COLUMNS.values())))
+    if phases:
+        heads = [f"{p} ms ({where})" for p in PHASES for where in ("device", "host")]
+        rows = [{"preset": s["preset"], "config": s["config"],
+                 **{f"{p} ms ({where})": s["phases"][p][where] for p in PHASES for where in ("device", "host")}}
+                for s in record["summary"]]
+        text += ("\n\nStep timeline, median ms per step (device: compute-stream time; host: time issuing it)\n"
+                 + table(rows, ["preset", "config", *heads]))
+    return text

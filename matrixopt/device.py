@@ -1,0 +1,135 @@
+"""The device a run uses and how long things take on it: picking the device, naming it, peak memory, and timers
+(``time_ms`` for benchmarks, ``StreamTimer`` for laps inside a training loop). Imports only torch."""
+
+from __future__ import annotations
+
+import platform
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` is CUDA when available, else the CPU; any other name is passed to ``torch.device``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA GPU here; use --device cpu")
+    return device
+
+
+def describe(device: torch.device) -> str:
+    """The device in words: the GPU's name, or the CPU's architecture and thread count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def peak_mem_mb(device: torch.device) -> float:
+    """Peak CUDA memory allocated by tensors, or on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def captured(fn: Callable[[], object], device: torch.device, calls: int) -> Callable[[], None]:
+    """``calls`` back-to-back calls of ``fn`` captured in one CUDA graph; returns its replay. ``fn`` runs once
+    first, on a side stream outside capture (a kernel's first launch loads it, and fails there if it does not fit
+    the GPU)."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        fn()
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, *, reps: int = 10, inner: int = 1,
+            warmup: int = 2, graph: bool = False) -> dict[str, float]:
+    """Milliseconds per call of ``fn``: ``reps`` blocks of ``inner`` back-to-back calls (CUDA events on the GPU,
+    ``perf_counter`` plus a sync elsewhere), after ``warmup`` calls. Returns median, p20, p80 and min.
+
+    ``graph=True`` (CUDA only) captures each block of ``inner`` calls in a CUDA graph and times its replays: the
+    GPU time without the host's launch overhead, which dominates kernels of a few tens of microseconds."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    calls, per_block = fn, inner
+    if graph and device.type == "cuda":
+        calls, inner = captured(fn, device, inner), 1  # one replay runs per_block calls
+        calls()
+        sync(device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                calls()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / per_block)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                calls()
+            sync(device)
+            times.append((time.perf_counter() - t0) * 1e3 / per_block)
+    q = statistics.quantiles(times, n=5, method="inclusive") if len(times) > 1 else [times[0]] * 4
+    return {"median": statistics.median(times), "p20": q[0], "p80": q[3], "min": min(times)}
+
+
+class StreamTimer:
+    """Seconds spent between ``start()`` and ``stop()``, plus ``offset``. On CUDA, events on the current stream:
+    no device-wide sync, so communication left running on other streams (e.g. the layer-wise parameter
+    broadcasts) keeps overlapping what follows; laps are read when asked for. Elsewhere ``perf_counter``."""
+
+    def __init__(self, device: torch.device, offset: float = 0.0) -> None:
+        self.cuda, self.offset = device.type == "cuda", offset
+        self.laps: list[float] = []
+        self._pending: list[tuple[Any, Any]] = []
+        self._t0: Any = None
+
+    def _now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self._t0 = self._now()
+
+    def stop(self) -> None:
+        end = self._now()
+        if self.cuda:
+            self._pending.append((self._t0, end))
+        else:
+            self.laps.append(end - self._t0)
+
+    def resolve(self) -> list[float]:
+        """Every finished lap in seconds (waits for the recorded events)."""
+        for start, end in self._pending:
+            end.synchronize()
+            self.laps.append(start.elapsed_time(end) / 1e3)
+        self._pending.clear()
+        return self.laps
+
+    def total(self) -> float:
+        return self.offset + sum(self.resolve())

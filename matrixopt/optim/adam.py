@@ -1,0 +1,38 @@
+r"""Adam's moments and its bias-corrected direction, shared by the AdamW groups of every matrixopt optimizer
+(:mod:`matrixopt.optim.base`), Shampoo's Adam grafting and SOAP's Adam in the eigenbasis.
+
+.. math::
+    m_t = \beta_1 m_{t-1} + (1 - \beta_1) g_t, \qquad v_t = \beta_2 v_{t-1} + (1 - \beta_2) g_t^2, \qquad
+    d_t = \eta\, \frac{m_t}{1 - \beta_1^t} \Big/ \Big(\frac{\sqrt{v_t}}{\sqrt{1 - \beta_2^t}} + \epsilon\Big)
+
+computed as ``torch.optim.AdamW``'s foreach path computes it (Kingma & Ba, arXiv:1412.6980). Lists of float32
+tensors, one foreach call per operation; step counts may be ints or 0-d float32 device tensors (no host sync).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def adam_moments_(exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], grads: list[Tensor],
+                  betas: tuple[float, float]) -> None:
+    """``m <- beta1 m + (1 - beta1) g`` and ``v <- beta2 v + (1 - beta2) g^2``, in place. All float32, each
+    ``grads[i]`` shaped like ``exp_avgs[i]`` and ``exp_avg_sqs[i]``."""
+    beta1, beta2 = betas
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+
+
+def adam_direction(exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], steps: list[int | Tensor],
+                   betas: tuple[float, float], eps: float, lr: float | Tensor = 1.0) -> list[Tensor]:
+    """``d_t`` (module docstring) per tensor, new float32 tensors. ``exp_avgs``: the first moments, or any
+    numerator in their place (Shampoo's Nesterov momentum); ``steps``: each tensor's step count t >= 1."""
+    beta1, beta2 = betas
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, [(1 - beta2**t) ** 0.5 for t in steps])
+    torch._foreach_add_(denom, eps)
+    out = torch._foreach_div(exp_avgs, denom)
+    torch._foreach_mul_(out, [lr / (1 - beta1**t) for t in steps])
+    return out

@@ -1,0 +1,138 @@
+"""``matrixopt bench scale``: the configurations parse and validate, the step timeline sums micro-batches, and the
+whole command runs at toy size on CPU (torchrun, 2 gloo ranks) and writes its JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from matrixopt.bench.scale import CONFIGS, ScaleConfig, Settings, Timeline, parse_config, run
+from tests.bench.test_bench import run_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def torchrun_bench(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``matrixopt bench ARGV`` on 2 gloo ranks under torchrun; the test fails with the output if it does."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "matrixopt", "bench", *argv]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.parametrize("text, config", [
+    ("ddp:adamw", ScaleConfig("ddp", "adamw")),
+    ("layerwise:shampoo", ScaleConfig("layerwise", "shampoo")),
+    ("fsdp:muon:tp2", ScaleConfig("fsdp", "muon", 2)),
+    ("fsdp:muon:tp4:distributed", ScaleConfig("fsdp", "muon", 4, "distributed")),
+])
+def test_parse_config_round_trips(text, config):
+    assert parse_config(text) == config and str(config) == text
+
+
+@pytest.mark.parametrize("text, message", [
+    ("ddp", "write PARALLEL:OPTIMIZER"), ("fsdp:muon:2", "write PARALLEL:OPTIMIZER"),
+    ("fsdp:muon:tpx", "write PARALLEL:OPTIMIZER"), ("none:muon", "bench train"),
+    ("zero:muon", "parallel must be one of"), ("ddp:adamx", "unknown optimizer 'adamx'"),
+    ("ddp:muon:tp2", "tp=2 needs --parallel fsdp"),
+    ("fsdp:muon:tp2:sideways", "tp_mode must be one of"),
+])
+def test_parse_config_explains_bad_input(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_config(text)
+
+
+def test_bad_config_is_an_argument_error(capsys):
+    with pytest.raises(SystemExit):
+        run_cli(["scale", "--configs", "ddp"])
+    assert "PARALLEL:OPTIMIZER[:tpN[:MODE]]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tokens_per_gpu=0), "--tokens-per-gpu"), (dict(micro_batch=0), "--micro-batch"),
+    (dict(iters=1), "--iters must be >= 2"), (dict(warmup=-1), "--warmup >= 0"),
+])
+def test_settings_check_themselves(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Settings(**kwargs)
+
+
+def test_scale_outside_torchrun_says_how_to_launch(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node N -m matrixopt bench scale"):
+        run(settings=Settings(toy=True))
+
+
+def test_timeline_sums_micro_batches_per_step():
+    timeline = Timeline(torch.device("cpu"))
+    # three steps of two micro-batches: forward laps (s) 1+2, 3+4, 5+6; one clip and one step lap per step
+    timeline.device["forward"].laps = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    timeline.host["forward"] = [0.5] * 6
+    for phase in ("backward", "clip", "step"):
+        timeline.device[phase].laps = [0.1, 0.2, 0.4] * (2 if phase == "backward" else 1)
+        timeline.host[phase] = [0.01] * (6 if phase == "backward" else 3)
+    ms = timeline.per_step_ms(slice(1, 3), {"forward": 2, "backward": 2})
+    assert ms["forward"]["device"] == pytest.approx(1e3 * (7 + 11) / 2)  # the median of steps 1 and 2: 7 s, 11 s
+    assert ms["forward"]["host"] == pytest.approx(1e3)
+    assert ms["step"]["device"] == pytest.approx(1e3 * (0.2 + 0.4) / 2)
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """One toy run of the default configurations and tensor parallelism 2: 256 tokens per GPU (4 rows of 64) in 2
+    micro-batches."""
+    path = tmp_path_factory.mktemp("scale") / "scale.json"
+    proc = torchrun_bench(["scale", "--toy", "--iters", "2", "--warmup", "1", "--tokens-per-gpu", "256",
+                           "--micro-batch", "2", "--phases", "--json", str(path),
+                           "--configs", *CONFIGS, "fsdp:muon:tp2"], timeout=300)
+    return json.loads(path.read_text()), proc.stdout
+
+
+def test_scale_toy_throughput(toy):
+    result, _ = toy
+    assert result["benchmark"] == "scale" and result["world_size"] == 2 and result["backend"] == "gloo"
+    lines = {line["config"]: line for line in result["summary"]}
+    assert set(lines) == {"ddp:adamw", "fsdp:adamw", "layerwise:muon", "fsdp:muon", "fsdp:muon:tp2"}
+    for line in lines.values():
+        assert line["tokens_per_s"] > 0 and line["opt_step_ms_max"] >= line["opt_step_ms_min"] > 0
+        assert line["tokens_per_s_per_gpu"] == pytest.approx(line["tokens_per_s"] / 2)
+        assert line["micro_batches"] == (4 if line["config"].endswith("tp2") else 2)  # a TP group shares 8 rows
+        assert line["state_mb_max"] > 0
+    for ranks in result["per_rank"]:
+        assert len(ranks) == 2 and all(r["tokens_per_rank"] == 256 for r in ranks)
+        flops = ranks[0]["flops_per_token"]
+        line = lines[ranks[0]["config"]]
+        assert line["model_tflops_per_gpu"] == pytest.approx(flops * line["tokens_per_s_per_gpu"] / 1e12)
+    assert lines["ddp:adamw"]["vs_ddp_adamw"] == 1.0
+    assert lines["fsdp:muon"]["vs_ddp_adamw"] > 0 and lines["fsdp:adamw"]["vs_ddp_adamw"] > 0
+
+
+def test_scale_toy_layerwise_against_one_gpu(toy):
+    result, stdout = toy
+    line = next(s for s in result["summary"] if s["config"] == "layerwise:muon")
+    assert line["single_gpu_step_ms"] > 0
+    for key in ("opt_step_vs_single_gpu", "vs_ddp_adamw", "state_vs_single_gpu"):
+        assert line[key] > 0, key
+    # two ranks each hold about half of the single-process optimizer state
+    assert 0.4 < line["state_vs_single_gpu"] < 0.6
+    layerwise = next(ranks for ranks in result["per_rank"] if ranks[0]["config"] == "layerwise:muon")
+    assert sum(r["owned_cost_share"] for r in layerwise) == pytest.approx(1.0)  # every matrix has one owner
+    assert all(r["inner_step_ms"] > 0 for r in layerwise)
+    assert "optimizer step" in stdout
+
+
+def test_scale_toy_phases(toy):
+    result, stdout = toy
+    for line in result["summary"]:
+        assert set(line["phases"]) == {"forward", "backward", "clip", "step"}
+        assert all(t["device"] > 0 and t["host"] > 0 for t in line["phases"].values()), line["config"]
+        assert line["phases"]["step"]["device"] == line["opt_step_ms_max"]
+    assert "Step timeline" in stdout
