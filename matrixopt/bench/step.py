@@ -119,6 +119,9 @@ def candidates(ps: ParamSet, device: torch.device) -> dict[str, Candidate | str]
             continue  # plain AdamW is the fused row above; MOP is the slow SVD reference
         if not accepted(name, precondition_frequency=1):
             out[f"matrixopt {name}"] = Candidate(lambda name=name: build_optimizer(ps, name, lr=LR))
+            if name != "muon" and accepted(name, deferred_nonfinite=True):  # Muon's variants follow below
+                out[f"matrixopt {name}, deferred check"] = Candidate(
+                    lambda name=name: build_optimizer(ps, name, lr=LR, deferred_nonfinite=True))
             continue
         for freq in PRECONDITION_FREQUENCIES:  # preconditioning from the first step, roots every freq steps
             hp = {"precondition_frequency": freq} | accepted(name, start_preconditioning_step=1)

@@ -138,7 +138,8 @@ class ShardedMuon(Muon):
         for f in flights:
             Y = f.exchange.wait() if f.exchange is not None else f.Y
             if f.params:  # Y carries each matrix's full update scale already
-                apply_update(f.params, Y, lambda m, n: 1.0, lr, group["weight_decay"], f.transposed)
+                apply_update(f.params, Y, lambda m, n: 1.0, lr, group["weight_decay"], f.transposed,
+                             decay_mode=group["weight_decay_mode"])
 
     def _launch(self, group: dict[str, Any], ps: list[DTensor], gs: list[DTensor]) -> _Flight:
         """Momentum step and packing of one bucket's local shards, and the launch of their owner gather."""

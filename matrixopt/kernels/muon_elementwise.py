@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from matrixopt.kernels._tuning import BackendSwitch
+from matrixopt.kernels.decay import decay_
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the fused kernels read and write
 
@@ -85,14 +86,14 @@ def momentum_pack_reference(grads: Sequence[Tensor], bufs: Sequence[Tensor], out
 
 
 def apply_update_reference(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int], float],
-                           lr: float | Tensor, weight_decay: float, transpose: bool | None = None) -> None:
+                           lr: float | Tensor, weight_decay: float, transpose: bool | None = None,
+                           decay_mode: str = "decoupled") -> None:
     """``muon_fused.apply_update_triton`` with foreach ops (any device, any strides)."""
     params = list(params)
     if isinstance(lr, Tensor):
         lr = lr.to(Y.device)
-    if weight_decay != 0:
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
     ys = [(y.mT if _transposed(p, transpose) else y) for p, y in zip(params, Y.unbind(0))]
+    decay_(params, lr, weight_decay, decay_mode, ys)
     updates = [y.to(p.dtype) * (-scale(*p.shape) * lr) for p, y in zip(params, ys)]  # in the parameter's precision
     torch._foreach_add_(params, updates)
 
@@ -153,18 +154,20 @@ def momentum_pack(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, 
 
 
 def apply_update(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int], float], lr: float | Tensor,
-                 weight_decay: float, transpose: bool | None = None, skip: Tensor | None = None) -> None:
+                 weight_decay: float, transpose: bool | None = None, skip: Tensor | None = None,
+                 decay_mode: str = "decoupled") -> None:
     """``W_i <- (1 - lr wd) W_i - lr scale(m_i, n_i) Y[i]`` (``Y[i]^T`` for tall ``W_i``, or for every ``W_i`` as
-    ``transpose`` says, as in :func:`momentum_pack`), in place.
+    ``transpose`` says, as in :func:`momentum_pack`), in place; the decay in the form ``decay_mode`` names
+    (:mod:`matrixopt.kernels.decay`; ``"cautious"`` masks it by the sign of ``Y[i] * W_i``).
 
     params: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, one float dtype. Y: ``(k, s, l)``, any float
     dtype and strides. lr: a float, or a 0-d tensor (no host sync on the GPU). skip: as in :func:`momentum_pack`."""
     fused = _kernels(_on_gpu(params) and fusable(params))
     if fused:
-        fused.apply_update_triton(params, Y, scale, lr, weight_decay, transpose, skip=skip)
+        fused.apply_update_triton(params, Y, scale, lr, weight_decay, transpose, skip=skip, decay_mode=decay_mode)
     else:
         _no_skip(skip)
-        apply_update_reference(params, Y, scale, lr, weight_decay, transpose)
+        apply_update_reference(params, Y, scale, lr, weight_decay, transpose, decay_mode)
 
 
 def _no_skip(skip: Tensor | None) -> None:

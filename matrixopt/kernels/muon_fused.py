@@ -9,7 +9,8 @@ Before (``momentum_pack``), for every matrix i of a same-shape bucket (gradient 
 
 After (``apply_update``), for every parameter matrix ``W_i`` and Newton–Schulz output ``Y (b, s, l)``::
 
-    W_i <- (1 - lr wd) W_i - lr s(m, n) Y[slot_i]   (Y[slot_i]^T when W_i is tall)
+    W_i <- (1 - lr wd) W_i - lr s(m, n) Y[slot_i]   (Y[slot_i]^T when W_i is tall; the decay's other forms in
+                                                     matrixopt.kernels.decay)
 
 Between them Newton–Schulz divides each stacked matrix by its Frobenius norm (``frobenius_normalize``): one pass
 sums squares per tile in float64 (no overflow or underflow for gradients of any finite scale, and a fixed
@@ -48,6 +49,7 @@ import torch
 from torch import Tensor
 
 from matrixopt.kernels._tuning import import_triton, launch_kernel
+from matrixopt.kernels.decay import WEIGHT_DECAY_MODES, check_weight_decay_mode
 from matrixopt.kernels.muon_elementwise import KERNEL_DTYPES, _dense_layout
 
 triton, tl = import_triton(__name__)
@@ -129,8 +131,8 @@ def _apply_update_kernel(
     lr, weight_decay, scale,
     # 0-d float32 flag read when HAS_SKIP: nonzero leaves every parameter as it is
     skip_ptr,
-    # meta-parameters
-    P_DTYPE: tl.constexpr, LR_PTR: tl.constexpr, TALL: tl.constexpr, HAS_SKIP: tl.constexpr,
+    # meta-parameters; DECAY: 0 decoupled (1 - lr wd), 1 independent (1 - wd), 2 cautious (decoupled where y w >= 0)
+    P_DTYPE: tl.constexpr, LR_PTR: tl.constexpr, TALL: tl.constexpr, HAS_SKIP: tl.constexpr, DECAY: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -156,7 +158,14 @@ def _apply_update_kernel(
         y = tl.load(y_base + offs_r[:, None] * stride_ys + offs_c[None, :] * stride_yl, mask=mask, other=0.0)
     p_ptrs = p_ptr + offs_r[:, None] * p_rs + offs_c[None, :]
     w = tl.load(p_ptrs, mask=mask, other=0.0).to(tl.float32)
-    w = w * (1.0 - lr_value * weight_decay) - (lr_value * scale) * y.to(tl.float32)
+    u = y.to(tl.float32)
+    if DECAY == 1:
+        keep = 1.0 - weight_decay
+    elif DECAY == 2:
+        keep = 1.0 - tl.where(u * w >= 0, lr_value * weight_decay, 0.0)
+    else:
+        keep = 1.0 - lr_value * weight_decay
+    w = w * keep - (lr_value * scale) * u
     tl.store(p_ptrs, w.to(P_DTYPE), mask=mask)
 
 
@@ -294,14 +303,17 @@ def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: T
 
 def apply_update_triton(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int], float], lr: float | Tensor,
                         weight_decay: float, transpose: bool | None = None, *,
-                        tables: Sequence[Tensor] | None = None, skip: Tensor | None = None) -> None:
+                        tables: Sequence[Tensor] | None = None, skip: Tensor | None = None,
+                        decay_mode: str = "decoupled") -> None:
     """``W_i <- (1 - lr wd) W_i - lr scale(m_i, n_i) Y[i]`` (``Y[i]^T`` for tall ``W_i``, or for every ``W_i`` as
     ``transpose`` says), in place, by the Triton kernel.
 
     params: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, all of one dtype, unit column stride.
     Y: ``(k, s, l)``, any float dtype and strides. lr: a float, or a 0-d tensor on Y's device (no host sync).
     tables: device copies of :func:`apply_rows`' tables to read instead (static ones, for CUDA graphs). skip: a
-    0-d float32 device flag; where nonzero at run time, no parameter is written."""
+    0-d float32 device flag; where nonzero at run time, no parameter is written. decay_mode: one of
+    :data:`matrixopt.kernels.decay.WEIGHT_DECAY_MODES`."""
+    check_weight_decay_mode(decay_mode)
     k, s, l = Y.shape
     if len(params) != k:
         raise ValueError(f"apply_update: {len(params)} parameters for a stack of {k}")
@@ -314,7 +326,7 @@ def apply_update_triton(params: Sequence[Tensor], Y: Tensor, scale: Callable[[in
                                    lr if lr_ptr else float(lr), float(weight_decay), float(scale(R, C)),
                                    table if skip is None else skip,
                                    P_DTYPE=_TL_DTYPES[params[0].dtype], LR_PTR=lr_ptr, TALL=tall,
-                                   HAS_SKIP=skip is not None,
+                                   HAS_SKIP=skip is not None, DECAY=WEIGHT_DECAY_MODES.index(decay_mode),
                                    BLOCK_R=TILE_ROWS, BLOCK_C=TILE_COLS, num_warps=TILE_WARPS)
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from matrixopt.kernels.decay import check_weight_decay_mode, decay_
 from matrixopt.optim.adam import adam_direction, adam_moments_
 from matrixopt.optim.nonfinite import (
     NonFinitePolicy,
@@ -54,15 +55,31 @@ def check_betas(betas: Any) -> None:
             raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be in [0, 1))")
 
 
+def check_decay(group: dict[str, Any]) -> None:
+    """The group's ``weight_decay`` (finite, >= 0) and ``weight_decay_mode``."""
+    _check_finite("weight_decay", group["weight_decay"])
+    if group["weight_decay"] < 0:
+        raise ValueError(f"Invalid weight_decay value: {group['weight_decay']} (must be >= 0)")
+    check_weight_decay_mode(group.get("weight_decay_mode", "decoupled"))
+
+
 def check_adamw_group(group: dict[str, Any]) -> None:
     check_lr(group["lr"])
     check_betas(group["betas"])
     _check_finite("epsilon", group["eps"])
     if group["eps"] < 0:
         raise ValueError(f"Invalid epsilon value: {group['eps']} (must be >= 0)")
-    _check_finite("weight_decay", group["weight_decay"])
-    if group["weight_decay"] < 0:
-        raise ValueError(f"Invalid weight_decay value: {group['weight_decay']} (must be >= 0)")
+    check_decay(group)
+
+
+def adamw_group_defaults(lr: Any, weight_decay: float, weight_decay_mode: str, adamw_lr: float | None,
+                         adamw_betas: tuple[float, float], adamw_eps: float,
+                         adamw_weight_decay: float | None) -> dict[str, Any]:
+    """The defaults of a matrix optimizer's AdamW groups: its own lr, weight decay and decay mode unless the
+    ``adamw_*`` arguments set them."""
+    return dict(lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+                weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay,
+                weight_decay_mode=weight_decay_mode)
 
 
 def param_label(group: dict[str, Any], i: int, p: Tensor) -> str:
@@ -120,6 +137,8 @@ class MatrixOptimizer(Optimizer):
             state["nonfinite"].skipped = state.pop("skipped_updates", 0)
         super().__setstate__(state)
         self.__dict__.setdefault("_step_grad_scale", None)
+        for group in self.param_groups:  # pickled before weight_decay_mode existed
+            group.setdefault("weight_decay_mode", "decoupled")
 
     # ----------------------------------------------------------------------------------- param groups
     def _validate_matrix_group(self, group: dict[str, Any]) -> None:
@@ -341,9 +360,10 @@ class MatrixOptimizer(Optimizer):
             exp_avg_sqs.append(st["exp_avg_sq"])
             steps.append(st["step"])
         beta1, beta2 = group["betas"]
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        lr, wd, eps, decay_mode = group["lr"], group["weight_decay"], group["eps"], group["weight_decay_mode"]
         fused_ok = not torch.compiler.is_compiling()  # traced graphs can't functionalize _fused_adamw_
-        fused = fused_ok and all(p.dtype == torch.float32 and g.dtype == torch.float32 for p, g in zip(params, grads))
+        fused = (fused_ok and (decay_mode == "decoupled" or wd == 0)  # the fused kernel decays the decoupled way
+                 and all(p.dtype == torch.float32 and g.dtype == torch.float32 for p, g in zip(params, grads)))
         if skip is not None and not fused:  # the foreach path can't skip on the device: check on the host now
             if self.nonfinite.on_host(skip):
                 return
@@ -360,14 +380,16 @@ class MatrixOptimizer(Optimizer):
                                 weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
                                 grad_scale=None if scale is None else scale.reciprocal(), found_inf=skip)
             return
-        # foreach path (low-precision parameters): float32 math on 0-d step tensors (no host sync)
+        # foreach path (low-precision parameters, other decay modes): float32 math on 0-d step tensors (no host sync)
         g32 = [g.float() for g in grads]
         if scale is not None:
             g32 = torch._foreach_mul(g32, scale)
         adam_moments_(exp_avgs, exp_avg_sqs, g32, group["betas"])
-        for p, d in zip(params, adam_direction(exp_avgs, exp_avg_sqs, steps, group["betas"], eps, lr)):
-            p32 = p.float().mul_(1 - lr * wd)
-            p.copy_(p32.sub_(d))
+        directions = adam_direction(exp_avgs, exp_avg_sqs, steps, group["betas"], eps, lr)
+        p32 = [p.float() for p in params]
+        decay_(p32, lr, wd, decay_mode, directions)
+        for p, q, d in zip(params, p32, directions):
+            p.copy_(q.sub_(d))
 
     # ----------------------------------------------------------------------------------- state_dict
     def state_dict(self) -> dict[str, Any]:
@@ -422,4 +444,4 @@ class MatrixOptimizer(Optimizer):
 
     _shaped_state_keys = ("exp_avg", "exp_avg_sq", "momentum_buffer")
     # group options newer than some saved state dicts: loading one without them keeps this optimizer's values
-    _added_options: tuple[str, ...] = ()
+    _added_options: tuple[str, ...] = ("weight_decay_mode",)

@@ -13,8 +13,9 @@ step to step is read at run time, so one capture serves every step:
 - whether to skip the step (the optimizer's deferred non-finite check): both fused kernels read a 0-d device flag;
 - the gradient clipping coefficient deferred into the step: the momentum pass reads it (1 without clipping).
 
-Everything else (shapes, dtypes, momentum, Nesterov, weight decay, the Newton–Schulz schedule and update scaling)
-is part of the graph; :class:`matrixopt.Muon` keys its graphs on them and captures anew when one changes.
+Everything else (shapes, dtypes, momentum, Nesterov, weight decay and its mode, the Newton–Schulz schedule and
+update scaling) is part of the graph; :class:`matrixopt.Muon` keys its graphs on them and captures anew when one
+changes.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class CapturedMuonStep:
 
     def __init__(self, buckets: list[Bucket], *, momentum: float, nesterov: bool,
                  fn: Callable[[Tensor, Tensor | None], Tensor], dtype: torch.dtype, scale: Callable[[int, int], float],
-                 weight_decay: float) -> None:
+                 weight_decay: float, decay_mode: str = "decoupled") -> None:
         from matrixopt.kernels import muon_fused
 
         self._fused = muon_fused
@@ -62,7 +63,7 @@ class CapturedMuonStep:
                                                 skip=skip_all, parts=parts, grad_scale=self.grad_scale)
                 Y = fn(X, parts)
                 muon_fused.apply_update_triton(bk.params, Y, scale, self.lr, 0.0, tables=apply_tables,
-                                               skip=self.skip)
+                                               skip=self.skip, decay_mode=decay_mode)
         torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
         self.graph = torch.cuda.CUDAGraph()
@@ -74,7 +75,7 @@ class CapturedMuonStep:
                 muon_fused.momentum_pack_triton(bk.grads, bk.bufs, X, momentum, nesterov, tables=pack_tables,
                                                 skip=self.skip, parts=parts, grad_scale=self.grad_scale)
                 muon_fused.apply_update_triton(bk.params, fn(X, parts), scale, self.lr, weight_decay,
-                                               tables=apply_tables, skip=self.skip)
+                                               tables=apply_tables, skip=self.skip, decay_mode=decay_mode)
 
     def _layout(self, bk: Bucket) -> tuple[list, list]:
         """The pack and update tables' rows for this step's tensors."""

@@ -86,48 +86,85 @@ class Bucket:
     params: list[Tensor] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
     bufs: list[Tensor] = field(default_factory=list)
+    extra: list[Tensor] = field(default_factory=list)
+    """Views of further per-matrix state in stack order, where the optimizer keeps some (NorMuon's per-row and
+    AdaMuon's per-element second moments): each laid out as its matrix lies, e.g. ``(m,)`` or ``(m, n)``."""
+
+    def tall(self, i: int) -> bool:
+        """Whether matrix i lies transposed in the stack (its rows are the stack's columns)."""
+        return self.params[i].shape[-2] > self.params[i].shape[-1]
 
 
-def momentum_buckets(params: list[Tensor], grads: list[Tensor],
-                     bufs: list[Tensor]) -> tuple[list[Bucket], list[tuple[Tensor, Tensor]]]:
+def momentum_buckets(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor],
+                     extras: list[list[Tensor]] | None = None) -> tuple[list[Bucket], list[tuple[Tensor, Tensor]]]:
     """Every ``(m, n)`` matrix piece of every parameter, grouped by ``(s, l) = (min(m, n), max(m, n))``, gradient
     dtype, parameter dtype and device. Also returns ``(tensor, contiguous copy)`` pairs for parameters or momentum
     buffers without an aliasing matrix view (e.g. a channels_last conv kernel): the pieces view the copies, which
-    the caller writes back after the step."""
+    the caller writes back after the step. ``extras``: per parameter, views of further state, one per matrix
+    piece in :func:`matrix_pieces` order (a stacked-experts piece carries E in front), which the buckets carry in
+    ``extra``."""
     buckets: dict[tuple, Bucket] = {}
     copies = []
-    for p, g, b in zip(params, grads, bufs):
+    for j, (p, g, b) in enumerate(zip(params, grads, bufs)):
         targets = []
         for t in (p, b):
             if not (t.ndim == 2 or getattr(p, _EXPERTS, False) or t.is_contiguous()):
                 copies.append((t, t.contiguous()))
                 t = copies[-1][1]
             targets.append(t)
-        for pp, gp, bp in zip(matrix_pieces(p, targets[0]), matrix_pieces(p, g), matrix_pieces(p, targets[1])):
+        pieces = matrix_pieces(p, targets[0])
+        extra = extras[j] if extras is not None else [None] * len(pieces)
+        for pp, gp, bp, xp in zip(pieces, matrix_pieces(p, g), matrix_pieces(p, targets[1]), extra):
             m, n = pp.shape[-2:]
             key = (min(m, n), max(m, n), g.dtype, p.dtype, p.device)
             if key not in buckets:
                 buckets[key] = Bucket(key[0], key[1], p.device)
             bucket = buckets[key]
-            if pp.ndim == 3:  # stacked experts: E matrices
-                bucket.params.extend(pp.unbind(0))
-                bucket.grads.extend(gp.unbind(0))
-                bucket.bufs.extend(bp.unbind(0))
-            else:
-                bucket.params.append(pp)
-                bucket.grads.append(gp)
-                bucket.bufs.append(bp)
+            experts = pp.ndim == 3  # stacked experts: E matrices
+            bucket.params.extend(pp.unbind(0) if experts else [pp])
+            bucket.grads.extend(gp.unbind(0) if experts else [gp])
+            bucket.bufs.extend(bp.unbind(0) if experts else [bp])
+            if xp is not None:
+                bucket.extra.extend(xp.unbind(0) if experts else [xp])
     return list(buckets.values()), copies
+
+
+def row_state(param: Tensor) -> Tensor:
+    """Zeros (float32, on ``param``'s device) for one value per row of each matrix ``param`` is made of:
+    ``(m,)`` for a matrix (rows of the matrix view), ``(E, m)`` for stacked experts, with a leading dim of the
+    pieces for a weight split along its columns (:func:`mark_split` with dim 1). :func:`row_pieces` views it."""
+    lead = (param.shape[0],) if getattr(param, _EXPERTS, False) else ()
+    split = getattr(param, _SPLIT, None)
+    if split is not None and split[0] == 1:
+        lead = (len(split[1]), *lead)
+    return torch.zeros((*lead, matrix_shape(param)[0]), dtype=torch.float32, device=param.device)
+
+
+def row_pieces(param: Tensor, t: Tensor) -> list[Tensor]:
+    """Views of ``t`` (from :func:`row_state`) per matrix piece, in :func:`matrix_pieces` order: ``(m_i,)``, or
+    ``(E, m_i)`` for stacked experts."""
+    split = getattr(param, _SPLIT, None)
+    if split is None:
+        return [t]
+    dim, sizes = split
+    return list(t.split(sizes, dim=-1)) if dim == 0 else list(t.unbind(0))
 
 
 def orthogonalized_momentum_step(buckets: list[Bucket], copies: list[tuple[Tensor, Tensor]], *, momentum: float,
                                  nesterov: bool, fn: Callable[[Tensor, Tensor | None], Tensor], dtype: torch.dtype,
                                  scale: Callable[[int, int], float], lr: float | Tensor, weight_decay: float,
-                                 skip: Tensor | None = None, grad_scale: Tensor | None = None) -> None:
+                                 decay_mode: str = "decoupled", skip: Tensor | None = None,
+                                 grad_scale: Tensor | None = None,
+                                 adapt: Callable[[Bucket, Tensor, Tensor | None], Tensor] | None = None) -> None:
     """Muon's step on every ``(m, n)`` matrix piece of :func:`momentum_buckets`' buckets, one batch per bucket:
 
         B <- mu B + (1 - mu) G;   U = G + mu (B - G) (Nesterov) or B
-        W <- (1 - lr weight_decay) W - lr scale(m, n) fn(U)
+        W <- (1 - lr weight_decay) W - lr scale(m, n) adapt(fn(U))
+
+    (the decay in the form ``decay_mode`` names, :mod:`matrixopt.kernels.decay`). ``adapt``: None, or
+    ``adapt(bucket, Y, skip)``, the map of each bucket's orthogonalized stack ``Y (b, s, l)`` to the update to
+    apply, same shape (NorMuon's and AdaMuon's second moments, :mod:`matrixopt.optim.adaptive`); it may update the
+    bucket's ``extra`` state views, and must leave them as they were where ``skip`` is nonzero.
 
     The buckets' momentum views (float32) and parameter views are updated in place, and ``copies`` written back.
     ``fn`` maps a stack ``(b, s, l)`` of updates laid out short side first (tall pieces transposed), in ``dtype``,
@@ -147,6 +184,9 @@ def orthogonalized_momentum_step(buckets: list[Bucket], copies: list[tuple[Tenso
     for bk in buckets:
         X = torch.empty((len(bk.params), bk.s, bk.l), dtype=dtype, device=bk.device)
         parts = momentum_pack(bk.grads, bk.bufs, X, momentum, nesterov, skip=skip, grad_scale=grad_scale)
-        apply_update(bk.params, fn(X, parts), scale, lr, weight_decay, skip=skip)
+        Y = fn(X, parts)
+        if adapt is not None:
+            Y = adapt(bk, Y, skip)
+        apply_update(bk.params, Y, scale, lr, weight_decay, skip=skip, decay_mode=decay_mode)
     for t, c in copies:
         t.copy_(c)

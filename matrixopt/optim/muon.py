@@ -22,7 +22,7 @@ weight decay), so one object works with LR schedulers, gradient clipping and tra
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from torch import Tensor
 
 from matrixopt.kernels import muon_elementwise
 from matrixopt.linalg.ortho import DEFAULT_SCHEDULE, NewtonSchulzConfig, newton_schulz_short_side, polar
-from matrixopt.optim.base import MatrixOptimizer, _check_finite, check_lr
+from matrixopt.optim.base import MatrixOptimizer, _check_finite, adamw_group_defaults, check_decay, check_lr
 from matrixopt.optim.graphed import CapturedMuonStep
 from matrixopt.optim.layout import Bucket, momentum_buckets, orthogonalized_momentum_step
 
@@ -67,7 +67,10 @@ class Muon(MatrixOptimizer):
             ``use_muon=False`` is updated by AdamW. Use :func:`matrixopt.param_groups` to route a model.
         lr: learning rate (default 1e-3: with ``scaling="match_adamw"`` an AdamW learning rate works).
         momentum: in [0, 1) (default 0.95). nesterov: Nesterov momentum (default True).
-        weight_decay: decoupled weight decay (default 0.01).
+        weight_decay: weight decay (default 0.01), in the form ``weight_decay_mode`` names: "decoupled" (default,
+            ``W *= 1 - lr * weight_decay``), "independent" (``W *= 1 - weight_decay``) or "cautious" (decoupled,
+            only where the update and the weight agree in sign; :mod:`matrixopt.kernels.decay`), for the matrix
+            and the AdamW groups.
         ns_steps: Newton–Schulz iterations (default 5).
         ns_coefficients: "modded_nanogpt" (default: modded-nanogpt's 5-step table), "quintic" (Keller Jordan's
             (3.4445, -4.7750, 2.0315), torch.optim.Muon's default), "polar_express", "cans" or a list of (a, b, c)
@@ -104,7 +107,7 @@ class Muon(MatrixOptimizer):
     """
 
     cuda_graph = False  # MOP and optimizers unpickled from before the option keep the eager step
-    _added_options = ("ns_method",)
+    _added_options = ("ns_method", "weight_decay_mode")
 
     def __init__(self, params: Iterable[Any], lr: float | Tensor = 1e-3, momentum: float = 0.95,
                  nesterov: bool = True, weight_decay: float = 0.01, ns_steps: int = 5,
@@ -112,12 +115,14 @@ class Muon(MatrixOptimizer):
                  scaling: str = "match_adamw", *, adamw_lr: float | None = None,
                  adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None, skip_nonfinite: bool = False,
-                 deferred_nonfinite: bool = False, cuda_graph: bool = False, ns_method: str = "auto") -> None:
+                 deferred_nonfinite: bool = False, cuda_graph: bool = False, ns_method: str = "auto",
+                 weight_decay_mode: str = "decoupled") -> None:
         matrix_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                               ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
-                               ns_method=ns_method, scaling=scaling)
-        adamw_defaults = dict(lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
-                              weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
+                               weight_decay_mode=weight_decay_mode, ns_steps=ns_steps,
+                               ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, ns_method=ns_method,
+                               scaling=scaling)
+        adamw_defaults = adamw_group_defaults(lr, weight_decay, weight_decay_mode, adamw_lr, adamw_betas,
+                                              adamw_eps, adamw_weight_decay)
         self.cuda_graph = bool(cuda_graph)
         # the fused kernels (and the captured step) skip on the deferred check's flag; the momentum pass applies
         # clip_grad_norm_'s coefficient as it reads a gradient
@@ -133,9 +138,7 @@ class Muon(MatrixOptimizer):
         _check_finite("momentum", mu)
         if not 0.0 <= mu < 1.0:
             raise ValueError(f"Invalid momentum value: {mu} (must be in [0, 1))")
-        _check_finite("weight_decay", group["weight_decay"])
-        if group["weight_decay"] < 0:
-            raise ValueError(f"Invalid weight_decay value: {group['weight_decay']} (must be >= 0)")
+        check_decay(group)
         if group["scaling"] not in SCALINGS:
             raise ValueError(f"Unknown update scaling {group['scaling']!r}; use one of {SCALINGS}")
         self._validate_orthogonalizer(group)
@@ -173,7 +176,8 @@ class Muon(MatrixOptimizer):
         fingerprint = _fingerprint([*params, *grads, *bufs]) if self.cuda_graph and params[0].is_cuda else None
         if fingerprint is not None and self._replay_again(group, params, grads, fingerprint, skip):
             return
-        buckets, copies = momentum_buckets(params, grads, bufs)
+        extras, adapt = self._adaptation(group, params)
+        buckets, copies = momentum_buckets(params, grads, bufs, extras)
         # whether every bucket suits the fused kernels, judged once per step (the graph and the skip both ask)
         fusable = not copies and all(muon_elementwise.fusable(bk.params, bk.grads, bk.bufs) for bk in buckets)
         if skip is not None and not (fusable and all(muon_elementwise.skips_on_device(bk.params) for bk in buckets)):
@@ -184,11 +188,20 @@ class Muon(MatrixOptimizer):
         step = dict(momentum=group["momentum"], nesterov=group["nesterov"],
                     fn=lambda X, parts: self._orthogonalize(group, X, parts),
                     dtype=self._stack_dtype(group, params[0].device),
-                    scale=lambda m, n: update_scale(group["scaling"], m, n), weight_decay=group["weight_decay"])
+                    scale=lambda m, n: update_scale(group["scaling"], m, n), weight_decay=group["weight_decay"],
+                    decay_mode=group["weight_decay_mode"])
         grad_scale = self._step_grad_scale
-        if not (self.cuda_graph and fusable
+        if not (self.cuda_graph and fusable and adapt is None
                 and self._graph_step(group, params, grads, buckets, lr, skip, grad_scale, step, fingerprint)):
-            orthogonalized_momentum_step(buckets, copies, lr=lr, skip=skip, grad_scale=grad_scale, **step)
+            orthogonalized_momentum_step(buckets, copies, lr=lr, skip=skip, grad_scale=grad_scale, adapt=adapt,
+                                         **step)
+
+    def _adaptation(self, group: dict[str, Any],
+                    params: list[Tensor]) -> tuple[list[list[Tensor]] | None, Callable[..., Tensor] | None]:
+        """``(extras, adapt)`` for :func:`~matrixopt.optim.layout.orthogonalized_momentum_step`: per parameter the
+        views of further state its buckets carry, and the map of each orthogonalized stack to the update; Muon
+        has neither (NorMuon and AdaMuon do, :mod:`matrixopt.optim.adaptive`)."""
+        return None, None
 
     _MAX_GRAPHS = 8  # captured steps kept per optimizer (one per set of parameters with gradients and settings)
 
@@ -196,7 +209,8 @@ class Muon(MatrixOptimizer):
     def _graph_key(group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> tuple:
         """What a captured step is specific to: the parameters, the gradients' dtypes and the group's settings."""
         return (id(group), tuple(map(id, params)), tuple(g.dtype for g in grads), group["momentum"],
-                group["nesterov"], group["weight_decay"], group["scaling"], ns_config(group))
+                group["nesterov"], group["weight_decay"], group["weight_decay_mode"], group["scaling"],
+                ns_config(group))
 
     def _graph_step(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], buckets: list[Bucket],
                     lr: float | Tensor, skip: Tensor | None, grad_scale: Tensor | None, step: dict[str, Any],
@@ -249,11 +263,11 @@ class MOP(Muon):
                  nesterov: bool = True, weight_decay: float = 0.01, scaling: str = "match_adamw", *,
                  adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.999),
                  adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None,
-                 skip_nonfinite: bool = False) -> None:
+                 skip_nonfinite: bool = False, weight_decay_mode: str = "decoupled") -> None:
         matrix_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                               scaling=scaling)
-        adamw_defaults = dict(lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
-                              weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
+                               weight_decay_mode=weight_decay_mode, scaling=scaling)
+        adamw_defaults = adamw_group_defaults(lr, weight_decay, weight_decay_mode, adamw_lr, adamw_betas,
+                                              adamw_eps, adamw_weight_decay)
         MatrixOptimizer.__init__(self, params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
                                  clip_in_step=True)
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from matrixopt.optim.adaptive import AdaMuon, NorMuon
 from matrixopt.optim.muon import MOP, Muon
 from matrixopt.optim.routing import param_groups, routing_summary
 from matrixopt.optim.shampoo import Shampoo
@@ -44,6 +45,8 @@ adamw.matrix_flag = None  # type: ignore[attr-defined]
 register_optimizer("adamw", adamw)
 register_optimizer("muon", Muon)
 register_optimizer("mop", MOP)
+register_optimizer("normuon", NorMuon)
+register_optimizer("adamuon", AdaMuon)
 register_optimizer("shampoo", Shampoo)
 register_optimizer("soap", SOAP)
 

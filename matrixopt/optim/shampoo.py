@@ -55,9 +55,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from matrixopt.kernels.decay import decay_
 from matrixopt.linalg.roots import InverseRootConfig, fall_back, inverse_root, newton_inverse_root
 from matrixopt.optim.adam import adam_direction, adam_moments_
-from matrixopt.optim.base import MatrixOptimizer, _check_finite, check_betas, check_lr
+from matrixopt.optim.base import (
+    MatrixOptimizer,
+    _check_finite,
+    adamw_group_defaults,
+    check_betas,
+    check_decay,
+    check_lr,
+)
 from matrixopt.optim.layout import matrix_pieces
 
 GRAFTINGS = ("adam", "none")
@@ -173,10 +181,10 @@ class KroneckerOptimizer(MatrixOptimizer):
             if not 0.0 <= sb <= 1.0:
                 raise ValueError(f"Invalid shampoo_beta: {sb} (must be in [0, 1]; 1 sums the factors; None uses "
                                  f"betas[1])")
-        for name, lo in (("eps", 0.0), ("weight_decay", 0.0)):
-            _check_finite(name, group[name])
-            if group[name] < lo:
-                raise ValueError(f"Invalid {name} value: {group[name]} (must be >= {lo})")
+        _check_finite("eps", group["eps"])
+        if group["eps"] < 0:
+            raise ValueError(f"Invalid eps value: {group['eps']} (must be >= 0.0)")
+        check_decay(group)
         _check_finite("damping", group["damping"])
         if not 0.0 <= group["damping"] < 1.0:
             raise ValueError(f"Invalid damping: {group['damping']} (relative to the largest eigenvalue; must be in "
@@ -306,25 +314,20 @@ class KroneckerOptimizer(MatrixOptimizer):
     # ----------------------------------------------------------------------------------- helpers
     @staticmethod
     def _apply(group: dict[str, Any], params: list[Tensor], updates: list[Tensor]) -> None:
-        """``W = (1 - lr wd) W - lr U`` over the list (U float32, cast to each parameter's dtype; not modified)."""
+        """``W = (1 - lr wd) W - lr U`` over the list (U float32, cast to each parameter's dtype; not modified), the
+        decay in the group's ``weight_decay_mode``."""
         lr, wd = group["lr"], group["weight_decay"]
+        decay_(params, lr.to(params[0].device) if isinstance(lr, Tensor) else lr, wd, group["weight_decay_mode"],
+               updates)
         if isinstance(lr, Tensor):
             lr = lr.to(params[0].device)
             updates = torch._foreach_mul(updates, lr)
             alpha = -1.0
         else:
             alpha = -lr
-        if wd != 0:
-            torch._foreach_mul_(params, 1 - lr * wd)
         same = all(u.dtype == p.dtype for u, p in zip(updates, params))
         torch._foreach_add_(params, updates if same else [u.to(p.dtype) for u, p in zip(updates, params)],
                             alpha=alpha)
-
-
-def _kronecker_defaults(lr: Any, weight_decay: float, adamw_lr: float | None, adamw_betas: tuple[float, float],
-                        adamw_eps: float, adamw_weight_decay: float | None) -> dict[str, Any]:
-    return dict(lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
-                weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
 
 
 # ----------------------------------------------------------------------------------------------- Shampoo
@@ -339,7 +342,9 @@ class Shampoo(KroneckerOptimizer):
             (default (0.9, 0.999)).
         shampoo_beta: decay of the factors L and R in [0, 1]; 1 sums them (AdaGrad-style); None (default) uses
             ``betas[1]``.
-        eps: Adam-graft epsilon (default 1e-8). weight_decay: decoupled weight decay (default 0.01).
+        eps: Adam-graft epsilon (default 1e-8). weight_decay: weight decay (default 0.01).
+        weight_decay_mode: "decoupled" (default), "independent" or "cautious" (:mod:`matrixopt.kernels.decay`), for
+            the matrix and the AdamW groups.
         nesterov: Nesterov momentum (default True).
         precondition_frequency: roots recomputed every this many steps (default 10); stale roots in between.
         start_preconditioning_step: first step that uses the roots (default None: ``precondition_frequency``).
@@ -369,10 +374,11 @@ class Shampoo(KroneckerOptimizer):
                  factor_dtype: torch.dtype = torch.float32, root_config: InverseRootConfig | None = None,
                  side_stream: bool = False, *, adamw_lr: float | None = None,
                  adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
-                 adamw_weight_decay: float | None = None, skip_nonfinite: bool = False) -> None:
+                 adamw_weight_decay: float | None = None, skip_nonfinite: bool = False,
+                 weight_decay_mode: str = "decoupled") -> None:
         matrix_defaults = dict(
             lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
-            nesterov=nesterov, precondition_frequency=precondition_frequency,
+            weight_decay_mode=weight_decay_mode, nesterov=nesterov, precondition_frequency=precondition_frequency,
             start_preconditioning_step=(precondition_frequency if start_preconditioning_step is None
                                         else start_preconditioning_step),
             inverse_root=inverse_root, damping=damping, grafting=grafting,
@@ -382,7 +388,8 @@ class Shampoo(KroneckerOptimizer):
             raise ValueError(f"Invalid root_config: {root_config!r} (must be an InverseRootConfig)")
         root_config = root_config or InverseRootConfig()  # stored as plain numbers: torch.load(weights_only=True)
         matrix_defaults.update(root_max_iters=root_config.max_iters, root_tolerance=root_config.tolerance)
-        adamw_defaults = _kronecker_defaults(lr, weight_decay, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay)
+        adamw_defaults = adamw_group_defaults(lr, weight_decay, weight_decay_mode, adamw_lr, adamw_betas, adamw_eps,
+                                              adamw_weight_decay)
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite)
 
     def _validate_matrix_group(self, group: dict[str, Any]) -> None:

@@ -53,7 +53,8 @@ from torch import Tensor
 
 from matrixopt.linalg.roots import eigenbasis, refresh_eigenbasis
 from matrixopt.optim.adam import adam_direction, adam_moments_
-from matrixopt.optim.shampoo import Block, KroneckerOptimizer, Layout, _kronecker_defaults, accumulate, block_views
+from matrixopt.optim.base import adamw_group_defaults
+from matrixopt.optim.shampoo import Block, KroneckerOptimizer, Layout, accumulate, block_views
 
 FACTOR_UPDATES = ("shampoo", "kl")
 
@@ -79,7 +80,8 @@ class SOAP(KroneckerOptimizer):
         lr: learning rate (default 3e-3, the paper's). betas: Adam's (beta1, beta2), each in [0, 1)
             (default (0.95, 0.95), the paper's).
         shampoo_beta: decay of the factors in [0, 1] (1 sums them); None (default) uses ``betas[1]``.
-        eps: Adam epsilon (default 1e-8). weight_decay: decoupled weight decay (default 0.01).
+        eps: Adam epsilon (default 1e-8). weight_decay: weight decay (default 0.01).
+        weight_decay_mode: as in :class:`matrixopt.Shampoo`.
         precondition_frequency: eigenbases refreshed every this many steps (default 10).
         factor_update: "shampoo" (default) or "kl" (KL-Shampoo factor updates, see the module docstring).
         damping: relative damping of the eigenvalue estimates of ``factor_update="kl"`` (default 1e-6).
@@ -104,13 +106,15 @@ class SOAP(KroneckerOptimizer):
                  factor_dtype: torch.dtype = torch.float32, side_stream: bool = False, *,
                  adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.999),
                  adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None,
-                 skip_nonfinite: bool = False) -> None:
+                 skip_nonfinite: bool = False, weight_decay_mode: str = "decoupled") -> None:
         matrix_defaults = dict(
             lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
-            precondition_frequency=precondition_frequency, factor_update=factor_update, damping=damping,
+            weight_decay_mode=weight_decay_mode, precondition_frequency=precondition_frequency,
+            factor_update=factor_update, damping=damping,
             max_preconditioner_dim=max_preconditioner_dim, one_sided_ratio=one_sided_ratio,
             factor_dtype=factor_dtype, side_stream=side_stream)
-        adamw_defaults = _kronecker_defaults(lr, weight_decay, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay)
+        adamw_defaults = adamw_group_defaults(lr, weight_decay, weight_decay_mode, adamw_lr, adamw_betas, adamw_eps,
+                                              adamw_weight_decay)
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite)
 
     def _validate_matrix_group(self, group: dict[str, Any]) -> None:

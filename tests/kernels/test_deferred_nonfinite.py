@@ -13,16 +13,17 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CPU tensors through Triton's interpreter; on a GPU see test_gpu.py")
 
-from matrixopt import Muon, NonFiniteGradientError  # noqa: E402
+from matrixopt import AdaMuon, Muon, NonFiniteGradientError, NorMuon  # noqa: E402
 from matrixopt.kernels import muon_fused as fused  # noqa: E402
 from matrixopt.kernels.muon_elementwise import elementwise_backend  # noqa: E402
 
 
-def _setup(deferred, cuda_graph=False):
+def _setup(deferred, cuda_graph=False, cls=Muon):
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(16, 24)), nn.Parameter(torch.randn(24, 16)), nn.Parameter(torch.randn(16))]
-    opt = Muon([{"params": params[:2]}, {"params": params[2:], "use_muon": False}], lr=0.05, weight_decay=0.1,
-               deferred_nonfinite=deferred, cuda_graph=cuda_graph)
+    graph = {"cuda_graph": cuda_graph} if cls is Muon else {}
+    opt = cls([{"params": params[:2]}, {"params": params[2:], "use_muon": False}], lr=0.05, weight_decay=0.1,
+              deferred_nonfinite=deferred, **graph)
     return params, opt
 
 
@@ -38,10 +39,12 @@ def _snapshot(params, opt):
     return [p.detach().clone() for p in params] + [v.clone() for st in opt.state.values() for v in st.values()]
 
 
-def test_a_bad_step_writes_nothing_raises_next_and_the_run_goes_on():
+@pytest.mark.parametrize("cls", [Muon, NorMuon, AdaMuon])
+def test_a_bad_step_writes_nothing_raises_next_and_the_run_goes_on(cls):
+    """Also NorMuon's and AdaMuon's second moments: a skipped step leaves them as they were."""
     with elementwise_backend("triton"):
-        params, opt = _setup(True)
-        ref_params, ref = _setup(False)
+        params, opt = _setup(True, cls=cls)
+        ref_params, ref = _setup(False, cls=cls)
         for seed in range(2):
             for ps, o in ((params, opt), (ref_params, ref)):
                 _set_grads(ps, seed)

@@ -79,19 +79,27 @@ def test_momentum_pack_reads_gradients_scaled():
 
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tensor_lr", [False, True])
-def test_apply_update_matches_float64(param_dtype, tensor_lr):
+@pytest.mark.parametrize("decay_mode", ["decoupled", "independent", "cautious"])
+def test_apply_update_matches_float64(param_dtype, tensor_lr, decay_mode):
     torch.manual_seed(1)
     params = [torch.randn(s).to(param_dtype) for s in shapes()]
     before = [p.double() for p in params]
     Y = torch.randn(len(params), L, S).bfloat16().mT  # a transposed (k, S, L) view: strides are honoured
     lr, wd = 0.03, 0.1
     scale = lambda m, n: math.sqrt(m / n)  # noqa: E731  (differs between the orientations)
-    fused.apply_update_triton(params, Y, scale, torch.tensor(lr) if tensor_lr else lr, wd)
+    fused.apply_update_triton(params, Y, scale, torch.tensor(lr) if tensor_lr else lr, wd, decay_mode=decay_mode)
     for i, (p, w) in enumerate(zip(params, before)):
         m, n = p.shape
         y = Y[i].double()
-        ref = (1 - lr * wd) * w - lr * scale(m, n) * (y.mT if m > n else y)
+        y = y.mT if m > n else y
+        keep = {"decoupled": 1 - lr * wd, "independent": 1 - wd,
+                "cautious": 1 - lr * wd * (y * w >= 0)}[decay_mode]  # cautious: where the update agrees in sign
+        ref = keep * w - lr * scale(m, n) * y
         torch.testing.assert_close(p.double(), ref, **(FP32_TOL if param_dtype == torch.float32 else BF16_TOL))
+        if param_dtype == torch.float32:  # the torch reference rounds bf16 twice (decay, then update)
+            reference = before[i].float()
+            ew.apply_update_reference([reference], Y[i:i + 1], scale, lr, wd, decay_mode=decay_mode)
+            torch.testing.assert_close(reference.double(), ref, **FP32_TOL)
 
 
 @pytest.mark.parametrize("transpose", [False, True])

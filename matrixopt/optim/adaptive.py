@@ -1,0 +1,220 @@
+r"""NorMuon and AdaMuon: Muon's orthogonalized update, normalized by a second moment kept on it.
+
+For a matrix parameter :math:`W \in \mathbb{R}^{m \times n}` (``(out, in)``) with gradient :math:`G_t`, both keep
+Muon's momentum and orthogonalization (:mod:`matrixopt.optim.muon`):
+
+.. math::
+    B_t = \mu B_{t-1} + (1 - \mu) G_t, \qquad U_t = (1 - \mu) G_t + \mu B_t \text{ (Nesterov) or } B_t,
+    \qquad O_t = \mathrm{NS}(U_t)
+
+**NorMuon** (Li et al., "NorMuon: Making Muon more efficient and scalable", arXiv:2510.05491) keeps one second
+moment per neuron (row of W, an output feature):
+
+.. math::
+    v_t = \beta_2 v_{t-1} + (1 - \beta_2)\, \mathrm{mean}_{\mathrm{cols}}(O_t \odot O_t) \in \mathbb{R}^m,
+    \qquad \hat O_t = \mathrm{diag}(\sqrt{v_t} + \epsilon)^{-1} O_t
+
+**AdaMuon** (Si et al., "AdaMuon: Adaptive Muon Optimizer", arXiv:2507.11005) orthogonalizes the momentum's
+sign (its sign-stabilized form, ``sign_stabilize=True``) and keeps an element-wise second moment:
+
+.. math::
+    O_t = \mathrm{NS}(\mathrm{sign}(U_t)), \qquad V_t = \beta_2 V_{t-1} + (1 - \beta_2)\, O_t \odot O_t,
+    \qquad \hat O_t = O_t \oslash (\sqrt{V_t} + \epsilon)
+
+Both then align the update's size with an orthogonal matrix's (Frobenius norm :math:`\sqrt{\min(m, n)}`) and
+apply Muon's update scaling :math:`s(m, n)` and weight decay:
+
+.. math::
+    W_t = W_{t-1} - \eta\lambda W_{t-1} - \eta\, s(m, n) \sqrt{\min(m, n)}\, \hat O_t / \|\hat O_t\|_F
+
+With the default ``scaling="match_adamw"``, :math:`s = 0.2\sqrt{\max(m, n)}`, this is both papers' RMS-aligned
+step :math:`0.2\,\eta \sqrt{mn}\, \hat O_t / \|\hat O_t\|_F` (update RMS 0.2, as AdamW's), so AdamW's learning
+rate transfers. There is no bias correction: the normalization by the Frobenius norm removes any common scale
+of :math:`v_t`, and the papers have none. Orthogonalizing a sign matrix makes AdaMuon's Newton–Schulz input
+scale-free (every entry ±1 or 0).
+
+The second moments are float32 state, ``row_second_moment`` (NorMuon: one value per row of each matrix piece,
+:func:`matrixopt.optim.layout.row_state`) and ``exp_avg_sq`` (AdaMuon: the parameter's shape). Same-shape
+matrices are still orthogonalized as one batch; the normalization is batched too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from matrixopt.linalg.ortho import DEFAULT_SCHEDULE, newton_schulz_short_side
+from matrixopt.optim.base import _check_finite
+from matrixopt.optim.layout import Bucket, matrix_pieces, row_pieces, row_state
+from matrixopt.optim.muon import Muon, ns_config
+
+
+def _rms_align(O: Tensor) -> Tensor:
+    """Each matrix of ``O (b, s, l)`` scaled to Frobenius norm sqrt(s), that of an orthogonal ``(s, l)`` matrix
+    (a zero matrix stays zero). Float32."""
+    norm = torch.linalg.vector_norm(O, dim=(-2, -1), keepdim=True)
+    return O * torch.where(norm > 0, O.shape[-2] ** 0.5 / norm, 0.0)
+
+
+class _SecondMomentMuon(Muon):
+    """Muon with a second moment on the orthogonalized update (module docstring); subclasses say where it lives
+    (``_second_moment``) and how it normalizes a bucket's stack (``_normalize``)."""
+
+    _state_key: str
+
+    def __init__(self, params: Iterable[Any], lr: float | Tensor = 1e-3, momentum: float = 0.95,
+                 beta2: float = 0.95, eps: float = 1e-8, nesterov: bool = True, weight_decay: float = 0.01,
+                 ns_steps: int = 5, ns_coefficients: Any = DEFAULT_SCHEDULE, ns_dtype: torch.dtype | None = None,
+                 scaling: str = "match_adamw", *, weight_decay_mode: str = "decoupled", ns_method: str = "auto",
+                 adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.999),
+                 adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None, skip_nonfinite: bool = False,
+                 deferred_nonfinite: bool = False, **options: Any) -> None:
+        self._extra_defaults = dict(beta2=beta2, eps=eps) | self._options(dict(options))
+        super().__init__(params, lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, ns_dtype, scaling,
+                         adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+                         adamw_weight_decay=adamw_weight_decay, skip_nonfinite=skip_nonfinite,
+                         deferred_nonfinite=deferred_nonfinite, ns_method=ns_method,
+                         weight_decay_mode=weight_decay_mode)
+
+    def _options(self, given: dict[str, Any]) -> dict[str, Any]:
+        """The subclass's own matrix-group options, from the constructor's keyword arguments ``given``, with their
+        defaults; an argument no option takes raises TypeError."""
+        if given:
+            raise TypeError(f"{type(self).__name__} got unexpected keyword arguments: {', '.join(given)}")
+        return {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return super().__getstate__() | {"_extra_defaults": self._extra_defaults}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        group = dict(param_group)
+        if group.get(self.matrix_flag, True):
+            for k, v in self.__dict__.get("_extra_defaults", {}).items():
+                group.setdefault(k, v)
+        super().add_param_group(group)
+
+    def _validate_matrix_group(self, group: dict[str, Any]) -> None:
+        super()._validate_matrix_group(group)
+        _check_finite("beta2", group["beta2"])
+        if not 0.0 <= group["beta2"] < 1.0:
+            raise ValueError(f"Invalid beta2: {group['beta2']} (the second moment's decay; must be in [0, 1))")
+        _check_finite("eps", group["eps"])
+        if not group["eps"] > 0:
+            raise ValueError(f"Invalid eps: {group['eps']} (added to the second moment's square root; must be > 0)")
+
+    def _second_moment(self, p: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """A new zero second moment for parameter ``p`` and its views per matrix piece."""
+        raise NotImplementedError
+
+    def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor, skip: Tensor | None) -> Tensor:
+        """The bucket's orthogonalized stack ``O (b, s, l)`` float32 divided by its second moment, which is updated
+        in place (``bk.extra``) unless ``skip`` (a 0-d device flag) is nonzero."""
+        raise NotImplementedError
+
+    def _adaptation(self, group: dict[str, Any],
+                    params: list[Tensor]) -> tuple[list[list[Tensor]], Callable[[Bucket, Tensor], Tensor]]:
+        extras = []
+        for p in params:
+            st = self.state[p]
+            if self._state_key not in st:
+                st[self._state_key] = self._second_moment(p)
+            extras.append(self._views(p, st[self._state_key]))
+        return extras, lambda bk, Y, skip: _rms_align(self._normalize(group, bk, Y.float(), skip))
+
+    def _views(self, p: Tensor, v: Tensor) -> list[Tensor]:
+        raise NotImplementedError
+
+
+class NorMuon(_SecondMomentMuon):
+    """NorMuon: Muon whose orthogonalized update is normalized per neuron (row) by a running second moment
+    (module docstring; Li et al., arXiv:2510.05491).
+
+    Args:
+        params, lr, momentum, nesterov, weight_decay, weight_decay_mode, ns_steps, ns_coefficients, ns_dtype,
+            ns_method, scaling, adamw_*, skip_nonfinite, deferred_nonfinite: as in :class:`matrixopt.Muon`
+            (``scaling="match_adamw"`` makes the update RMS 0.2, so an AdamW learning rate works).
+        beta2: decay of the per-row second moment, in [0, 1) (default 0.95, the paper's).
+        eps: added to its square root (default 1e-8).
+
+    State per matrix parameter: ``momentum_buffer`` (float32, the parameter's shape) and ``row_second_moment``
+    (float32, one value per row of each matrix: ``(out,)`` for an ``(out, in)`` weight, ``(E, out)`` for stacked
+    experts). The step runs eagerly (no ``cuda_graph``).
+    """
+
+    _state_key = "row_second_moment"
+
+    def _second_moment(self, p: Tensor) -> Tensor:
+        return row_state(p)
+
+    def _views(self, p: Tensor, v: Tensor) -> list[Tensor]:
+        return row_pieces(p, v)
+
+    def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor, skip: Tensor | None) -> Tensor:
+        sq = O * O
+        rows, cols = sq.mean(-1), sq.mean(-2)  # (b, s), (b, l): per row of a wide matrix, of a tall one
+        tall = [bk.tall(i) for i in range(len(bk.params))]
+        stats = [cols[i] if t else rows[i] for i, t in enumerate(tall)]
+        if skip is None:
+            torch._foreach_lerp_(bk.extra, stats, 1 - group["beta2"])
+        else:  # a skipped step's O is not even finite: keep the moments as they were, without a host sync
+            new = torch._foreach_lerp(bk.extra, stats, 1 - group["beta2"])
+            torch._foreach_copy_(bk.extra, [torch.where(skip != 0, v, n) for v, n in zip(bk.extra, new)])
+        inv = torch._foreach_add(torch._foreach_sqrt(bk.extra), group["eps"])
+        torch._foreach_reciprocal_(inv)
+        b, s, l = O.shape
+        row_scale, col_scale = O.new_ones(b, s), O.new_ones(b, l)
+        for i, t in enumerate(tall):
+            (col_scale if t else row_scale)[i] = inv[i]
+        return O * row_scale[:, :, None] * col_scale[:, None, :]
+
+
+class AdaMuon(_SecondMomentMuon):
+    """AdaMuon: Muon on the momentum's sign, its orthogonalized update normalized element-wise by a running second
+    moment (module docstring; Si et al., arXiv:2507.11005).
+
+    Args:
+        params, lr, momentum, nesterov, weight_decay, weight_decay_mode, ns_steps, ns_coefficients, ns_dtype,
+            ns_method, scaling, adamw_*, skip_nonfinite, deferred_nonfinite: as in :class:`matrixopt.Muon`
+            (``scaling="match_adamw"`` makes the update RMS 0.2, so an AdamW learning rate works).
+        beta2: decay of the element-wise second moment, in [0, 1) (default 0.95).
+        eps: added to its square root (default 1e-8).
+        sign_stabilize: orthogonalize ``sign(U)`` rather than ``U`` (default True, the paper's); param groups may
+            set it too.
+
+    State per matrix parameter: ``momentum_buffer`` and ``exp_avg_sq`` (float32, the parameter's shape). The step
+    runs eagerly (no ``cuda_graph``).
+    """
+
+    _state_key = "exp_avg_sq"
+
+    def _options(self, given: dict[str, Any]) -> dict[str, Any]:
+        sign_stabilize = given.pop("sign_stabilize", True)
+        return super()._options(given) | {"sign_stabilize": sign_stabilize}
+
+    def _validate_matrix_group(self, group: dict[str, Any]) -> None:
+        super()._validate_matrix_group(group)
+        if not isinstance(group["sign_stabilize"], bool):
+            raise ValueError(f"Invalid sign_stabilize: {group['sign_stabilize']!r} (must be True or False)")
+
+    def _second_moment(self, p: Tensor) -> Tensor:
+        return torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+
+    def _views(self, p: Tensor, v: Tensor) -> list[Tensor]:
+        return matrix_pieces(p, v)
+
+    def _orthogonalize(self, group: dict[str, Any], X: Tensor, parts: Tensor | None = None) -> Tensor:
+        if group["sign_stabilize"]:
+            return newton_schulz_short_side(torch.sign(X), ns_config(group))  # the sums of squares are X's: unused
+        return super()._orthogonalize(group, X, parts)
+
+    def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor, skip: Tensor | None) -> Tensor:
+        V = torch.stack([v.mT if bk.tall(i) else v for i, v in enumerate(bk.extra)])  # (b, s, l), as O lies
+        if skip is None:
+            V.lerp_(O * O, 1 - group["beta2"])
+        else:  # a skipped step's O is not even finite: keep the moments as they were, without a host sync
+            V = torch.where(skip != 0, V, V.lerp(O * O, 1 - group["beta2"]))
+        torch._foreach_copy_(bk.extra, [v.mT if bk.tall(i) else v for i, v in enumerate(V.unbind(0))])
+        return O / (V.sqrt_() + group["eps"])
