@@ -44,6 +44,9 @@ RUN_FLAGS = [
     ("--min-lr-ratio", "schedule.min_lr_ratio", float, "final lr / peak lr (default 0.1)"),
     ("--decay-frac", "schedule.decay_frac", float, "share of steps decaying, for wsd (default 0.2)"),
     ("--grad-clip", "grad_clip", float, "clip the gradient norm (default 1.0, 0 disables)"),
+    ("--qk-clip", "qk_clip", float, "QK-clip threshold (MuonClip; Kimi K2 uses 100): after each step, shrink the "
+                                    "W_q, W_k rows of every head whose max pre-softmax logit exceeded it (default: "
+                                    "off)"),
     ("--eval-every", "eval_every", int, "evaluate val loss every N steps (default 100)"),
     ("--eval-iters", "eval_iters", int, "val batches per evaluation (default 50)"),
     ("--log-every", "log_every", int, "metrics line every N steps (default 10)"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -101,6 +102,10 @@ class TrainConfig:
     """Micro-batches per optimizer step; tokens per step = batch_size * grad_accum * block_size."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables)."""
+    qk_clip: float | None = None
+    """QK-clip threshold tau (MuonClip, Kimi K2, which uses 100): after every optimizer step, the query and key
+    rows of each head whose largest pre-softmax logit in that step exceeded tau are scaled by sqrt(tau / that
+    logit) each, which brings it down to tau (matrixopt.QKClip). None: off. Not with tp > 1 yet."""
     eval_every: int = 100
     """Evaluate val loss every this many steps, and at the last step."""
     eval_iters: int = 50
@@ -150,6 +155,16 @@ class TrainConfig:
         if n_head % self.tp:
             raise ValueError(f"tp={self.tp} must divide the model's n_head={n_head} (each TP rank computes whole "
                              f"heads); pick a --tp that divides {n_head}")
+        if self.qk_clip is not None:
+            if isinstance(self.qk_clip, bool) or not isinstance(self.qk_clip, (int, float)) or not (
+                    math.isfinite(self.qk_clip) and self.qk_clip > 0):
+                raise ValueError(f"qk_clip (--qk-clip) must be a finite number > 0, the largest pre-softmax logit a "
+                                 f"head may reach (Kimi K2 uses 100), got {self.qk_clip!r}; pass e.g. --qk-clip 100, "
+                                 f"or leave it out to turn QK-clip off")
+            if self.tp > 1:
+                raise ValueError(f"qk_clip (--qk-clip) does not run with tensor parallelism yet (tp={self.tp}): FSDP2 "
+                                 f"over TP shards attn.c_attn with a strided placement QK-clip cannot scale; use "
+                                 f"--tp 1 (--parallel fsdp, ddp or layerwise) or leave out --qk-clip")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -2,10 +2,11 @@
 
 One file holds the whole model: fused-QKV causal self-attention through ``scaled_dot_product_attention``,
 a GELU MLP, pre-norm blocks (LayerNorm or RMSNorm), learned or rotary positions, and a tied or untied
-``lm_head``. Parameter names follow nanoGPT (``transformer.h.0.attn.c_attn.weight``, ``lm_head.weight``), so
-the optimizer router sends hidden 2-D weights to the matrix optimizer and embeddings, head, norms and biases
-to AdamW. References: nanoGPT ``model.py`` (https://github.com/karpathy/nanoGPT), RoPE (Su et al. 2021,
-https://arxiv.org/abs/2104.09864).
+``lm_head``; opt-in, each attention also tracks its heads' largest pre-softmax logit, for QK-clip
+(:meth:`GPT.track_max_logits`). Parameter names follow nanoGPT (``transformer.h.0.attn.c_attn.weight``,
+``lm_head.weight``), so the optimizer router sends hidden 2-D weights to the matrix optimizer and embeddings,
+head, norms and biases to AdamW. References: nanoGPT ``model.py`` (https://github.com/karpathy/nanoGPT), RoPE
+(Su et al. 2021, https://arxiv.org/abs/2104.09864).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+from matrixopt.optim.qk_clip import max_logits_per_head
 
 NORMS = ("layernorm", "rmsnorm")
 
@@ -127,6 +130,8 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.head_size = config.n_embd // config.n_head
         self.dropout = config.dropout
+        self.track_max_logits = False  # set by GPT.track_max_logits
+        self.max_logits: Tensor | None = None  # (nh,) fp32 running max logit per head, while tracking
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
         B, T, _ = x.size()
@@ -139,11 +144,22 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, nh, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.track_max_logits and self.training:
+            self._track_max_logits(q, k)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+    @torch.no_grad()
+    def _track_max_logits(self, q: Tensor, k: Tensor) -> None:
+        """Fold the max scaled logit of each head of ``q``, ``k`` ``(B, nh, T, hs)`` (after RoPE) into
+        ``max_logits``: ``max_{b, j <= i} q_i . k_j / sqrt(hs)``, the softmax input of scaled_dot_product_attention
+        (its default scale), in fp32, a block of queries at a time."""
+        with torch.autocast(q.device.type, enabled=False):  # fp32 products, also under bf16 autocast
+            m = max_logits_per_head(q.detach(), k.detach(), causal=True)  # (nh,)
+        self.max_logits = m if self.max_logits is None else torch.maximum(self.max_logits, m)
 
 
 class MLP(nn.Module):
@@ -228,6 +244,31 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
+
+    def track_max_logits(self, on: bool = True) -> None:
+        """Turn the max-logit trackers of every attention on (or off) and reset them. While on, each forward in
+        training mode also computes every head's largest pre-softmax logit over the batch and the causal
+        positions (after RoPE, with the attention's scale 1/sqrt(head_size)) and keeps the running max over
+        forwards (e.g. the micro-batches of one optimizer step) until :meth:`reset_max_logits`. The attention
+        output is unchanged; the scores are computed a block of queries at a time, without gradients. Off (the
+        default), nothing extra is computed. For QK-clip: :class:`matrixopt.QKClip`."""
+        for block in self.transformer.h:
+            block.attn.track_max_logits = on
+        self.reset_max_logits()
+
+    def max_logits(self) -> Tensor:
+        """``(n_layer, nh)`` fp32: each attention's running max logit per head since the last reset (nh: the heads
+        this process computes, all n_head but under tensor parallelism)."""
+        logits = [block.attn.max_logits for block in self.transformer.h]
+        if any(m is None for m in logits):
+            raise RuntimeError("no max logits recorded: call track_max_logits(True) and run a forward in training "
+                               "mode (model.train()) first")
+        return torch.stack(logits)
+
+    def reset_max_logits(self) -> None:
+        """Forget the recorded max logits (e.g. after each optimizer step)."""
+        for block in self.transformer.h:
+            block.attn.max_logits = None
 
     def estimate_flops_per_token(self) -> float:
         """Training FLOPs per token: 6 N + 12 L T d for attention (PaLM, Chowdhery et al. 2022, app. B)."""

@@ -7,18 +7,21 @@
   train loss since the previous line), ``lr`` (the peak lr times the schedule), ``tokens_per_s`` (since the
   previous line), ``elapsed_s`` (training seconds so far; evaluation and checkpointing excluded),
   ``opt_s`` (of which inside ``optimizer.step()``; on CUDA the time the step occupies the compute stream, so
-  communication it leaves running on other streams is not counted), ``peak_mem_mb``, and ``val_loss`` on
-  evaluation steps (step 0, every ``eval_every`` steps, and the last step);
+  communication it leaves running on other streams is not counted), ``peak_mem_mb``, ``val_loss`` on
+  evaluation steps (step 0, every ``eval_every`` steps, and the last step), and with ``qk_clip`` the logged
+  step's ``qk_clipped_heads`` (heads QK-clip scaled, over all layers) and ``max_logit`` (the largest pre-softmax
+  logit of any head in that step, before clipping);
 * ``out/run.json``: facts about the run (parameters, optimizer state size, device, versions) and its result;
 * the checkpoint (``out/ckpt.pt``, or the folder ``out/ckpt/`` where the ranks shard the state): model,
   optimizer, step, timers and RNG state, written atomically at ``ckpt_every``, at the end and on Ctrl-C.
   ``train(cfg, out, resume=True)`` continues from it and logs exactly what an uninterrupted run would (on CPU;
   bitwise up to nondeterministic kernels elsewhere).
 
-The loop per step: accumulate ``grad_accum`` micro-batch gradients (bf16 on CUDA), clip, step, advance the lr
-schedule (:class:`~matrixopt.train.schedule.LRSchedule`), log, evaluate, checkpoint. The step losses add up on
-the device; the host reads them (and checks they are finite) only at the steps it logs, evaluates,
-checkpoints or stops at, so between those it queues the next step's work without waiting for the GPU.
+The loop per step: accumulate ``grad_accum`` micro-batch gradients (bf16 on CUDA), clip, step, QK-clip (with
+``qk_clip``: :mod:`matrixopt.train.qk_clip`), advance the lr schedule (:class:`~matrixopt.train.schedule.LRSchedule`),
+log, evaluate, checkpoint. The step losses (and QK-clip's stats) stay on the device; the host reads them (and
+checks the losses are finite) only at the steps it logs, evaluates, checkpoints or stops at, so between those it
+queues the next step's work without waiting for the GPU.
 
 ``cfg.parallel`` picks a :class:`~matrixopt.distributed.Parallelism` (one process, or torchrun's ranks under
 DDP, layer-wise or FSDP2 with ``cfg.tp``-way tensor parallelism: :mod:`matrixopt.distributed.parallelism`),
@@ -52,6 +55,7 @@ from matrixopt.train.config import TrainConfig
 from matrixopt.train.data import Dataset, load_dataset, train_batch, val_offsets, windows
 from matrixopt.train.model import GPT, QKV_SPLITS
 from matrixopt.train.parallelize import GPT_TP
+from matrixopt.train.qk_clip import GPTQKClip
 from matrixopt.train.rundir import finished_run, prepare_out_dir, truncate_metrics
 from matrixopt.train.schedule import LRSchedule, lr_multiplier
 
@@ -137,6 +141,7 @@ def train(
     model = GPT(gpt_config).to(par.device)
     module = par.wrap(model)  # before resuming: bad settings fail fast
     optimizer = par.build_optimizer(model, cfg.optim.name, splits=QKV_SPLITS, **cfg.optim.optimizer_kwargs())
+    qk_clip = GPTQKClip(model, par, cfg.qk_clip) if cfg.qk_clip is not None else None
     schedule = LRSchedule(optimizer, cfg.steps, cfg.schedule)
     ckpt_path, metrics_path = out / par.checkpoint_name, out / "metrics.jsonl"
     resuming = par.from_rank_zero(
@@ -175,7 +180,7 @@ def train(
         while tally.step < cfg.steps:
             t0 = time.perf_counter()
             pending += train_step(fwd, par, optimizer, functools.partial(batches, tally.step), cfg.grad_accum,
-                                  cfg.grad_clip, opt_timer)
+                                  cfg.grad_clip, opt_timer, qk_clip)
             schedule.step()
             stopping = par.any(stop.requested)
             step = tally.step = tally.step + 1
@@ -198,6 +203,7 @@ def train(
                     lr=cfg.optim.lr * lr_multiplier(step - 1, cfg.steps, cfg.schedule),
                     tokens_per_s=tokens_per_step * (step - window_step) / max(now - window_t0, 1e-9),
                     elapsed_s=tally.elapsed_s, opt_s=opt_timer.total(), peak_mem_mb=round(peak_mem_mb(par.device), 1),
+                    **(qk_clip.metrics() if qk_clip is not None else {}),
                 )  # fmt: skip
                 tally.loss_sum, tally.loss_count = 0.0, 0
                 if is_eval:
@@ -267,9 +273,10 @@ def rows_of_batch(rows: slice, tokens: np.ndarray, batch_size: int, block_size: 
 
 def train_step(model: nn.Module, par: Parallelism, optimizer: torch.optim.Optimizer,
                batch: Callable[[int], tuple[Tensor, Tensor]], grad_accum: int, grad_clip: float,
-               opt_timer: StreamTimer) -> Tensor:
+               opt_timer: StreamTimer, qk_clip: GPTQKClip | None = None) -> Tensor:
     """One optimizer step over ``grad_accum`` micro-batches ``batch(micro)``, clipping the global gradient norm to
-    ``grad_clip`` (0: no clipping); returns the step's mean loss, a 0-d tensor on the device (not read)."""
+    ``grad_clip`` (0: no clipping), then QK-clip when given; returns the step's mean loss, a 0-d tensor on the
+    device (not read)."""
     step_loss = torch.zeros((), device=par.device)
     for micro in range(grad_accum):
         x, y = batch(micro)
@@ -283,6 +290,8 @@ def train_step(model: nn.Module, par: Parallelism, optimizer: torch.optim.Optimi
     opt_timer.start()
     optimizer.step()
     opt_timer.stop()
+    if qk_clip is not None:
+        qk_clip.step()
     optimizer.zero_grad(set_to_none=True)
     return step_loss
 

@@ -105,7 +105,7 @@ def test_not_reached_is_reported(tmp_path, tiny, capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["train", "--optimizer", "adamm"], "unknown optimizer 'adamm'; choose from adamw"),
+        (["train", "--optimizer", "adamm"], "unknown optimizer 'adamm'; choose from adamuon, adamw"),
         (["compare", "--optimizers", "adamw,sgd"], "unknown optimizer 'sgd'"),
         (["train", "--model", "gpt5"], "unknown model preset 'gpt5'; choose one of tiny-cpu"),
         (["train", "--stpes", "3"], "unrecognized arguments: --stpes 3 (did you mean --steps?)"),
