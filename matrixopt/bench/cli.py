@@ -82,8 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizers", nargs="+",
                    default=list(train.DEFAULT_OPTIMIZERS),
                    help="registry names (with the trainer's options), suffixed +eager (without the CUDA graph), "
-                        "+standard (standard Newton–Schulz, not the Gram form) and/or +fused_qkv (the QKV weight "
-                        "orthogonalized whole, as the peers take it), or a peer: "
+                        "+standard (standard Newton–Schulz, not the Gram form), +fused_qkv (the QKV weight "
+                        "orthogonalized whole, as the peers take it) and/or +qk_clip (the trainer's --qk-clip 100), "
+                        "or a peer: "
                         "'torch.optim.Muon', 'emerging_optimizers Muon', 'emerging_optimizers Muon, SYRK'")
     p.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
     p.add_argument("--batch", type=int, default=None, help="override the preset's batch size")

@@ -27,27 +27,32 @@ from matrixopt.device import resolve_device, time_ms
 from matrixopt.distributed.parallelism import Parallelism, SingleProcess
 from matrixopt.optim.registry import accepted
 from matrixopt.train.model import QKV_SPLITS
+from matrixopt.train.qk_clip import GPTQKClip
 
 # preset -> (batch, block_size, vocab) of the issue's rows; "tiny-cpu" keeps the CPU test fast.
 BATCHES: dict[str, tuple[int, int, int]] = {"gpt2-small": (16, 1024, 50304), "gpt2-medium": (8, 1024, 50304),
                                             "1.3b": (4, 2048, 50304), "tiny-cpu": (2, 32, 512)}
 # suffixes of an optimizer name: "muon+eager" is Muon without the trainer's CUDA graph (cuda_graph=False),
 # "muon+standard" Muon with the standard Newton–Schulz form (ns_method="standard"), "muon+fused_qkv" Muon with the
-# fused (3d, d) QKV weight orthogonalized whole, as the issue's shapes and the peers take it (the trainer splits it
-# into Q, K and V: QKV_SPLITS); they combine
-VARIANTS = {"eager": {"cuda_graph": False}, "standard": {"ns_method": "standard"}, "fused_qkv": {}}
+# fused (3d, d) QKV weight orthogonalized whole, as the peers take it (the trainer splits it into Q, K and V:
+# QKV_SPLITS), "muon+qk_clip" the trainer's --qk-clip QK_CLIP_TAU (per-head max logits tracked in the forward,
+# the heads above tau clipped after the step); they combine
+VARIANTS = {"eager": {"cuda_graph": False}, "standard": {"ns_method": "standard"}, "fused_qkv": {}, "qk_clip": {}}
+QK_CLIP_TAU = 100.0  # Kimi K2's threshold
 # the issue's row: AdamW, ours (and three variants), and the peers (emerging_optimizers recorded as missing where it
 # is)
 DEFAULT_OPTIMIZERS = ("adamw", "muon", "muon+fused_qkv", "muon+standard", "muon+eager", "torch.optim.Muon", EMERGING)
 
 
 def train_step(par: Parallelism, net: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-               y: torch.Tensor) -> None:
+               y: torch.Tensor, qk_clip: GPTQKClip | None = None) -> None:
     with par.autocast():
         _, loss = net(x, y)
     loss.backward()
     par.clip_grad_norm_(1.0)  # as the trainer clips: inside the step for matrixopt's optimizers
     opt.step()
+    if qk_clip is not None:
+        qk_clip.step()
     for p in net.parameters():
         p.grad = None
 
@@ -106,9 +111,10 @@ def run(model: str = "gpt2-small",
         except PeerMissing as e:
             results[name] = {"status": str(e)}
             continue
+        qk_clip = GPTQKClip(net, par, QK_CLIP_TAU) if "qk_clip" in name.split("+")[1:] else None
         x = torch.randint(0, vocab, (B, T), device=device)
         y = torch.randint(0, vocab, (B, T), device=device)
-        t = time_ms(functools.partial(train_step, par, net, opt, x, y), device, reps=reps, inner=steps,
+        t = time_ms(functools.partial(train_step, par, net, opt, x, y, qk_clip), device, reps=reps, inner=steps,
                     warmup=warmup)
         tok_s = B * T / (t["median"] / 1e3)
         results[name] = {"status": "ok", "step_ms": t, "tokens_per_s": tok_s,

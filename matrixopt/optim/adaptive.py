@@ -53,10 +53,10 @@ from matrixopt.optim.muon import Muon, ns_config
 
 
 def _rms_align(O: Tensor) -> Tensor:
-    """Each matrix of ``O (b, s, l)`` scaled to Frobenius norm sqrt(s), that of an orthogonal ``(s, l)`` matrix
-    (a zero matrix stays zero). Float32."""
+    """Each matrix of ``O (b, s, l)`` scaled in place to Frobenius norm sqrt(s), that of an orthogonal ``(s, l)``
+    matrix (a zero matrix stays zero). Float32."""
     norm = torch.linalg.vector_norm(O, dim=(-2, -1), keepdim=True)
-    return O * torch.where(norm > 0, O.shape[-2] ** 0.5 / norm, 0.0)
+    return O.mul_(torch.where(norm > 0, O.shape[-2] ** 0.5 / norm, 0.0))
 
 
 class _SecondMomentMuon(Muon):
@@ -153,22 +153,25 @@ class NorMuon(_SecondMomentMuon):
         return row_pieces(p, v)
 
     def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor, skip: Tensor | None) -> Tensor:
-        sq = O * O
-        rows, cols = sq.mean(-1), sq.mean(-2)  # (b, s), (b, l): per row of a wide matrix, of a tall one
-        tall = [bk.tall(i) for i in range(len(bk.params))]
-        stats = [cols[i] if t else rows[i] for i, t in enumerate(tall)]
-        if skip is None:
-            torch._foreach_lerp_(bk.extra, stats, 1 - group["beta2"])
-        else:  # a skipped step's O is not even finite: keep the moments as they were, without a host sync
-            new = torch._foreach_lerp(bk.extra, stats, 1 - group["beta2"])
-            torch._foreach_copy_(bk.extra, [torch.where(skip != 0, v, n) for v, n in zip(bk.extra, new)])
-        inv = torch._foreach_add(torch._foreach_sqrt(bk.extra), group["eps"])
-        torch._foreach_reciprocal_(inv)
         b, s, l = O.shape
-        row_scale, col_scale = O.new_ones(b, s), O.new_ones(b, l)
-        for i, t in enumerate(tall):
-            (col_scale if t else row_scale)[i] = inv[i]
-        return O * row_scale[:, :, None] * col_scale[:, None, :]
+        sq = O * O
+        scales = {False: O.new_ones(b, s), True: O.new_ones(b, l)}  # per row of wide matrices, of tall ones
+        tall = [bk.tall(i) for i in range(b)]
+        for is_tall in set(tall):  # one batch per orientation: a tall matrix's rows are the stack's columns
+            idx = [i for i, t in enumerate(tall) if t == is_tall]
+            part = sq if len(idx) == b else sq[idx]
+            views = [bk.extra[i] for i in idx]
+            old = torch.stack(views)  # (k, s) or (k, l)
+            new = old.lerp(part.mean(-2 if is_tall else -1), 1 - group["beta2"])
+            if skip is not None:  # a skipped step's O is not even finite: keep the moments, without a host sync
+                new = torch.where(skip != 0, old, new)
+            torch._foreach_copy_(views, list(new.unbind(0)))
+            inv = new.sqrt_().add_(group["eps"]).reciprocal_()
+            if len(idx) == b:
+                scales[is_tall] = inv
+            else:
+                scales[is_tall][idx] = inv
+        return O * scales[False][:, :, None] * scales[True][:, None, :]
 
 
 class AdaMuon(_SecondMomentMuon):
@@ -217,4 +220,4 @@ class AdaMuon(_SecondMomentMuon):
         else:  # a skipped step's O is not even finite: keep the moments as they were, without a host sync
             V = torch.where(skip != 0, V, V.lerp(O * O, 1 - group["beta2"]))
         torch._foreach_copy_(bk.extra, [v.mT if bk.tall(i) else v for i, v in enumerate(V.unbind(0))])
-        return O / (V.sqrt_() + group["eps"])
+        return O.div_(V.sqrt_().add_(group["eps"]))

@@ -43,7 +43,7 @@ https://arxiv.org/abs/2507.20534.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -331,7 +331,9 @@ def max_logits_per_head(q: Tensor, k: Tensor, *, scale: float | None = None, cau
     otherwise. ``scale``: the model's softmax scale, default ``1 / sqrt(d)``; must be > 0.
 
     Computed ``block`` queries at a time (keys only up to the block's end when causal), so the scores held at
-    once are ``(B, H, block, T_k)``, never ``(B, H, T, T_k)``.
+    once are ``(B, H, block, T_k)``, never ``(B, H, T, T_k)``. On CUDA, with Triton, fp32/bf16/fp16 inputs go to
+    :func:`matrixopt.kernels.max_logits.max_logits_triton`, which holds no scores in memory at all (exact products
+    for bf16/fp16, IEEE fp32 for fp32); this function's loop is its torch reference.
     """
     if q.ndim != 4 or k.ndim != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or k.shape[1] < 1 or (
             q.shape[1] % k.shape[1]):
@@ -342,6 +344,10 @@ def max_logits_per_head(q: Tensor, k: Tensor, *, scale: float | None = None, cau
         raise ValueError(f"max_logits_per_head scale must be a finite number > 0 (the softmax scale), got {scale!r}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"max_logits_per_head block must be a positive int (queries per chunk), got {block!r}")
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+    kernel = _max_logits_kernel(q, k)
+    if kernel is not None:
+        return kernel(q, k, causal) * scale
     B, H, T, d = q.shape
     H_kv, T_k = k.shape[1], k.shape[2]
     dtype = torch.float64 if torch.float64 in (q.dtype, k.dtype) else torch.float32
@@ -359,4 +365,15 @@ def max_logits_per_head(q: Tensor, k: Tensor, *, scale: float | None = None, cau
             j = torch.arange(kend, device=q.device)[None, :]
             s = s.masked_fill(j > i, -math.inf)
         best = torch.maximum(best, s.amax(dim=(0, 3, 4)))  # (H_kv, g)
-    return best.flatten() * (1.0 / math.sqrt(d) if scale is None else scale)  # (H,)
+    return best.flatten() * scale  # (H,)
+
+
+def _max_logits_kernel(q: Tensor, k: Tensor) -> Callable[[Tensor, Tensor, bool], Tensor] | None:
+    """The Triton kernel for these inputs (CUDA, one supported dtype, Triton installed), or None."""
+    if not (q.is_cuda and k.is_cuda and q.dtype == k.dtype) or torch.compiler.is_compiling():
+        return None
+    try:
+        from matrixopt.kernels.max_logits import KERNEL_DTYPES, max_logits_triton
+    except ImportError:
+        return None
+    return max_logits_triton if q.dtype in KERNEL_DTYPES else None

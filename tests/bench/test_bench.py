@@ -62,10 +62,10 @@ def test_train_writes_json(tmp_path):
     pytest.importorskip("matrixopt.train.model")
     path = tmp_path / "train.json"
     assert run_cli(["train", "--device", "cpu", "--model", "tiny-cpu", "--steps", "1", "--reps", "1",
-                    "--optimizers", "adamw", "muon", "muon+eager", "--json", str(path)]) == 0
+                    "--optimizers", "adamw", "muon", "muon+eager", "normuon+qk_clip", "--json", str(path)]) == 0
     rec = json.loads(path.read_text())
     assert rec["results"]["adamw"]["vs_adamw"] == 1.0 and rec["results"]["muon"]["tokens_per_s"] > 0
-    assert rec["results"]["muon+eager"]["tokens_per_s"] > 0
+    assert rec["results"]["muon+eager"]["tokens_per_s"] > 0 and rec["results"]["normuon+qk_clip"]["tokens_per_s"] > 0
 
 
 def test_train_fused_qkv_variant_keeps_the_qkv_weight_whole():

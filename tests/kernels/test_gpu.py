@@ -197,3 +197,16 @@ def test_fused_step_of_the_muon_family_matches_the_cpu_step(name, mode):
     for w0, a, b in zip(start, cpu, gpu):  # the change of the weights: updates and decay, ~5e-3 of them
         moved = a.detach().double() - w0
         assert rel_err(b.detach().cpu() - w0, moved) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_max_logits_kernel_matches_dense_scores_on_gpu(dtype):
+    """QK-clip's per-head max logit through the Triton kernel, at GPT-2-small's attention shape, GQA included."""
+    from matrixopt.optim.qk_clip import max_logits_per_head
+
+    torch.manual_seed(0)
+    q = torch.randn(4, 1024, 12, 64, device="cuda").to(dtype).transpose(1, 2)  # (B, H, T, d), strided
+    k = torch.randn(4, 4, 1024, 64, device="cuda").to(dtype)
+    s = q.double() @ k.double().repeat_interleave(3, dim=1).transpose(-1, -2) / 8.0
+    ref = s.masked_fill(torch.ones(1024, 1024, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    torch.testing.assert_close(max_logits_per_head(q, k).double(), ref.amax(dim=(0, 2, 3)), rtol=1e-5, atol=1e-5)
