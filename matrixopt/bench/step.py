@@ -122,6 +122,9 @@ def candidates(ps: ParamSet, device: torch.device) -> dict[str, Candidate | str]
             if name != "muon" and accepted(name, deferred_nonfinite=True):  # Muon's variants follow below
                 out[f"matrixopt {name}, deferred check"] = Candidate(
                     lambda name=name: build_optimizer(ps, name, lr=LR, deferred_nonfinite=True))
+                out[f"matrixopt {name}, deferred check, CUDA graph"] = Candidate(
+                    lambda name=name: build_optimizer(ps, name, lr=LR, **accepted(name, deferred_nonfinite=True,
+                                                                                  cuda_graph=True)))
             continue
         for freq in PRECONDITION_FREQUENCIES:  # preconditioning from the first step, roots every freq steps
             hp = {"precondition_frequency": freq} | accepted(name, start_preconditioning_step=1)

@@ -87,12 +87,14 @@ def momentum_pack_reference(grads: Sequence[Tensor], bufs: Sequence[Tensor], out
 
 def apply_update_reference(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int], float],
                            lr: float | Tensor, weight_decay: float, transpose: bool | None = None,
-                           decay_mode: str = "decoupled") -> None:
+                           decay_mode: str = "decoupled", row_scale: Tensor | None = None) -> None:
     """``muon_fused.apply_update_triton`` with foreach ops (any device, any strides)."""
     params = list(params)
     if isinstance(lr, Tensor):
         lr = lr.to(Y.device)
     ys = [(y.mT if _transposed(p, transpose) else y) for p, y in zip(params, Y.unbind(0))]
+    if row_scale is not None:  # per row of each W_i as it lies
+        ys = [y.float() * r[:y.shape[0], None] for y, r in zip(ys, row_scale.unbind(0))]
     decay_(params, lr, weight_decay, decay_mode, ys)
     updates = [y.to(p.dtype) * (-scale(*p.shape) * lr) for p, y in zip(params, ys)]  # in the parameter's precision
     torch._foreach_add_(params, updates)
@@ -155,19 +157,21 @@ def momentum_pack(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, 
 
 def apply_update(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int], float], lr: float | Tensor,
                  weight_decay: float, transpose: bool | None = None, skip: Tensor | None = None,
-                 decay_mode: str = "decoupled") -> None:
+                 decay_mode: str = "decoupled", row_scale: Tensor | None = None) -> None:
     """``W_i <- (1 - lr wd) W_i - lr scale(m_i, n_i) Y[i]`` (``Y[i]^T`` for tall ``W_i``, or for every ``W_i`` as
     ``transpose`` says, as in :func:`momentum_pack`), in place; the decay in the form ``decay_mode`` names
-    (:mod:`matrixopt.kernels.decay`; ``"cautious"`` masks it by the sign of ``Y[i] * W_i``).
+    (:mod:`matrixopt.kernels.decay`; ``"cautious"`` masks it by the sign of ``Y[i] * W_i``). ``row_scale``:
+    ``(k, l)`` float32, or None: row r of ``W_i`` (as it lies) takes its update times ``row_scale[i, r]``.
 
     params: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, one float dtype. Y: ``(k, s, l)``, any float
     dtype and strides. lr: a float, or a 0-d tensor (no host sync on the GPU). skip: as in :func:`momentum_pack`."""
     fused = _kernels(_on_gpu(params) and fusable(params))
     if fused:
-        fused.apply_update_triton(params, Y, scale, lr, weight_decay, transpose, skip=skip, decay_mode=decay_mode)
+        fused.apply_update_triton(params, Y, scale, lr, weight_decay, transpose, skip=skip, decay_mode=decay_mode,
+                                  row_scale=row_scale)
     else:
         _no_skip(skip)
-        apply_update_reference(params, Y, scale, lr, weight_decay, transpose, decay_mode)
+        apply_update_reference(params, Y, scale, lr, weight_decay, transpose, decay_mode, row_scale)
 
 
 def _no_skip(skip: Tensor | None) -> None:

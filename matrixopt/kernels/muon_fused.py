@@ -131,9 +131,11 @@ def _apply_update_kernel(
     lr, weight_decay, scale,
     # 0-d float32 flag read when HAS_SKIP: nonzero leaves every parameter as it is
     skip_ptr,
+    # (b, L) float32 read when HAS_ROW_SCALE: row r of W_i's update is multiplied by row_scale[slot_i, r]
+    row_scale_ptr, L,
     # meta-parameters; DECAY: 0 decoupled (1 - lr wd), 1 independent (1 - wd), 2 cautious (decoupled where y w >= 0)
     P_DTYPE: tl.constexpr, LR_PTR: tl.constexpr, TALL: tl.constexpr, HAS_SKIP: tl.constexpr, DECAY: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = table_ptr + tl.program_id(1).to(tl.int64) * 3
@@ -159,6 +161,8 @@ def _apply_update_kernel(
     p_ptrs = p_ptr + offs_r[:, None] * p_rs + offs_c[None, :]
     w = tl.load(p_ptrs, mask=mask, other=0.0).to(tl.float32)
     u = y.to(tl.float32)
+    if HAS_ROW_SCALE:
+        u = u * tl.load(row_scale_ptr + slot * L + offs_r, mask=offs_r < R, other=0.0)[:, None]
     if DECAY == 1:
         keep = 1.0 - weight_decay
     elif DECAY == 2:
@@ -304,7 +308,7 @@ def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: T
 def apply_update_triton(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int], float], lr: float | Tensor,
                         weight_decay: float, transpose: bool | None = None, *,
                         tables: Sequence[Tensor] | None = None, skip: Tensor | None = None,
-                        decay_mode: str = "decoupled") -> None:
+                        decay_mode: str = "decoupled", row_scale: Tensor | None = None) -> None:
     """``W_i <- (1 - lr wd) W_i - lr scale(m_i, n_i) Y[i]`` (``Y[i]^T`` for tall ``W_i``, or for every ``W_i`` as
     ``transpose`` says), in place, by the Triton kernel.
 
@@ -312,9 +316,14 @@ def apply_update_triton(params: Sequence[Tensor], Y: Tensor, scale: Callable[[in
     Y: ``(k, s, l)``, any float dtype and strides. lr: a float, or a 0-d tensor on Y's device (no host sync).
     tables: device copies of :func:`apply_rows`' tables to read instead (static ones, for CUDA graphs). skip: a
     0-d float32 device flag; where nonzero at run time, no parameter is written. decay_mode: one of
-    :data:`matrixopt.kernels.decay.WEIGHT_DECAY_MODES`."""
+    :data:`matrixopt.kernels.decay.WEIGHT_DECAY_MODES`. row_scale: ``(k, l)`` float32 contiguous, or None: row r of
+    ``W_i`` (as it lies) takes its update times ``row_scale[i, r]`` (NorMuon's per-neuron normalization)."""
     check_weight_decay_mode(decay_mode)
     k, s, l = Y.shape
+    if row_scale is not None and (row_scale.shape != (k, l) or row_scale.dtype != torch.float32
+                                  or not row_scale.is_contiguous()):
+        raise ValueError(f"apply_update: row_scale must be a contiguous float32 ({k}, {l}) tensor, got "
+                         f"{tuple(row_scale.shape)} {row_scale.dtype}")
     if len(params) != k:
         raise ValueError(f"apply_update: {len(params)} parameters for a stack of {k}")
     lr_ptr = isinstance(lr, Tensor)
@@ -325,8 +334,10 @@ def apply_update_triton(params: Sequence[Tensor], Y: Tensor, scale: Callable[[in
         _apply_update_kernel[grid](table, Y, Y.stride(0), Y.stride(1), Y.stride(2), R, C,
                                    lr if lr_ptr else float(lr), float(weight_decay), float(scale(R, C)),
                                    table if skip is None else skip,
+                                   table if row_scale is None else row_scale, l,
                                    P_DTYPE=_TL_DTYPES[params[0].dtype], LR_PTR=lr_ptr, TALL=tall,
                                    HAS_SKIP=skip is not None, DECAY=WEIGHT_DECAY_MODES.index(decay_mode),
+                                   HAS_ROW_SCALE=row_scale is not None,
                                    BLOCK_R=TILE_ROWS, BLOCK_C=TILE_COLS, num_warps=TILE_WARPS)
 
 

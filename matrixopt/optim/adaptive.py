@@ -71,12 +71,12 @@ class _SecondMomentMuon(Muon):
                  scaling: str = "match_adamw", *, weight_decay_mode: str = "decoupled", ns_method: str = "auto",
                  adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.999),
                  adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None, skip_nonfinite: bool = False,
-                 deferred_nonfinite: bool = False, **options: Any) -> None:
+                 deferred_nonfinite: bool = False, cuda_graph: bool = False, **options: Any) -> None:
         self._extra_defaults = dict(beta2=beta2, eps=eps) | self._options(dict(options))
         super().__init__(params, lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, ns_dtype, scaling,
                          adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
                          adamw_weight_decay=adamw_weight_decay, skip_nonfinite=skip_nonfinite,
-                         deferred_nonfinite=deferred_nonfinite, ns_method=ns_method,
+                         deferred_nonfinite=deferred_nonfinite, cuda_graph=cuda_graph, ns_method=ns_method,
                          weight_decay_mode=weight_decay_mode)
 
     def _options(self, given: dict[str, Any]) -> dict[str, Any]:
@@ -109,9 +109,12 @@ class _SecondMomentMuon(Muon):
         """A new zero second moment for parameter ``p`` and its views per matrix piece."""
         raise NotImplementedError
 
-    def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor, skip: Tensor | None) -> Tensor:
-        """The bucket's orthogonalized stack ``O (b, s, l)`` float32 divided by its second moment, which is updated
-        in place (``bk.extra``) unless ``skip`` (a 0-d device flag) is nonzero."""
+    def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor,
+                   skip: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The update from the bucket's orthogonalized stack ``O (b, s, l)`` (the iteration's dtype): O divided by
+        its second moment, which is updated in place (``bk.extra``) unless ``skip`` (a 0-d device flag) is
+        nonzero, then RMS-aligned (module docstring). Returns ``(update, row_scale)``: the update, and None or a
+        ``(b, l)`` float32 scale per row of each matrix as it lies that the update kernel applies to it."""
         raise NotImplementedError
 
     def _adaptation(self, group: dict[str, Any],
@@ -122,10 +125,13 @@ class _SecondMomentMuon(Muon):
             if self._state_key not in st:
                 st[self._state_key] = self._second_moment(p)
             extras.append(self._views(p, st[self._state_key]))
-        return extras, lambda bk, Y, skip: _rms_align(self._normalize(group, bk, Y.float(), skip))
+        return extras, lambda bk, Y, skip: self._normalize(group, bk, Y, skip)
 
     def _views(self, p: Tensor, v: Tensor) -> list[Tensor]:
         raise NotImplementedError
+
+    def _adaptation_key(self, group: dict[str, Any]) -> tuple:
+        return tuple(group[k] for k in self._extra_defaults)
 
 
 class NorMuon(_SecondMomentMuon):
@@ -134,14 +140,15 @@ class NorMuon(_SecondMomentMuon):
 
     Args:
         params, lr, momentum, nesterov, weight_decay, weight_decay_mode, ns_steps, ns_coefficients, ns_dtype,
-            ns_method, scaling, adamw_*, skip_nonfinite, deferred_nonfinite: as in :class:`matrixopt.Muon`
+            ns_method, scaling, adamw_*, skip_nonfinite, deferred_nonfinite, cuda_graph: as in
+            :class:`matrixopt.Muon`
             (``scaling="match_adamw"`` makes the update RMS 0.2, so an AdamW learning rate works).
         beta2: decay of the per-row second moment, in [0, 1) (default 0.95, the paper's).
         eps: added to its square root (default 1e-8).
 
     State per matrix parameter: ``momentum_buffer`` (float32, the parameter's shape) and ``row_second_moment``
     (float32, one value per row of each matrix: ``(out,)`` for an ``(out, in)`` weight, ``(E, out)`` for stacked
-    experts). The step runs eagerly (no ``cuda_graph``).
+    experts). ``cuda_graph=True`` captures the step as Muon's, the second moments included.
     """
 
     _state_key = "row_second_moment"
@@ -152,26 +159,31 @@ class NorMuon(_SecondMomentMuon):
     def _views(self, p: Tensor, v: Tensor) -> list[Tensor]:
         return row_pieces(p, v)
 
-    def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor, skip: Tensor | None) -> Tensor:
+    def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor,
+                   skip: Tensor | None) -> tuple[Tensor, Tensor]:
+        # One read of O for its sums of squares per row of each matrix; the second moments, the normalization and
+        # the RMS alignment then all come from those (||D O||_F^2 = sum_r d_r^2 ||O_r||^2 for a diagonal D), and
+        # the update kernel applies the resulting scale per row as it writes W: O itself is not rewritten.
         b, s, l = O.shape
-        sq = O * O
-        scales = {False: O.new_ones(b, s), True: O.new_ones(b, l)}  # per row of wide matrices, of tall ones
         tall = [bk.tall(i) for i in range(b)]
+        scales: dict[int, Tensor] = {}
         for is_tall in set(tall):  # one batch per orientation: a tall matrix's rows are the stack's columns
             idx = [i for i, t in enumerate(tall) if t == is_tall]
-            part = sq if len(idx) == b else sq[idx]
+            part = O if len(idx) == b else torch.stack([O[i] for i in idx])  # lists of views: capturable
+            sumsq = torch.linalg.vector_norm(part, dim=-2 if is_tall else -1, dtype=torch.float32).square_()
             views = [bk.extra[i] for i in idx]
             old = torch.stack(views)  # (k, s) or (k, l)
-            new = old.lerp(part.mean(-2 if is_tall else -1), 1 - group["beta2"])
+            new = old.lerp(sumsq / (s if is_tall else l), 1 - group["beta2"])
             if skip is not None:  # a skipped step's O is not even finite: keep the moments, without a host sync
                 new = torch.where(skip != 0, old, new)
             torch._foreach_copy_(views, list(new.unbind(0)))
-            inv = new.sqrt_().add_(group["eps"]).reciprocal_()
-            if len(idx) == b:
-                scales[is_tall] = inv
-            else:
-                scales[is_tall][idx] = inv
-        return O * scales[False][:, :, None] * scales[True][:, None, :]
+            inv = new.sqrt_().add_(group["eps"]).reciprocal_()  # diag(sqrt(v) + eps)^-1
+            norm = (inv.square() * sumsq).sum(-1, keepdim=True).sqrt_()  # ||D O||_F per matrix
+            scale = inv * torch.where(norm > 0, s**0.5 / norm, 0.0)
+            if not is_tall:  # (k, s): padded to the stack's l, which the kernel reads per row of W_i
+                scale = torch.nn.functional.pad(scale, (0, l - s))
+            scales.update(zip(idx, scale.unbind(0)))
+        return O, torch.stack([scales[i] for i in range(b)])
 
 
 class AdaMuon(_SecondMomentMuon):
@@ -180,15 +192,16 @@ class AdaMuon(_SecondMomentMuon):
 
     Args:
         params, lr, momentum, nesterov, weight_decay, weight_decay_mode, ns_steps, ns_coefficients, ns_dtype,
-            ns_method, scaling, adamw_*, skip_nonfinite, deferred_nonfinite: as in :class:`matrixopt.Muon`
+            ns_method, scaling, adamw_*, skip_nonfinite, deferred_nonfinite, cuda_graph: as in
+            :class:`matrixopt.Muon`
             (``scaling="match_adamw"`` makes the update RMS 0.2, so an AdamW learning rate works).
         beta2: decay of the element-wise second moment, in [0, 1) (default 0.95).
         eps: added to its square root (default 1e-8).
         sign_stabilize: orthogonalize ``sign(U)`` rather than ``U`` (default True, the paper's); param groups may
             set it too.
 
-    State per matrix parameter: ``momentum_buffer`` and ``exp_avg_sq`` (float32, the parameter's shape). The step
-    runs eagerly (no ``cuda_graph``).
+    State per matrix parameter: ``momentum_buffer`` and ``exp_avg_sq`` (float32, the parameter's shape).
+    ``cuda_graph=True`` captures the step as Muon's, the second moments included.
     """
 
     _state_key = "exp_avg_sq"
@@ -208,16 +221,21 @@ class AdaMuon(_SecondMomentMuon):
     def _views(self, p: Tensor, v: Tensor) -> list[Tensor]:
         return matrix_pieces(p, v)
 
+    def _capturable(self) -> bool:
+        return True  # Newton–Schulz on sign(U): torch ops and Muon's kernels
+
     def _orthogonalize(self, group: dict[str, Any], X: Tensor, parts: Tensor | None = None) -> Tensor:
         if group["sign_stabilize"]:
             return newton_schulz_short_side(torch.sign(X), ns_config(group))  # the sums of squares are X's: unused
         return super()._orthogonalize(group, X, parts)
 
-    def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor, skip: Tensor | None) -> Tensor:
+    def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor,
+                   skip: Tensor | None) -> tuple[Tensor, None]:
+        O = O.float()
         V = torch.stack([v.mT if bk.tall(i) else v for i, v in enumerate(bk.extra)])  # (b, s, l), as O lies
         if skip is None:
             V.lerp_(O * O, 1 - group["beta2"])
         else:  # a skipped step's O is not even finite: keep the moments as they were, without a host sync
             V = torch.where(skip != 0, V, V.lerp(O * O, 1 - group["beta2"]))
         torch._foreach_copy_(bk.extra, [v.mT if bk.tall(i) else v for i, v in enumerate(V.unbind(0))])
-        return O.div_(V.sqrt_().add_(group["eps"]))
+        return _rms_align(O.div_(V.sqrt_().add_(group["eps"]))), None

@@ -32,11 +32,15 @@ from matrixopt.optim.layout import Bucket
 class CapturedMuonStep:
     """One capture of :func:`matrixopt.optim.layout.orthogonalized_momentum_step` over ``buckets`` (CUDA,
     Triton kernels only). ``fn`` (Newton–Schulz) must be capturable and must already have run once on each
-    bucket's shape outside capture, so that its kernels are compiled, tuned and dispatched."""
+    bucket's shape outside capture, so that its kernels are compiled, tuned and dispatched. ``adapt`` (NorMuon's,
+    AdaMuon's second moments) is captured too: its state must stay where it was at capture (the optimizer keys
+    its graphs on those addresses) and it must honour the skip flag."""
 
     def __init__(self, buckets: list[Bucket], *, momentum: float, nesterov: bool,
                  fn: Callable[[Tensor, Tensor | None], Tensor], dtype: torch.dtype, scale: Callable[[int, int], float],
-                 weight_decay: float, decay_mode: str = "decoupled") -> None:
+                 weight_decay: float, decay_mode: str = "decoupled",
+                 adapt: Callable[[Bucket, Tensor, Tensor | None], tuple[Tensor, Tensor | None]] | None = None
+                 ) -> None:
         from matrixopt.kernels import muon_fused
 
         self._fused = muon_fused
@@ -61,9 +65,11 @@ class CapturedMuonStep:
                                     device=device)
                 muon_fused.momentum_pack_triton(bk.grads, bk.bufs, X, momentum, nesterov, tables=pack_tables,
                                                 skip=skip_all, parts=parts, grad_scale=self.grad_scale)
-                Y = fn(X, parts)
+                Y, row_scale = fn(X, parts), None
+                if adapt is not None:
+                    Y, row_scale = adapt(bk, Y, skip_all)  # writes the state it read back unchanged
                 muon_fused.apply_update_triton(bk.params, Y, scale, self.lr, 0.0, tables=apply_tables,
-                                               skip=self.skip, decay_mode=decay_mode)
+                                               skip=self.skip, decay_mode=decay_mode, row_scale=row_scale)
         torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
         self.graph = torch.cuda.CUDAGraph()
@@ -74,8 +80,11 @@ class CapturedMuonStep:
                                     device=device)
                 muon_fused.momentum_pack_triton(bk.grads, bk.bufs, X, momentum, nesterov, tables=pack_tables,
                                                 skip=self.skip, parts=parts, grad_scale=self.grad_scale)
-                muon_fused.apply_update_triton(bk.params, fn(X, parts), scale, self.lr, weight_decay,
-                                               tables=apply_tables, skip=self.skip, decay_mode=decay_mode)
+                Y, row_scale = fn(X, parts), None
+                if adapt is not None:
+                    Y, row_scale = adapt(bk, Y, self.skip)
+                muon_fused.apply_update_triton(bk.params, Y, scale, self.lr, weight_decay, tables=apply_tables,
+                                               skip=self.skip, decay_mode=decay_mode, row_scale=row_scale)
 
     def _layout(self, bk: Bucket) -> tuple[list, list]:
         """The pack and update tables' rows for this step's tensors."""

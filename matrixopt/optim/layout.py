@@ -155,16 +155,18 @@ def orthogonalized_momentum_step(buckets: list[Bucket], copies: list[tuple[Tenso
                                  scale: Callable[[int, int], float], lr: float | Tensor, weight_decay: float,
                                  decay_mode: str = "decoupled", skip: Tensor | None = None,
                                  grad_scale: Tensor | None = None,
-                                 adapt: Callable[[Bucket, Tensor, Tensor | None], Tensor] | None = None) -> None:
+                                 adapt: Callable[[Bucket, Tensor, Tensor | None],
+                                                 tuple[Tensor, Tensor | None]] | None = None) -> None:
     """Muon's step on every ``(m, n)`` matrix piece of :func:`momentum_buckets`' buckets, one batch per bucket:
 
         B <- mu B + (1 - mu) G;   U = G + mu (B - G) (Nesterov) or B
         W <- (1 - lr weight_decay) W - lr scale(m, n) adapt(fn(U))
 
     (the decay in the form ``decay_mode`` names, :mod:`matrixopt.kernels.decay`). ``adapt``: None, or
-    ``adapt(bucket, Y, skip)``, the map of each bucket's orthogonalized stack ``Y (b, s, l)`` to the update to
-    apply, same shape (NorMuon's and AdaMuon's second moments, :mod:`matrixopt.optim.adaptive`); it may update the
-    bucket's ``extra`` state views, and must leave them as they were where ``skip`` is nonzero.
+    ``adapt(bucket, Y, skip) -> (update, row_scale)``, the map of each bucket's orthogonalized stack ``Y (b, s, l)``
+    to the update to apply, same shape, and None or a ``(b, l)`` float32 scale per row of each matrix as it lies,
+    which the update kernel applies (NorMuon's and AdaMuon's second moments, :mod:`matrixopt.optim.adaptive`); it
+    may update the bucket's ``extra`` state views, and must leave them as they were where ``skip`` is nonzero.
 
     The buckets' momentum views (float32) and parameter views are updated in place, and ``copies`` written back.
     ``fn`` maps a stack ``(b, s, l)`` of updates laid out short side first (tall pieces transposed), in ``dtype``,
@@ -184,9 +186,9 @@ def orthogonalized_momentum_step(buckets: list[Bucket], copies: list[tuple[Tenso
     for bk in buckets:
         X = torch.empty((len(bk.params), bk.s, bk.l), dtype=dtype, device=bk.device)
         parts = momentum_pack(bk.grads, bk.bufs, X, momentum, nesterov, skip=skip, grad_scale=grad_scale)
-        Y = fn(X, parts)
+        Y, row_scale = fn(X, parts), None
         if adapt is not None:
-            Y = adapt(bk, Y, skip)
-        apply_update(bk.params, Y, scale, lr, weight_decay, skip=skip, decay_mode=decay_mode)
+            Y, row_scale = adapt(bk, Y, skip)
+        apply_update(bk.params, Y, scale, lr, weight_decay, skip=skip, decay_mode=decay_mode, row_scale=row_scale)
     for t, c in copies:
         t.copy_(c)

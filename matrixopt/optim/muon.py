@@ -173,10 +173,12 @@ class Muon(MatrixOptimizer):
                 st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32,
                                                          memory_format=torch.preserve_format)
             bufs.append(st["momentum_buffer"])
-        fingerprint = _fingerprint([*params, *grads, *bufs]) if self.cuda_graph and params[0].is_cuda else None
-        if fingerprint is not None and self._replay_again(group, params, grads, fingerprint, skip):
-            return
         extras, adapt = self._adaptation(group, params)
+        flat_extras = [t for ts in extras or () for t in ts]
+        fingerprint = (_fingerprint([*params, *grads, *bufs, *flat_extras]) if self.cuda_graph and params[0].is_cuda
+                       else None)
+        if fingerprint is not None and self._replay_again(group, params, grads, fingerprint, skip, flat_extras):
+            return
         buckets, copies = momentum_buckets(params, grads, bufs, extras)
         # whether every bucket suits the fused kernels, judged once per step (the graph and the skip both ask)
         fusable = not copies and all(muon_elementwise.fusable(bk.params, bk.grads, bk.bufs) for bk in buckets)
@@ -191,8 +193,8 @@ class Muon(MatrixOptimizer):
                     scale=lambda m, n: update_scale(group["scaling"], m, n), weight_decay=group["weight_decay"],
                     decay_mode=group["weight_decay_mode"])
         grad_scale = self._step_grad_scale
-        if not (self.cuda_graph and fusable and adapt is None
-                and self._graph_step(group, params, grads, buckets, lr, skip, grad_scale, step, fingerprint)):
+        if not (self.cuda_graph and fusable and self._graph_step(group, params, grads, buckets, lr, skip, grad_scale,
+                                                                 dict(step, adapt=adapt), fingerprint, flat_extras)):
             orthogonalized_momentum_step(buckets, copies, lr=lr, skip=skip, grad_scale=grad_scale, adapt=adapt,
                                          **step)
 
@@ -205,26 +207,36 @@ class Muon(MatrixOptimizer):
 
     _MAX_GRAPHS = 8  # captured steps kept per optimizer (one per set of parameters with gradients and settings)
 
-    @staticmethod
-    def _graph_key(group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> tuple:
-        """What a captured step is specific to: the parameters, the gradients' dtypes and the group's settings."""
+    def _graph_key(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                   extras: list[Tensor]) -> tuple:
+        """What a captured step is specific to: the parameters, the gradients' dtypes, the group's settings and
+        where further state (NorMuon's, AdaMuon's second moments, which the graph's torch ops address) lies."""
         return (id(group), tuple(map(id, params)), tuple(g.dtype for g in grads), group["momentum"],
                 group["nesterov"], group["weight_decay"], group["weight_decay_mode"], group["scaling"],
-                ns_config(group))
+                ns_config(group), self._adaptation_key(group), tuple(t.data_ptr() for t in extras))
+
+    def _adaptation_key(self, group: dict[str, Any]) -> tuple:
+        """The group settings ``_adaptation`` reads (none for Muon)."""
+        return ()
+
+    def _capturable(self) -> bool:
+        """Whether ``_orthogonalize`` can be captured in a CUDA graph: Muon's Newton–Schulz can; MOP's SVD and
+        subclasses that orthogonalize through collectives cannot."""
+        return type(self)._orthogonalize is Muon._orthogonalize
 
     def _graph_step(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], buckets: list[Bucket],
                     lr: float | Tensor, skip: Tensor | None, grad_scale: Tensor | None, step: dict[str, Any],
-                    fingerprint: tuple) -> bool:
+                    fingerprint: tuple, extras: list[Tensor]) -> bool:
         """The step through a captured CUDA graph, for buckets the fused kernels take; False where it can't be
         (then the caller steps eagerly): off CUDA, without Triton, for subclasses that orthogonalize otherwise
         (MOP's SVD, collectives), and on the first step of a new set of parameters or settings, which runs eagerly
         so that every kernel is compiled, tuned and dispatched before capture."""
         device = params[0].device
-        if (device.type != "cuda" or type(self)._orthogonalize is not Muon._orthogonalize
+        if (device.type != "cuda" or not self._capturable()
                 or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
                 or muon_elementwise.fused_kernels() is None or any(p.device != device for p in params)):
             return False
-        key = self._graph_key(group, params, grads)
+        key = self._graph_key(group, params, grads, extras)
         graphs = self.__dict__.setdefault("_graphs", {})
         captured = graphs.get(key)
         if captured is None:
@@ -238,7 +250,7 @@ class Muon(MatrixOptimizer):
         return True
 
     def _replay_again(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], fingerprint: tuple,
-                      skip: Tensor | None) -> bool:
+                      skip: Tensor | None, extras: list[Tensor]) -> bool:
         """The group's last captured step replayed again, when this step's parameters, gradients and momentum lie
         where that step's did (addresses, strides and dtypes: the graph's address tables still hold) and the
         settings are the same; False otherwise. The usual case in training (gradients come back at the same
@@ -247,7 +259,7 @@ class Muon(MatrixOptimizer):
         if last is None or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return False
         key, last_fingerprint, captured = last
-        if fingerprint != last_fingerprint or key != self._graph_key(group, params, grads):
+        if fingerprint != last_fingerprint or key != self._graph_key(group, params, grads, extras):
             return False
         captured.replay(None, self._device_lr(group, params[0].device), skip, self._step_grad_scale)
         return True

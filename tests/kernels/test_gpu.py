@@ -176,9 +176,11 @@ def test_deferred_nonfinite_check_skips_the_step_on_gpu(cuda_graph):
 
 @pytest.mark.parametrize("name", ["normuon", "adamuon", "muon"])
 @pytest.mark.parametrize("mode", ["decoupled", "cautious"])
-def test_fused_step_of_the_muon_family_matches_the_cpu_step(name, mode):
-    """The fused momentum and update kernels (decay modes included) with the second moments on the GPU: the same
-    trajectory as the torch references on the CPU, both iterating in float32."""
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_fused_step_of_the_muon_family_matches_the_cpu_step(name, mode, cuda_graph):
+    """The fused momentum and update kernels (decay modes included) with the second moments on the GPU, eager or
+    captured (step 1 eager, 2 captured, 3 replayed): the same trajectory as the torch references on the CPU, both
+    iterating in float32."""
     import matrixopt
 
     torch.manual_seed(0)
@@ -186,9 +188,10 @@ def test_fused_step_of_the_muon_family_matches_the_cpu_step(name, mode):
     cpu = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
     opts = [matrixopt.OPTIMIZERS[name](ps, lr=0.02, weight_decay=0.1, weight_decay_mode=mode,
-                                       ns_dtype=torch.float32, deferred_nonfinite=True) for ps in (cpu, gpu)]
+                                       ns_dtype=torch.float32, deferred_nonfinite=True, cuda_graph=graph)
+            for ps, graph in ((cpu, False), (gpu, cuda_graph))]
     start = [p.detach().double() for p in cpu]
-    for _ in range(3):
+    for _ in range(4):
         for a, b in zip(cpu, gpu):
             a.grad = torch.randn(a.shape)
             b.grad = a.grad.cuda()
@@ -197,6 +200,8 @@ def test_fused_step_of_the_muon_family_matches_the_cpu_step(name, mode):
     for w0, a, b in zip(start, cpu, gpu):  # the change of the weights: updates and decay, ~5e-3 of them
         moved = a.detach().double() - w0
         assert rel_err(b.detach().cpu() - w0, moved) < 1e-3
+    if cuda_graph:
+        assert opts[1].__dict__.get("_last_replay"), "the GPU optimizer never replayed a captured step"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

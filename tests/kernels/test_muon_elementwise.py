@@ -233,3 +233,24 @@ def test_nonfinite_flags_kernel_finds_each_nan_and_inf(dtype):
     grads[0][big - 1] = 0.0  # the same tensors, now finite: the kernel reads them anew
     with ew.elementwise_backend("triton"):
         assert torch.equal(ew.nonfinite_flags(grads), torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0]))
+
+
+def test_apply_update_scales_each_row_of_each_matrix():
+    """NorMuon's per-neuron scale: row r of W_i (as it lies, tall or wide) takes row_scale[i, r]; Triton and the
+    torch reference agree with float64."""
+    torch.manual_seed(4)
+    params = [torch.randn(s) for s in shapes()]
+    before = [p.double() for p in params]
+    Y = torch.randn(len(params), S, L)
+    row_scale = torch.rand(len(params), L) + 0.5
+    reference = [p.clone() for p in params]
+    fused.apply_update_triton(params, Y, lambda m, n: 2.0, 0.1, 0.01, row_scale=row_scale)
+    ew.apply_update_reference(reference, Y, lambda m, n: 2.0, 0.1, 0.01, row_scale=row_scale)
+    for i, (p, q, w) in enumerate(zip(params, reference, before)):
+        m, n = p.shape
+        y = Y[i].double().mT if m > n else Y[i].double()
+        ref = (1 - 0.1 * 0.01) * w - 0.1 * 2.0 * row_scale[i, :m, None].double() * y
+        torch.testing.assert_close(p.double(), ref, **FP32_TOL)
+        torch.testing.assert_close(q.double(), ref, **FP32_TOL)
+    with pytest.raises(ValueError, match="row_scale must be a contiguous float32"):
+        fused.apply_update_triton(params, Y, lambda m, n: 2.0, 0.1, 0.01, row_scale=row_scale[:, :S])
