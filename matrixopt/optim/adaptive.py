@@ -159,6 +159,7 @@ class NorMuon(_SecondMomentMuon):
     def _views(self, p: Tensor, v: Tensor) -> list[Tensor]:
         return row_pieces(p, v)
 
+    @torch.compiler.disable  # eager inside torch.compile: the per-matrix layout logic does not trace symbolically
     def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor,
                    skip: Tensor | None) -> tuple[Tensor, Tensor]:
         # One read of O for its sums of squares per row of each matrix; the second moments, the normalization and
@@ -229,6 +230,7 @@ class AdaMuon(_SecondMomentMuon):
             return newton_schulz_short_side(torch.sign(X), ns_config(group))  # the sums of squares are X's: unused
         return super()._orthogonalize(group, X, parts)
 
+    @torch.compiler.disable  # eager inside torch.compile, as NorMuon's
     def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor,
                    skip: Tensor | None) -> tuple[Tensor, None]:
         O = O.float()

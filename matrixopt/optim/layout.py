@@ -92,7 +92,7 @@ class Bucket:
 
     def tall(self, i: int) -> bool:
         """Whether matrix i lies transposed in the stack (its rows are the stack's columns)."""
-        return self.params[i].shape[-2] > self.params[i].shape[-1]
+        return bool(self.params[i].shape[-2] > self.params[i].shape[-1])  # a plain bool also under torch.compile
 
 
 def momentum_buckets(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor],
