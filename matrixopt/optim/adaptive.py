@@ -52,13 +52,6 @@ from matrixopt.optim.layout import Bucket, matrix_pieces, row_pieces, row_state
 from matrixopt.optim.muon import Muon, ns_config
 
 
-def _rms_align(O: Tensor) -> Tensor:
-    """Each matrix of ``O (b, s, l)`` scaled in place to Frobenius norm sqrt(s), that of an orthogonal ``(s, l)``
-    matrix (a zero matrix stays zero). Float32."""
-    norm = torch.linalg.vector_norm(O, dim=(-2, -1), keepdim=True)
-    return O.mul_(torch.where(norm > 0, O.shape[-2] ** 0.5 / norm, 0.0))
-
-
 class _SecondMomentMuon(Muon):
     """Muon with a second moment on the orthogonalized update (module docstring); subclasses say where it lives
     (``_second_moment``) and how it normalizes a bucket's stack (``_normalize``)."""
@@ -232,12 +225,15 @@ class AdaMuon(_SecondMomentMuon):
 
     @torch.compiler.disable  # eager inside torch.compile, as NorMuon's
     def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor,
-                   skip: Tensor | None) -> tuple[Tensor, None]:
-        O = O.float()
+                   skip: Tensor | None) -> tuple[Tensor, Tensor]:
         V = torch.stack([v.mT if bk.tall(i) else v for i, v in enumerate(bk.extra)])  # (b, s, l), as O lies
         if skip is None:
-            V.lerp_(O * O, 1 - group["beta2"])
+            V.mul_(group["beta2"]).addcmul_(O, O, value=1 - group["beta2"])  # O in its own dtype, squares in fp32
         else:  # a skipped step's O is not even finite: keep the moments as they were, without a host sync
-            V = torch.where(skip != 0, V, V.lerp(O * O, 1 - group["beta2"]))
+            V = torch.where(skip != 0, V, (V * group["beta2"]).addcmul_(O, O, value=1 - group["beta2"]))
         torch._foreach_copy_(bk.extra, [v.mT if bk.tall(i) else v for i, v in enumerate(V.unbind(0))])
-        return _rms_align(O.div_(V.sqrt_().add_(group["eps"]))), None
+        U = torch.div(O, V.sqrt_().add_(group["eps"]))  # float32
+        # the RMS alignment's factor per matrix, applied by the update kernel as it writes W (no pass over U)
+        norm = torch.linalg.vector_norm(U, dim=(-2, -1))  # (b,)
+        align = torch.where(norm > 0, U.shape[-2] ** 0.5 / norm, 0.0)
+        return U, align[:, None].expand(U.shape[0], U.shape[-1]).contiguous()
