@@ -8,7 +8,7 @@ its scores: tile by tile in registers, each tile reduced to its max at once. The
 ``(B, H, T, T)`` fp32 score tensor at GPT-2-small's shape is 800 MB per layer, read and written twice by the
 torch reference.
 
-Blocked algorithm, one program per (query block, batch x head)::
+Blocked algorithm, one program per (batch x head, query block)::
 
     q = Q[b, h, i0:i0+BLOCK_M, :]                       (BLOCK_M, D), zero past T and past d
     best = -inf per query
@@ -53,8 +53,8 @@ def _max_logits_kernel(
     # meta-parameters: D = head size rounded up to a power of two (>= 16)
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)  # batch x head on the large grid dim (B * H may pass 65535)
+    pid_m = tl.program_id(1)
     b = bh // H
     h = bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -79,7 +79,7 @@ def _max_logits_kernel(
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None])
         best = tl.maximum(best, tl.max(tl.where(valid, s, float("-inf")), axis=1))
-    tl.store(out_ptr + bh * tl.num_programs(0) + pid_m, tl.max(best, axis=0))
+    tl.store(out_ptr + bh * tl.num_programs(1) + pid_m, tl.max(best, axis=0))
 
 
 # ----------------------------------------------------------------------------------------------- launcher
@@ -98,7 +98,7 @@ def max_logits_triton(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
     blocks = triton.cdiv(T, BLOCK_M)
     out = torch.full((B * H, max(blocks, 1)), -math.inf, dtype=torch.float32, device=q.device)
     if B * H * T * T_k:
-        _max_logits_kernel[(blocks, B * H)](q, k, out, H, H // H_kv, T, T_k, d, *q.stride(), *k.stride(),
+        _max_logits_kernel[(B * H, blocks)](q, k, out, H, H // H_kv, T, T_k, d, *q.stride(), *k.stride(),
                                             CAUSAL=causal, IEEE=q.dtype == torch.float32, BLOCK_M=BLOCK_M,
                                             BLOCK_N=BLOCK_N, D=max(16, triton.next_power_of_2(d)),
                                             num_warps=NUM_WARPS)
