@@ -23,7 +23,9 @@ One subclass per mode, built by :func:`make_parallelism`, the one place a mode's
 * :class:`FSDP` ("fsdp"): FSDP2 ``fully_shard`` over a ``"dp"`` mesh dim; Muon as
   :class:`~matrixopt.distributed.sharded.ShardedMuon`, AdamW as torch AdamW over the DTensors. Tensor parallelism
   composes into it (``tp > 1``: a ``("dp", "tp")`` mesh, the model's :class:`TPPlan` applied first, then FSDP2
-  over "dp"); another parallel dim (experts) would add a mesh dim and a plan the same way.
+  over "dp"); another parallel dim (experts) would add a mesh dim and a plan the same way. NorMuon and AdaMuon run
+  as their sharded forms (:class:`~matrixopt.distributed.sharded.ShardedNorMuon`, ``ShardedAdaMuon``), without
+  tensor parallelism.
 
 The multi-process modes run one process per rank, as torchrun starts them: constructing one joins the default
 process group (created from torchrun's environment unless the caller already did: NCCL on CUDA, gloo on CPU)
@@ -53,13 +55,14 @@ from matrixopt.device import resolve_device
 from matrixopt.distributed import checkpoint, comm
 from matrixopt.distributed.fsdp import apply_fsdp
 from matrixopt.distributed.layerwise import LayerwiseOptimizer
-from matrixopt.distributed.sharded import ShardedMuon
+from matrixopt.distributed.sharded import ShardedAdaMuon, ShardedMuon, ShardedNorMuon
 from matrixopt.distributed.tp import MODES as TP_MODES
 from matrixopt.optim.base import MatrixOptimizer
 from matrixopt.optim.registry import OPTIMIZERS, accepted, build_optimizer
 from matrixopt.optim.routing import param_groups
 
 T = TypeVar("T")
+SHARDED = {"muon": ShardedMuon, "normuon": ShardedNorMuon, "adamuon": ShardedAdaMuon}  # matrix optimizers on DTensors
 Splits = Mapping[str, int | Sequence[int]]
 
 
@@ -341,7 +344,7 @@ class FSDP(MultiProcess):
     name = "fsdp"
     checkpoint_name = "ckpt"
     tensor_parallel = True
-    optimizers: ClassVar[tuple[str, ...]] = ("muon", "adamw")
+    optimizers: ClassVar[tuple[str, ...]] = ("muon", "normuon", "adamuon", "adamw")
 
     def __init__(self, device: str | torch.device = "auto", *, bf16: bool = False, tp: int = 1,
                  tp_mode: str = "auto", tp_plan: TPPlan | None = None) -> None:
@@ -371,10 +374,13 @@ class FSDP(MultiProcess):
 
     def _build(self, model: nn.Module, name: str, splits: Splits | None, hparams: dict) -> torch.optim.Optimizer:
         if name not in self.optimizers:
-            raise ValueError(f"--parallel fsdp supports the optimizers {' and '.join(self.optimizers)}, not "
+            raise ValueError(f"--parallel fsdp supports the optimizers {', '.join(self.optimizers)}, not "
                              f"{name!r}; use --parallel layerwise for {name}")
-        if name == "muon":
-            return ShardedMuon(param_groups(model, splits=splits), tp_mode=self.tp_mode, **hparams)
+        if name in SHARDED:
+            if self.tp > 1 and SHARDED[name] is not ShardedMuon:
+                raise ValueError(f"--parallel fsdp with --tp {self.tp} runs Muon only; {name} runs on FSDP2 row "
+                                 f"shards without tensor parallelism (drop --tp) or under --parallel layerwise")
+            return SHARDED[name](param_groups(model, splits=splits), tp_mode=self.tp_mode, **hparams)
         groups = []  # DTensor foreach kernels take one mesh per call: one group per (routing group, mesh)
         for g in param_groups(model, matrix_flag=None, splits=splits):
             g.pop("names")

@@ -42,6 +42,7 @@ from matrixopt.distributed.balance import lpt, muon_cost
 from matrixopt.distributed.comm import InFlight, gather_to_owners, scatter_from_owners
 from matrixopt.distributed.tp import MODES, CostModel, tp_newton_schulz
 from matrixopt.kernels.muon_elementwise import apply_update, momentum_pack
+from matrixopt.optim.adaptive import AdaMuon, NorMuon
 from matrixopt.optim.layout import _SPLIT
 from matrixopt.optim.muon import Muon, ns_config, update_scale
 from matrixopt.optim.nonfinite import nonfinite_flags
@@ -69,11 +70,12 @@ class Sharding:
 
 @dataclass(eq=False)
 class _Flight:
-    """One bucket of DTensor matrices on its way through a step: its local shards (in stack order; empty for an
-    empty shard), the owner counts of its FSDP exchange (None without FSDP), the packed stack's layout, the stack
-    ``Y`` held locally, and the exchange in flight."""
+    """One bucket of DTensor matrices on its way through a step: the DTensor parameters and their local shards (in
+    stack order; no shards for an empty shard), the owner counts of its FSDP exchange (None without FSDP), the
+    packed stack's layout, the stack ``Y`` held locally, and the exchange in flight."""
 
     sharding: Sharding
+    dtensors: list[DTensor]
     params: list[Tensor]
     counts: list[int] | None
     transposed: bool
@@ -137,9 +139,20 @@ class ShardedMuon(Muon):
         lr = self._device_lr(group, params[next(iter(buckets.values()))[0]].device) if buckets else None
         for f in flights:
             Y = f.exchange.wait() if f.exchange is not None else f.Y
-            if f.params:  # Y carries each matrix's full update scale already
+            Y, row_scale = self._shard_update(group, f, Y)  # collective for NorMuon and AdaMuon
+            if f.params:  # Y (times row_scale) carries each matrix's full update scale already
                 apply_update(f.params, Y, lambda m, n: 1.0, lr, group["weight_decay"], f.transposed,
-                             decay_mode=group["weight_decay_mode"])
+                             decay_mode=group["weight_decay_mode"], row_scale=row_scale)
+
+    def _shard_update(self, group: dict[str, Any], f: _Flight, Y: Tensor) -> tuple[Tensor, Tensor | None]:
+        """What to apply to a bucket's local shards from what the owners sent back, ``Y`` (laid out as the packed
+        stack): ``(update, row_scale)`` for the update kernel. Muon applies Y as it is."""
+        return Y, None
+
+    def _owner_scale(self, group: dict[str, Any], m: int, n: int) -> float:
+        """The factor owners multiply an orthogonalized ``(m, n)`` piece by before sending it back: Muon's update
+        scale."""
+        return update_scale(group["scaling"], m, n)
 
     def _launch(self, group: dict[str, Any], ps: list[DTensor], gs: list[DTensor]) -> _Flight:
         """Momentum step and packing of one bucket's local shards, and the launch of their owner gather."""
@@ -166,7 +179,7 @@ class ShardedMuon(Muon):
                           group["momentum"], group["nesterov"], transposed)
         exchange = gather_to_owners(X, counts, sh.fsdp_rows, 2 if transposed else 1, sh.fsdp_group) \
             if counts is not None else None
-        return _Flight(sh, params, counts, transposed, X, exchange)
+        return _Flight(sh, ps, params, counts, transposed, X, exchange)
 
     def _orthogonalize_owned(self, group: dict[str, Any], f: _Flight) -> None:
         """Wait for a bucket's gather, orthogonalize the matrices this rank owns, launch the scatter back."""
@@ -185,7 +198,7 @@ class ShardedMuon(Muon):
         Returns each split piece's polar factor times the update scale of its full shape, laid out as S. Pieces of
         one shape are orthogonalized in one batch."""
         if sh.split is None:
-            return self._orthogonalize_piece(group, S, sh, update_scale(group["scaling"], *sh.shape), sh.tp_sizes,
+            return self._orthogonalize_piece(group, S, sh, self._owner_scale(group, *sh.shape), sh.tp_sizes,
                                              transposed)
         dim, sizes = sh.split
         stack_dim = 2 - dim if transposed else 1 + dim
@@ -197,7 +210,7 @@ class ShardedMuon(Muon):
             whole, tp_sizes = (size * tp, (size,) * tp) if sh.rank_major else (size, sh.tp_sizes)
             pm, pn = (whole, sh.shape[1]) if dim == 0 else (sh.shape[0], whole)
             Y = self._orthogonalize_piece(group, torch.cat([pieces[i] for i in idx]), sh,
-                                          update_scale(group["scaling"], pm, pn), tp_sizes, transposed)
+                                          self._owner_scale(group, pm, pn), tp_sizes, transposed)
             for i, y in zip(idx, Y.split(S.size(0))):
                 out[i] = y
         return torch.cat(out, dim=stack_dim)
@@ -274,3 +287,68 @@ class ShardedMuon(Muon):
             tp_dim=max(tp_mat_dim, 0),
             tp_sizes=tuple(comm.chunk_sizes(p.shape[tp_mat_dim], mesh.size(tp_dim))) if tp_dim is not None else (),
             split=split)
+
+
+class _ShardedSecondMoment(ShardedMuon):
+    """NorMuon's and AdaMuon's second moments on FSDP2 row shards (``Shard(0)``; not with tensor parallelism, nor
+    with weights split along their columns). Owners send back the bare orthogonalized pieces; each rank steps the
+    second moments of its rows (a row, a neuron, lies whole on one rank), the Frobenius norms of each (matrix,
+    piece) are summed over the FSDP group, and the update kernel applies each row's normalization, RMS alignment
+    and update scale. The second moments are DTensors sharded as the weights' rows, so state dicts and
+    distributed checkpoints see ordinary sharded state."""
+
+    def _owner_scale(self, group: dict[str, Any], m: int, n: int) -> float:
+        return 1.0
+
+    def _sharded_state(self, p: DTensor) -> DTensor:
+        """A new zero second moment for the DTensor parameter ``p``, sharded as its rows."""
+        raise NotImplementedError
+
+    def _shard_update(self, group: dict[str, Any], f: _Flight, Y: Tensor) -> tuple[Tensor, Tensor | None]:
+        sh = f.sharding
+        if sh.tp_group is not None or (sh.split is not None and sh.split[0] != 0):
+            raise ValueError(f"{type(self).__name__} runs on FSDP2 row shards, not under tensor parallelism nor on "
+                             f"weights split along their columns (a {sh.shape} matrix with TP or split "
+                             f"{sh.split}); use --parallel layerwise, or ShardedMuon")
+        rows, cols = sh.local_shape
+        Yr = Y.mT if f.transposed else Y  # (k, rows, cols): this rank's rows of each matrix
+        for p in f.dtensors:
+            if self._state_key not in self.state[p]:
+                self.state[p][self._state_key] = self._sharded_state(p)
+        if f.params:
+            state = [self.state[p][self._state_key].to_local() for p in f.dtensors]
+            out, factor, row_sq = self._moments(group, Yr, state, None)
+        else:  # an empty shard: no rows, but the norms' all-reduce still needs this rank
+            out, factor, row_sq = None, None, Yr.new_zeros(Yr.shape[:2], dtype=torch.float32)
+        sizes = sh.split[1] if sh.split is not None else (sh.shape[0],)  # pieces along the rows
+        start = sum(sh.fsdp_rows[:comm.rank(sh.fsdp_group)]) if sh.fsdp_group is not None else 0
+        bounds = torch.tensor(sizes, device=Y.device).cumsum(0)
+        piece = torch.bucketize(torch.arange(start, start + rows, device=Y.device), bounds, right=True)  # (rows,)
+        normsq = row_sq.new_zeros(row_sq.shape[0], len(sizes)).index_add_(1, piece, row_sq)  # (k, pieces)
+        if sh.fsdp_group is not None:
+            comm.all_reduce_sum(normsq, sh.fsdp_group)
+        target = torch.tensor([min(m, cols) ** 0.5 * update_scale(group["scaling"], m, cols) for m in sizes],
+                              device=Y.device)
+        align = torch.where(normsq > 0, target / normsq.sqrt(), 0.0)[:, piece]  # (k, rows)
+        scale = align if factor is None else factor * align
+        update = Yr if out is None else out
+        if f.transposed:
+            return update.mT, scale.contiguous()
+        return update, torch.nn.functional.pad(scale, (0, cols - rows)).contiguous()  # the stack's (k, cols)
+
+
+class ShardedNorMuon(_ShardedSecondMoment, NorMuon):
+    """:class:`matrixopt.NorMuon` over FSDP2 DTensor parameters (see :class:`ShardedMuon` for the arguments and
+    the layouts it takes; not under tensor parallelism). ``row_second_moment`` is a DTensor sharded as the rows."""
+
+    def _sharded_state(self, p: DTensor) -> DTensor:
+        local = torch.zeros(p.to_local().shape[0], dtype=torch.float32, device=p.device)
+        return DTensor.from_local(local, p.device_mesh, p.placements, shape=(p.shape[0],), stride=(1,))
+
+
+class ShardedAdaMuon(_ShardedSecondMoment, AdaMuon):
+    """:class:`matrixopt.AdaMuon` over FSDP2 DTensor parameters (see :class:`ShardedMuon`; not under tensor
+    parallelism). ``exp_avg_sq`` is a DTensor sharded as the parameter."""
+
+    def _sharded_state(self, p: DTensor) -> DTensor:
+        return torch.zeros_like(p, dtype=torch.float32)

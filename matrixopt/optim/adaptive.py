@@ -54,7 +54,7 @@ from matrixopt.optim.muon import Muon, ns_config
 
 class _SecondMomentMuon(Muon):
     """Muon with a second moment on the orthogonalized update (module docstring); subclasses say where it lives
-    (``_second_moment``) and how it normalizes a bucket's stack (``_normalize``)."""
+    (``_second_moment``, ``_views``) and how it steps and applies it (``_moments``)."""
 
     _state_key: str
 
@@ -102,16 +102,46 @@ class _SecondMomentMuon(Muon):
         """A new zero second moment for parameter ``p`` and its views per matrix piece."""
         raise NotImplementedError
 
-    def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor,
-                   skip: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """The update from the bucket's orthogonalized stack ``O (b, s, l)`` (the iteration's dtype): O divided by
-        its second moment, which is updated in place (``bk.extra``) unless ``skip`` (a 0-d device flag) is
-        nonzero, then RMS-aligned (module docstring). Returns ``(update, row_scale)``: the update, and None or a
-        ``(b, l)`` float32 scale per row of each matrix as it lies that the update kernel applies to it."""
+    def _moments(self, group: dict[str, Any], O: Tensor, state: list[Tensor],
+                 skip: Tensor | None) -> tuple[Tensor | None, Tensor | None, Tensor]:
+        """The second-moment step on ``O (k, r, c)``, k matrices (or row blocks of them) laid out rows first (a row
+        is a neuron, an output feature), with ``state`` their k second-moment views as the matrices lie. Updates
+        the state in place unless ``skip`` (a 0-d device flag) is nonzero. Returns ``(out, row_factor, row_sq)``:
+        the normalized update is ``row_factor[:, :, None] * out`` (``out`` None: O itself; ``row_factor`` None: 1),
+        and ``row_sq (k, r)`` float32 holds its squared norm per row, from which the RMS alignment follows (summed
+        over ranks when the rows are sharded)."""
         raise NotImplementedError
 
+    @torch.compiler.disable  # eager inside torch.compile: the per-matrix layout logic does not trace symbolically
+    def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor,
+                   skip: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The update from the bucket's orthogonalized stack ``O (b, s, l)`` (the iteration's dtype), as
+        ``(update (b, s, l), row_scale (b, l))`` for the update kernel: the second moments' normalization and the
+        RMS alignment to an orthogonal ``(s, l)`` matrix's Frobenius norm sqrt(s) (module docstring), the scale
+        per row of each matrix as it lies."""
+        b, s, l = O.shape
+        tall = [bk.tall(i) for i in range(b)]
+        outs: dict[int, Tensor | None] = {}
+        scales: dict[int, Tensor] = {}
+        for is_tall in sorted(set(tall)):  # one batch per orientation: a tall matrix's rows are the stack's columns
+            idx = [i for i, t in enumerate(tall) if t == is_tall]
+            part = O if len(idx) == b else torch.stack([O[i] for i in idx])  # lists of views: capturable
+            out, factor, row_sq = self._moments(group, part.mT if is_tall else part, [bk.extra[i] for i in idx],
+                                                skip)
+            norm = row_sq.sum(-1, keepdim=True).sqrt_()  # (k, 1): the normalized update's Frobenius norm
+            scale = torch.where(norm > 0, s**0.5 / norm, 0.0)
+            scale = (scale if factor is None else factor * scale).expand(len(idx), l if is_tall else s)
+            if not is_tall:  # (k, s): padded to the stack's l, which the kernel reads per row of W_i
+                scale = torch.nn.functional.pad(scale, (0, l - s))
+            scales.update(zip(idx, scale.unbind(0)))
+            outs.update(zip(idx, [None] * len(idx) if out is None else (out.mT if is_tall else out).unbind(0)))
+        row_scale = torch.stack([scales[i] for i in range(b)])
+        if all(o is None for o in outs.values()):
+            return O, row_scale
+        return torch.stack([outs[i] for i in range(b)]), row_scale
+
     def _adaptation(self, group: dict[str, Any],
-                    params: list[Tensor]) -> tuple[list[list[Tensor]], Callable[[Bucket, Tensor], Tensor]]:
+                    params: list[Tensor]) -> tuple[list[list[Tensor]], Callable[..., tuple[Tensor, Tensor]]]:
         extras = []
         for p in params:
             st = self.state[p]
@@ -152,32 +182,19 @@ class NorMuon(_SecondMomentMuon):
     def _views(self, p: Tensor, v: Tensor) -> list[Tensor]:
         return row_pieces(p, v)
 
-    @torch.compiler.disable  # eager inside torch.compile: the per-matrix layout logic does not trace symbolically
-    def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor,
-                   skip: Tensor | None) -> tuple[Tensor, Tensor]:
-        # One read of O for its sums of squares per row of each matrix; the second moments, the normalization and
-        # the RMS alignment then all come from those (||D O||_F^2 = sum_r d_r^2 ||O_r||^2 for a diagonal D), and
-        # the update kernel applies the resulting scale per row as it writes W: O itself is not rewritten.
-        b, s, l = O.shape
-        tall = [bk.tall(i) for i in range(b)]
-        scales: dict[int, Tensor] = {}
-        for is_tall in set(tall):  # one batch per orientation: a tall matrix's rows are the stack's columns
-            idx = [i for i, t in enumerate(tall) if t == is_tall]
-            part = O if len(idx) == b else torch.stack([O[i] for i in idx])  # lists of views: capturable
-            sumsq = torch.linalg.vector_norm(part, dim=-2 if is_tall else -1, dtype=torch.float32).square_()
-            views = [bk.extra[i] for i in idx]
-            old = torch.stack(views)  # (k, s) or (k, l)
-            new = old.lerp(sumsq / (s if is_tall else l), 1 - group["beta2"])
-            if skip is not None:  # a skipped step's O is not even finite: keep the moments, without a host sync
-                new = torch.where(skip != 0, old, new)
-            torch._foreach_copy_(views, list(new.unbind(0)))
-            inv = new.sqrt_().add_(group["eps"]).reciprocal_()  # diag(sqrt(v) + eps)^-1
-            norm = (inv.square() * sumsq).sum(-1, keepdim=True).sqrt_()  # ||D O||_F per matrix
-            scale = inv * torch.where(norm > 0, s**0.5 / norm, 0.0)
-            if not is_tall:  # (k, s): padded to the stack's l, which the kernel reads per row of W_i
-                scale = torch.nn.functional.pad(scale, (0, l - s))
-            scales.update(zip(idx, scale.unbind(0)))
-        return O, torch.stack([scales[i] for i in range(b)])
+    def _moments(self, group: dict[str, Any], O: Tensor, state: list[Tensor],
+                 skip: Tensor | None) -> tuple[None, Tensor, Tensor]:
+        # One read of O for its sums of squares per row; the second moments, the normalization and the norms all
+        # come from those (||D O_r||^2 = d_r^2 ||O_r||^2 for a diagonal D), and the update kernel applies the scale
+        # per row as it writes W: O itself is not rewritten.
+        sumsq = torch.linalg.vector_norm(O, dim=-1, dtype=torch.float32).square_()  # (k, r)
+        old = torch.stack(state)  # (k, r)
+        new = old.lerp(sumsq / O.shape[-1], 1 - group["beta2"])
+        if skip is not None:  # a skipped step's O is not even finite: keep the moments, without a host sync
+            new = torch.where(skip != 0, old, new)
+        torch._foreach_copy_(state, list(new.unbind(0)))
+        inv = new.sqrt_().add_(group["eps"]).reciprocal_()  # diag(sqrt(v) + eps)^-1
+        return None, inv, inv.square() * sumsq
 
 
 class AdaMuon(_SecondMomentMuon):
@@ -223,17 +240,13 @@ class AdaMuon(_SecondMomentMuon):
             return newton_schulz_short_side(torch.sign(X), ns_config(group))  # the sums of squares are X's: unused
         return super()._orthogonalize(group, X, parts)
 
-    @torch.compiler.disable  # eager inside torch.compile, as NorMuon's
-    def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor,
-                   skip: Tensor | None) -> tuple[Tensor, Tensor]:
-        V = torch.stack([v.mT if bk.tall(i) else v for i, v in enumerate(bk.extra)])  # (b, s, l), as O lies
+    def _moments(self, group: dict[str, Any], O: Tensor, state: list[Tensor],
+                 skip: Tensor | None) -> tuple[Tensor, None, Tensor]:
+        V = torch.stack(state)  # (k, r, c)
         if skip is None:
             V.mul_(group["beta2"]).addcmul_(O, O, value=1 - group["beta2"])  # O in its own dtype, squares in fp32
         else:  # a skipped step's O is not even finite: keep the moments as they were, without a host sync
             V = torch.where(skip != 0, V, (V * group["beta2"]).addcmul_(O, O, value=1 - group["beta2"]))
-        torch._foreach_copy_(bk.extra, [v.mT if bk.tall(i) else v for i, v in enumerate(V.unbind(0))])
+        torch._foreach_copy_(state, list(V.unbind(0)))
         U = torch.div(O, V.sqrt_().add_(group["eps"]))  # float32
-        # the RMS alignment's factor per matrix, applied by the update kernel as it writes W (no pass over U)
-        norm = torch.linalg.vector_norm(U, dim=(-2, -1))  # (b,)
-        align = torch.where(norm > 0, U.shape[-2] ** 0.5 / norm, 0.0)
-        return U, align[:, None].expand(U.shape[0], U.shape[-1]).contiguous()
+        return U, None, U.square().sum(-1)

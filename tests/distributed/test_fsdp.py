@@ -1,4 +1,5 @@
-"""ShardedMuon under FSDP2 ``fully_shard`` and on a DP x TP mesh against single-process Muon (CPU, gloo)."""
+"""ShardedMuon under FSDP2 ``fully_shard`` and on a DP x TP mesh against single-process Muon, and sharded NorMuon
+and AdaMuon under FSDP2 against theirs (CPU, gloo)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from matrixopt.distributed.comm import chunk_sizes, gather_to_owners, scatter_from_owners
 from matrixopt.distributed.fsdp import apply_fsdp
-from matrixopt.distributed.sharded import ShardedMuon
+from matrixopt.distributed.sharded import ShardedAdaMuon, ShardedMuon, ShardedNorMuon
 from matrixopt.distributed.tp import CostModel
+from matrixopt.optim.adaptive import AdaMuon, NorMuon
 from matrixopt.optim.layout import mark_split
 from matrixopt.optim.muon import Muon
 from matrixopt.optim.routing import param_groups
@@ -59,10 +61,10 @@ def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 8, generator=g), torch.randn(8, 13, generator=g)  # global batch of 8
 
 
-def _reference() -> Net:
+def _reference(cls: type = Muon) -> Net:
     torch.manual_seed(0)
     model = Net().mark_qkv()
-    opt = Muon(param_groups(model), **HPARAMS)
+    opt = cls(param_groups(model), **HPARAMS)
     for step in range(STEPS):
         x, y = _data(step)
         nn.functional.mse_loss(model(x), y).backward()
@@ -71,12 +73,12 @@ def _reference() -> Net:
     return model
 
 
-def _fsdp_matches_single_process(rank: int, world: int) -> None:
-    ref = _reference()
+def _fsdp_matches_single_process(rank: int, world: int, cls: type = Muon, sharded: type = ShardedMuon) -> None:
+    ref = _reference(cls)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     torch.manual_seed(0)
     model = apply_fsdp(Net(), mesh).mark_qkv()
-    opt = ShardedMuon(param_groups(model), **HPARAMS)
+    opt = sharded(param_groups(model), **HPARAMS)
     per_rank = 8 // world
     for step in range(STEPS):
         x, y = _data(step)
@@ -98,7 +100,7 @@ def _fsdp_matches_single_process(rank: int, world: int) -> None:
             clones[id(p)].grad = p.grad.clone()
     qkv = model.layers[5].weight
     mark_split(clones[id(qkv)], 3)
-    opt2 = ShardedMuon([dict(g, params=[clones[id(p)] for p in g["params"]]) for g in groups], **HPARAMS)
+    opt2 = sharded([dict(g, params=[clones[id(p)] for p in g["params"]]) for g in groups], **HPARAMS)
     opt2.load_state_dict(opt.state_dict())
     opt.step()
     opt2.step()
@@ -128,6 +130,8 @@ def _owner_gather_sends_whole_matrices_to_owners_only(rank: int, world: int) -> 
 def _fsdp_checks(rank: int, world: int) -> None:
     _owner_gather_sends_whole_matrices_to_owners_only(rank, world)
     _fsdp_matches_single_process(rank, world)
+    for cls, sharded in ((NorMuon, ShardedNorMuon), (AdaMuon, ShardedAdaMuon)):
+        _fsdp_matches_single_process(rank, world, cls, sharded)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -30,7 +30,7 @@ FLAGS = [
     "--grad-accum", "2", "--steps", "4", "--eval-every", "2", "--eval-iters", "2", "--warmup", "2",
     "--log-every", "1", "--threads", "1", "--no-progress",
 ]  # fmt: skip
-LR = {"muon": "0.01", "adamw": "0.003"}
+LR = {"muon": "0.01", "adamw": "0.003", "normuon": "0.01"}
 
 # Ctrl-C in rank 0 only, during step 2: the ranks agree to stop after it, checkpoint and exit 130.
 CTRL_C_ON_RANK_0 = """
@@ -84,7 +84,8 @@ def single(tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("parallel, optimizer", [("layerwise", "muon"), ("ddp", "adamw"), ("fsdp", "muon")])
+@pytest.mark.parametrize("parallel, optimizer", [("layerwise", "muon"), ("ddp", "adamw"), ("fsdp", "muon"),
+                                                 ("fsdp", "normuon")])
 def test_two_ranks_log_single_process_losses(tmp_path, single, parallel, optimizer):
     proc = torchrun(2, train_args(optimizer, tmp_path, "--parallel", parallel))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -125,16 +126,18 @@ def test_blockwise_tensor_parallel_muon_trains(tmp_path, single):
     assert got[-1]["loss"] != pytest.approx(want[-1]["loss"], rel=1e-4)
 
 
-@pytest.mark.parametrize("parallel, resume_ranks, tp, resume_tp", [
-    ("layerwise", 1, "1", "1"), ("fsdp", 2, "1", "1"), ("fsdp", 2, "2", "2"), ("fsdp", 2, "2", "1"),
-    ("fsdp", 2, "1", "2"),
+@pytest.mark.parametrize("parallel, resume_ranks, tp, resume_tp, optimizer", [
+    ("layerwise", 1, "1", "1", "muon"), ("fsdp", 2, "1", "1", "muon"), ("fsdp", 2, "2", "2", "muon"),
+    ("fsdp", 2, "2", "1", "muon"), ("fsdp", 2, "1", "2", "muon"), ("fsdp", 1, "1", "1", "normuon"),
 ])  # fmt: skip
-def test_interrupted_run_resumes_to_uninterrupted_losses(tmp_path, single, parallel, resume_ranks, tp, resume_tp):
-    """Also across TP sizes: checkpoints hold the fused QKV rows (and their momentum) in single-process order."""
+def test_interrupted_run_resumes_to_uninterrupted_losses(tmp_path, single, parallel, resume_ranks, tp, resume_tp,
+                                                         optimizer):
+    """Also across TP sizes: checkpoints hold the fused QKV rows (and their momentum) in single-process order; and
+    NorMuon's row-sharded second moments resume at one rank."""
     script = tmp_path / "ctrl_c.py"
     script.write_text(CTRL_C_ON_RANK_0)
     out = tmp_path / "run"
-    args = train_args("muon", out, "--parallel", parallel)
+    args = train_args(optimizer, out, "--parallel", parallel)
     proc = torchrun(2, [*args, "--tp", tp], script)
     assert proc.returncode != 0 and "interrupted at step 2" in proc.stderr, proc.stderr[-3000:]
     assert [m["step"] for m in metrics(out)] == [0, 1, 2]
@@ -142,7 +145,7 @@ def test_interrupted_run_resumes_to_uninterrupted_losses(tmp_path, single, paral
 
     proc = torchrun(resume_ranks, [*args, "--tp", resume_tp, "--resume"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_same_losses(metrics(out), single["muon"])
+    assert_same_losses(metrics(out), single[optimizer])
 
 
 @pytest.mark.parametrize("flags, message", [
