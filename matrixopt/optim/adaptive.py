@@ -240,6 +240,16 @@ class AdaMuon(_SecondMomentMuon):
             return newton_schulz_short_side(torch.sign(X), ns_config(group))  # the sums of squares are X's: unused
         return super()._orthogonalize(group, X, parts)
 
+    @torch.compiler.disable  # eager inside torch.compile, as the base class's
+    def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor,
+                   skip: Tensor | None) -> tuple[Tensor, Tensor]:
+        # Element-wise moments need no rows-first layout: step them on the stack as it lies (the state viewed
+        # transposed for tall matrices), one batch for the whole bucket
+        b, s, l = O.shape
+        U, _, row_sq = self._moments(group, O, [v.mT if bk.tall(i) else v for i, v in enumerate(bk.extra)], skip)
+        norm = row_sq.sum(-1).sqrt_()  # (b,)
+        return U, torch.where(norm > 0, s**0.5 / norm, 0.0)[:, None].expand(b, l).contiguous()
+
     def _moments(self, group: dict[str, Any], O: Tensor, state: list[Tensor],
                  skip: Tensor | None) -> tuple[Tensor, None, Tensor]:
         V = torch.stack(state)  # (k, r, c)
