@@ -29,7 +29,7 @@ from matrixopt.optim.registry import accepted
 from matrixopt.train.model import QKV_SPLITS
 from matrixopt.train.qk_clip import GPTQKClip
 
-# preset -> (batch, block_size, vocab) of the issue's rows; "tiny-cpu" keeps the CPU test fast.
+# preset -> (batch, block_size, vocab) of the benchmark's rows; "tiny-cpu" keeps the CPU test fast.
 BATCHES: dict[str, tuple[int, int, int]] = {"gpt2-small": (16, 1024, 50304), "gpt2-medium": (8, 1024, 50304),
                                             "1.3b": (4, 2048, 50304), "tiny-cpu": (2, 32, 512)}
 # suffixes of an optimizer name: "muon+eager" is Muon without the trainer's CUDA graph (cuda_graph=False),
@@ -39,8 +39,8 @@ BATCHES: dict[str, tuple[int, int, int]] = {"gpt2-small": (16, 1024, 50304), "gp
 # the heads above tau clipped after the step); they combine
 VARIANTS = {"eager": {"cuda_graph": False}, "standard": {"ns_method": "standard"}, "fused_qkv": {}, "qk_clip": {}}
 QK_CLIP_TAU = 100.0  # Kimi K2's threshold
-# the issue's row: AdamW, ours (and three variants), and the peers (emerging_optimizers recorded as missing where it
-# is)
+# the default row: AdamW, ours (and four variants), and the peers (emerging_optimizers recorded as missing where it
+# is not installed)
 DEFAULT_OPTIMIZERS = ("adamw", "muon", "muon+fused_qkv", "muon+standard", "muon+eager", "torch.optim.Muon", EMERGING)
 
 
