@@ -39,7 +39,7 @@ BATCHES: dict[str, tuple[int, int, int]] = {"gpt2-small": (16, 1024, 50304), "gp
 # the heads above tau clipped after the step); they combine
 VARIANTS = {"eager": {"cuda_graph": False}, "standard": {"ns_method": "standard"}, "fused_qkv": {}, "qk_clip": {}}
 QK_CLIP_TAU = 100.0  # Kimi K2's threshold
-# the default row: AdamW, ours (and four variants), and the peers (emerging_optimizers recorded as missing where it
+# the default row: AdamW, ours (and three variants), and the peers (emerging_optimizers recorded as missing where it
 # is not installed)
 DEFAULT_OPTIMIZERS = ("adamw", "muon", "muon+fused_qkv", "muon+standard", "muon+eager", "torch.optim.Muon", EMERGING)
 
