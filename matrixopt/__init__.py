@@ -20,12 +20,12 @@ Public API:
     QKClipStats                                                       what one QKClip.step did (clipped, max_logit, ...)
 """
 
+from matrixopt.distributed.qk_clip import FusedQKV, QKClip, QKClipStats, SplitQK
 from matrixopt.linalg.ortho import SCHEDULES, NewtonSchulzConfig, newton_schulz, polar
 from matrixopt.optim.adaptive import AdaMuon, NorMuon
 from matrixopt.optim.layout import mark_experts, mark_split
 from matrixopt.optim.muon import MOP, Muon
 from matrixopt.optim.nonfinite import NonFiniteGradientError
-from matrixopt.optim.qk_clip import FusedQKV, QKClip, QKClipStats, SplitQK
 from matrixopt.optim.registry import OPTIMIZERS, build_optimizer, register_optimizer
 from matrixopt.optim.routing import param_groups, routing_summary
 from matrixopt.optim.shampoo import Shampoo

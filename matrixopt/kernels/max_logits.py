@@ -1,5 +1,5 @@
 r"""The largest pre-softmax logit of each attention head, without the scores in memory: a Triton kernel for
-QK-clip's per-head max (:func:`matrixopt.optim.qk_clip.max_logits_per_head` dispatches to it on CUDA and holds
+QK-clip's per-head max (:func:`matrixopt.distributed.qk_clip.max_logits_per_head` dispatches to it on CUDA and holds
 the torch reference).
 
 For query head h (key head ``h // g`` under grouped-query attention, ``g = H / H_kv``) it computes

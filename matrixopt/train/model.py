@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from matrixopt.optim.qk_clip import max_logits_per_head
+from matrixopt.distributed.qk_clip import max_logits_per_head
 
 NORMS = ("layernorm", "rmsnorm")
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from matrixopt.distributed.layerwise import LayerwiseOptimizer
 from matrixopt.distributed.parallelism import Parallelism
-from matrixopt.optim.qk_clip import FusedQKV, QKClip, QKClipStats
+from matrixopt.distributed.qk_clip import FusedQKV, QKClip, QKClipStats
 from matrixopt.train.model import GPT
 
 

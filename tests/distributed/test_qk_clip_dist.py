@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from matrixopt.optim.qk_clip import FusedQKV, QKClip, SplitQK
+from matrixopt.distributed.qk_clip import FusedQKV, QKClip, SplitQK
 
 H, HKV, D, C = 6, 2, 3, 5  # fused rows (6 + 2 * 2) * 3 = 30; split W_k rows 6 = 3 + 3 over 2 ranks
 TAU = 10.0

@@ -207,7 +207,7 @@ def test_fused_step_of_the_muon_family_matches_the_cpu_step(name, mode, cuda_gra
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_max_logits_kernel_matches_dense_scores_on_gpu(dtype):
     """QK-clip's per-head max logit through the Triton kernel, at GPT-2-small's attention shape, GQA included."""
-    from matrixopt.optim.qk_clip import max_logits_per_head
+    from matrixopt.distributed.qk_clip import max_logits_per_head
 
     torch.manual_seed(0)
     q = torch.randn(4, 1024, 12, 64, device="cuda").to(dtype).transpose(1, 2)  # (B, H, T, d), strided

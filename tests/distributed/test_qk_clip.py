@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from matrixopt.optim.qk_clip import FusedQKV, QKClip, SplitQK, max_logits_per_head
+from matrixopt.distributed.qk_clip import FusedQKV, QKClip, SplitQK, max_logits_per_head
 
 # Everything below runs in float64, where a clip is one multiply per weight by sqrt(gamma) (1 ulp each) and a
 # recomputed logit a d_model-long dot product: measured <= 1e-14 relative; a wrong head or factor is off by >= 1%.
