@@ -112,33 +112,14 @@ class _SecondMomentMuon(Muon):
         over ranks when the rows are sharded)."""
         raise NotImplementedError
 
-    @torch.compiler.disable  # eager inside torch.compile: the per-matrix layout logic does not trace symbolically
     def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor,
                    skip: Tensor | None) -> tuple[Tensor, Tensor]:
         """The update from the bucket's orthogonalized stack ``O (b, s, l)`` (the iteration's dtype), as
         ``(update (b, s, l), row_scale (b, l))`` for the update kernel: the second moments' normalization and the
         RMS alignment to an orthogonal ``(s, l)`` matrix's Frobenius norm sqrt(s) (module docstring), the scale
-        per row of each matrix as it lies."""
-        b, s, l = O.shape
-        tall = [bk.tall(i) for i in range(b)]
-        outs: dict[int, Tensor | None] = {}
-        scales: dict[int, Tensor] = {}
-        for is_tall in sorted(set(tall)):  # one batch per orientation: a tall matrix's rows are the stack's columns
-            idx = [i for i, t in enumerate(tall) if t == is_tall]
-            part = O if len(idx) == b else torch.stack([O[i] for i in idx])  # lists of views: capturable
-            out, factor, row_sq = self._moments(group, part.mT if is_tall else part, [bk.extra[i] for i in idx],
-                                                skip)
-            norm = row_sq.sum(-1, keepdim=True).sqrt_()  # (k, 1): the normalized update's Frobenius norm
-            scale = torch.where(norm > 0, s**0.5 / norm, 0.0)
-            scale = (scale if factor is None else factor * scale).expand(len(idx), l if is_tall else s)
-            if not is_tall:  # (k, s): padded to the stack's l, which the kernel reads per row of W_i
-                scale = torch.nn.functional.pad(scale, (0, l - s))
-            scales.update(zip(idx, scale.unbind(0)))
-            outs.update(zip(idx, [None] * len(idx) if out is None else (out.mT if is_tall else out).unbind(0)))
-        row_scale = torch.stack([scales[i] for i in range(b)])
-        if all(o is None for o in outs.values()):
-            return O, row_scale
-        return torch.stack([outs[i] for i in range(b)]), row_scale
+        per row of each matrix as it lies. Runs eagerly inside torch.compile (``torch.compiler.disable`` on the
+        subclasses': their per-matrix layout logic does not trace with symbolic shapes)."""
+        raise NotImplementedError
 
     def _adaptation(self, group: dict[str, Any],
                     params: list[Tensor]) -> tuple[list[list[Tensor]], Callable[..., tuple[Tensor, Tensor]]]:
@@ -181,6 +162,23 @@ class NorMuon(_SecondMomentMuon):
 
     def _views(self, p: Tensor, v: Tensor) -> list[Tensor]:
         return row_pieces(p, v)
+
+    @torch.compiler.disable
+    def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor,
+                   skip: Tensor | None) -> tuple[Tensor, Tensor]:
+        b, s, l = O.shape
+        tall = [bk.tall(i) for i in range(b)]
+        scales: dict[int, Tensor] = {}
+        for is_tall in sorted(set(tall)):  # one batch per orientation: a tall matrix's rows are the stack's columns
+            idx = [i for i, t in enumerate(tall) if t == is_tall]
+            part = O if len(idx) == b else torch.stack([O[i] for i in idx])  # lists of views: capturable
+            _, inv, row_sq = self._moments(group, part.mT if is_tall else part, [bk.extra[i] for i in idx], skip)
+            norm = row_sq.sum(-1, keepdim=True).sqrt_()  # (k, 1): the normalized update's Frobenius norm
+            scale = inv * torch.where(norm > 0, s**0.5 / norm, 0.0)  # (k, s) or (k, l)
+            if not is_tall:  # padded to the stack's l, which the kernel reads per row of W_i
+                scale = torch.nn.functional.pad(scale, (0, l - s))
+            scales.update(zip(idx, scale.unbind(0)))
+        return O, torch.stack([scales[i] for i in range(b)])  # O itself is not rewritten
 
     def _moments(self, group: dict[str, Any], O: Tensor, state: list[Tensor],
                  skip: Tensor | None) -> tuple[None, Tensor, Tensor]:
@@ -240,7 +238,7 @@ class AdaMuon(_SecondMomentMuon):
             return newton_schulz_short_side(torch.sign(X), ns_config(group))  # the sums of squares are X's: unused
         return super()._orthogonalize(group, X, parts)
 
-    @torch.compiler.disable  # eager inside torch.compile, as the base class's
+    @torch.compiler.disable
     def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor,
                    skip: Tensor | None) -> tuple[Tensor, Tensor]:
         # Element-wise moments need no rows-first layout: step them on the stack as it lies (the state viewed
