@@ -7,6 +7,7 @@ r"""Muon's elementwise passes around Newton–Schulz: the dispatch between the f
 - :func:`frobenius_normalize`: each stacked matrix divided by its Frobenius norm, summed in float64.
 - :func:`apply_update`: ``W <- (1 - lr wd) W - lr s(m, n) Y`` from the Newton–Schulz output, transposed back for
   tall matrices.
+- :func:`second_moment_normalize`: AdaMuon's element-wise second moment, and the stack divided by its root.
 - :func:`nonfinite_flags`: which gradients hold a NaN or an Inf (the optimizers' check before a step).
 
 Dispatch: these run the Triton kernels for CUDA tensors they can take (see :func:`fusable`) outside
@@ -100,6 +101,26 @@ def apply_update_reference(params: Sequence[Tensor], Y: Tensor, scale: Callable[
     torch._foreach_add_(params, updates)
 
 
+def second_moment_normalize_reference(O: Tensor, states: Sequence[Tensor], beta2: float, eps: float,
+                                      transpose: bool | None = None, skip: Tensor | None = None) -> Tensor:
+    """``muon_fused.second_moment_normalize_triton`` with foreach ops (any device, any strides); ``skip`` by a
+    select, without a host sync."""
+    k, s, l = O.shape
+    states = list(states)
+    views = [o.mT if _transposed(v, transpose) else o for o, v in zip(O.unbind(0), states)]  # as each V_i lies
+    o32 = [o.float() for o in views]
+    new = torch._foreach_mul(states, beta2)
+    torch._foreach_addcmul_(new, o32, o32, value=1 - beta2)
+    if skip is not None:  # a skipped step's O is not even finite: keep the moments as they were
+        new = [torch.where(skip != 0, v, n) for v, n in zip(states, new)]
+    torch._foreach_copy_(states, new)
+    torch._foreach_copy_(views, torch._foreach_div(o32, torch._foreach_add(torch._foreach_sqrt(new), eps)))
+    rows = torch.zeros((k, max(s, l)), dtype=torch.float32, device=O.device)
+    for i, o in enumerate(views):  # the values as stored
+        rows[i, :o.shape[0]] = torch.linalg.vector_norm(o, dim=-1, dtype=torch.float32).square()
+    return rows
+
+
 # ----------------------------------------------------------------------------------------------- dispatch
 
 BACKENDS = BackendSwitch.CHOICES
@@ -172,6 +193,25 @@ def apply_update(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int]
     else:
         _no_skip(skip)
         apply_update_reference(params, Y, scale, lr, weight_decay, transpose, decay_mode, row_scale)
+
+
+def second_moment_normalize(O: Tensor, states: Sequence[Tensor], beta2: float, eps: float,
+                            transpose: bool | None = None, skip: Tensor | None = None) -> Tensor:
+    """An element-wise second moment of a stack of updates, and the updates divided by its square root, in place
+    (AdaMuon's, :class:`matrixopt.AdaMuon`)::
+
+        V_i <- beta2 V_i + (1 - beta2) O_i * O_i;    O_i <- O_i / (sqrt(V_i) + eps)
+
+    O: ``(k, s, l)`` stack, any float dtype and strides. states: k float32 matrices ``V_i``, each ``O[i]`` as it
+    lies or transposed: transposed when tall (``transpose=None``; then ``s <= l``), or as ``transpose`` says for
+    every matrix, as in :func:`momentum_pack`. skip: a 0-d float32 device flag, nonzero to leave the moments as
+    they were. Returns ``(k, max(s, l))`` float32: per row of the normalized ``O_i`` as ``V_i`` lies, its sum of
+    squares (of the values as stored), zero past ``V_i``'s rows. The fused kernel reads and writes each element
+    once (12 bytes per bf16 element)."""
+    fused = _kernels(_on_gpu(states, [O]) and fusable(states) and O.dtype in KERNEL_DTYPES)
+    if fused is None:
+        return second_moment_normalize_reference(O, states, beta2, eps, transpose, skip)
+    return fused.second_moment_normalize_triton(O, states, beta2, eps, transpose, skip=skip)
 
 
 def _no_skip(skip: Tensor | None) -> None:

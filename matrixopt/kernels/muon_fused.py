@@ -174,6 +174,56 @@ def _apply_update_kernel(
 
 
 @triton.jit
+def _second_moment_kernel(
+    # (k, 3) int64 table: second-moment address, its row stride, slot
+    table_ptr,
+    # (b, S, L) stack of updates, normalized in place, and its strides
+    o_ptr, stride_ob, stride_os, stride_ol,
+    # size of each second moment as it lies (R x C); (S, L) = (R, C), or (C, R) when TALL
+    R, C,
+    # runtime coefficients: the second moment's decay and the epsilon added to its square root
+    beta2, eps,
+    # 0-d float32 flag read when HAS_SKIP: nonzero reads and writes nothing (the row sums stay zero)
+    skip_ptr,
+    # (b, T_C, RMAX) float32 with T_C >= column tiles: each program's sums of squares of the normalized update, per
+    # row as the state lies
+    rows_ptr, T_C, RMAX,
+    # meta-parameters
+    TALL: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = table_ptr + tl.program_id(1).to(tl.int64) * 3
+    v_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    v_rs = tl.load(row + 1)
+    slot = tl.load(row + 2)
+
+    n_c = tl.cdiv(C, BLOCK_C)
+    offs_r = (pid // n_c) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = (pid % n_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows = tl.where(tl.load(skip_ptr) == 0, R, 0) if HAS_SKIP else R  # no rows at all when skipping
+    mask = (offs_r[:, None] < rows) & (offs_c[None, :] < C)
+    o_base = o_ptr + slot * stride_ob
+    if TALL:  # O[slot] is (C, R): the (c, r) tile is read and written along its rows, transposed in registers
+        o_ptrs = o_base + offs_c[:, None] * stride_os + offs_r[None, :] * stride_ol
+        o = tl.trans(tl.load(o_ptrs, mask=tl.trans(mask), other=0.0))
+    else:
+        o_ptrs = o_base + offs_r[:, None] * stride_os + offs_c[None, :] * stride_ol
+        o = tl.load(o_ptrs, mask=mask, other=0.0)
+    o = o.to(tl.float32)
+    v_ptrs = v_ptr + offs_r[:, None] * v_rs + offs_c[None, :]
+    v = tl.load(v_ptrs, mask=mask, other=0.0)
+    v = v * beta2 + (1.0 - beta2) * (o * o)
+    tl.store(v_ptrs, v, mask=mask)
+    u = (o / (tl.sqrt(v) + eps)).to(o_ptr.dtype.element_ty)
+    if TALL:
+        tl.store(o_ptrs, tl.trans(u), mask=tl.trans(mask))
+    else:
+        tl.store(o_ptrs, u, mask=mask)
+    u32 = u.to(tl.float32)  # the sums are of the values as stored
+    tl.store(rows_ptr + (slot * T_C + pid % n_c) * RMAX + offs_r, tl.sum(u32 * u32, axis=1), mask=offs_r < R)
+
+
+@triton.jit
 def _sumsq_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr):
     """partial[b, t] = sum of x^2 over tile t of matrix b (N contiguous elements per matrix), in float64."""
     t = tl.program_id(0)
@@ -204,13 +254,22 @@ def _scale_kernel(x_ptr, partial_ptr, out_ptr, N, T, FLT_MAX, BLOCK: tl.constexp
 
 
 _TABLES: OrderedDict[tuple, Tensor] = OrderedDict()
+_CAPTURED: dict[tuple, Tensor] = {}  # tables that captured graphs read: never evicted
 _TABLES_KEPT = 256  # gradients are usually reallocated at the same addresses step after step: keep their tables
 
 
 def _table(rows: list[list[int]], device: torch.device) -> Tensor:
     """The int64 table as a device tensor: cached by content, else a small asynchronous copy from pageable
-    memory (the driver stages it at once, so the host list may go)."""
+    memory (the driver stages it at once, so the host list may go). During CUDA graph capture it must be cached
+    already (by the same launch before capture), and stays so for good."""
     key = (device, *(v for row in rows for v in row))
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # graphs read it at every replay: kept
+        table = _TABLES.pop(key, None)
+        table = _CAPTURED.setdefault(key, table) if table is not None else _CAPTURED.get(key)
+        if table is None:
+            raise RuntimeError("a fused kernel's address table was first built during CUDA graph capture: run the "
+                               "same kernel on the same tensors once before capturing")
+        return table
     table = _TABLES.get(key)
     if table is None:
         table = _TABLES[key] = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
@@ -339,6 +398,36 @@ def apply_update_triton(params: Sequence[Tensor], Y: Tensor, scale: Callable[[in
                                    HAS_SKIP=skip is not None, DECAY=WEIGHT_DECAY_MODES.index(decay_mode),
                                    HAS_ROW_SCALE=row_scale is not None,
                                    BLOCK_R=TILE_ROWS, BLOCK_C=TILE_COLS, num_warps=TILE_WARPS)
+
+
+def second_moment_normalize_triton(O: Tensor, states: Sequence[Tensor], beta2: float, eps: float,
+                                   transpose: bool | None = None, *, tables: Sequence[Tensor] | None = None,
+                                   skip: Tensor | None = None) -> Tensor:
+    """AdaMuon's element-wise second moment and normalization in one pass, by the Triton kernel:
+    ``V_i <- beta2 V_i + (1 - beta2) O_i * O_i`` and ``O_i <- O_i / (sqrt(V_i) + eps)`` in place.
+
+    O: ``(k, s, l)`` stack, fp32, bf16 or fp16, any strides. states: k fp32 matrices with unit column stride,
+    each ``O[i]`` as it lies or transposed, as in :func:`momentum_pack_triton` (``transpose``). tables: device
+    copies of :func:`apply_rows`' tables of ``states`` (static ones, for CUDA graphs). skip: a 0-d float32 device
+    flag; where nonzero at run time nothing is read or written. Returns ``(k, max(s, l))`` float32: row r of the
+    normalized ``O_i`` as ``V_i`` lies, its sum of squares (zero past ``V_i``'s rows)."""
+    k, s, l = O.shape
+    if len(states) != k:
+        raise ValueError(f"second_moment_normalize: {len(states)} second moments for a stack of {k}")
+    if any(v.dtype != torch.float32 for v in states):
+        raise ValueError("second_moment_normalize: the second moments must be float32")
+    rmax = max(s, l)
+    n_c = triton.cdiv(rmax, TILE_COLS)
+    rows_sq = torch.zeros((k, n_c, rmax), dtype=torch.float32, device=O.device)
+    for j, (tall, rows) in enumerate(apply_rows(states, s, l, transpose)):
+        R, C = (l, s) if tall else (s, l)
+        table = tables[j] if tables is not None else _table(rows, O.device)
+        grid = (triton.cdiv(R, TILE_ROWS) * triton.cdiv(C, TILE_COLS), len(rows))
+        _second_moment_kernel[grid](table, O, O.stride(0), O.stride(1), O.stride(2), R, C, float(beta2),
+                                    float(eps), table if skip is None else skip, rows_sq, n_c, rmax,
+                                    TALL=tall, HAS_SKIP=skip is not None,
+                                    BLOCK_R=TILE_ROWS, BLOCK_C=TILE_COLS, num_warps=TILE_WARPS)
+    return rows_sq.sum(1)
 
 
 NORM_BLOCK = 4096  # elements per program of the two normalization passes

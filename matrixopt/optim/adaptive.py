@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from matrixopt.kernels.muon_elementwise import second_moment_normalize
 from matrixopt.linalg.ortho import DEFAULT_SCHEDULE, newton_schulz_short_side
 from matrixopt.optim.base import _check_finite
 from matrixopt.optim.layout import Bucket, matrix_pieces, row_pieces, row_state
@@ -106,10 +107,10 @@ class _SecondMomentMuon(Muon):
                  skip: Tensor | None) -> tuple[Tensor | None, Tensor | None, Tensor]:
         """The second-moment step on ``O (k, r, c)``, k matrices (or row blocks of them) laid out rows first (a row
         is a neuron, an output feature), with ``state`` their k second-moment views as the matrices lie. Updates
-        the state in place unless ``skip`` (a 0-d device flag) is nonzero. Returns ``(out, row_factor, row_sq)``:
-        the normalized update is ``row_factor[:, :, None] * out`` (``out`` None: O itself; ``row_factor`` None: 1),
-        and ``row_sq (k, r)`` float32 holds its squared norm per row, from which the RMS alignment follows (summed
-        over ranks when the rows are sharded)."""
+        the state in place unless ``skip`` (a 0-d device flag) is nonzero, and may write ``out`` over O. Returns
+        ``(out, row_factor, row_sq)``: the normalized update is ``row_factor[:, :, None] * out`` (``out`` None: O
+        itself; ``row_factor`` None: 1), and ``row_sq (k, r)`` float32 holds its squared norm per row, from which
+        the RMS alignment follows (summed over ranks when the rows are sharded)."""
         raise NotImplementedError
 
     def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor,
@@ -241,20 +242,14 @@ class AdaMuon(_SecondMomentMuon):
     @torch.compiler.disable
     def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor,
                    skip: Tensor | None) -> tuple[Tensor, Tensor]:
-        # Element-wise moments need no rows-first layout: step them on the stack as it lies (the state viewed
-        # transposed for tall matrices), one batch for the whole bucket
+        # Element-wise moments need no rows-first layout: one pass over the stack as it lies (each state read as
+        # its matrix lies, transposed in the kernel for tall ones), the update written over O
         b, s, l = O.shape
-        U, _, row_sq = self._moments(group, O, [v.mT if bk.tall(i) else v for i, v in enumerate(bk.extra)], skip)
+        row_sq = second_moment_normalize(O, bk.extra, group["beta2"], group["eps"], skip=skip)
         norm = row_sq.sum(-1).sqrt_()  # (b,)
-        return U, torch.where(norm > 0, s**0.5 / norm, 0.0)[:, None].expand(b, l).contiguous()
+        return O, torch.where(norm > 0, s**0.5 / norm, 0.0)[:, None].expand(b, l).contiguous()
 
     def _moments(self, group: dict[str, Any], O: Tensor, state: list[Tensor],
                  skip: Tensor | None) -> tuple[Tensor, None, Tensor]:
-        V = torch.stack(state)  # (k, r, c)
-        if skip is None:
-            V.mul_(group["beta2"]).addcmul_(O, O, value=1 - group["beta2"])  # O in its own dtype, squares in fp32
-        else:  # a skipped step's O is not even finite: keep the moments as they were, without a host sync
-            V = torch.where(skip != 0, V, (V * group["beta2"]).addcmul_(O, O, value=1 - group["beta2"]))
-        torch._foreach_copy_(state, list(V.unbind(0)))
-        U = torch.div(O, V.sqrt_().add_(group["eps"]))  # float32
-        return U, None, U.square().sum(-1)
+        row_sq = second_moment_normalize(O, state, group["beta2"], group["eps"], transpose=False, skip=skip)
+        return O, None, row_sq[:, :O.shape[1]]

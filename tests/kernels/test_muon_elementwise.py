@@ -190,20 +190,22 @@ def _model():
     return [qkv, cols, experts, wide, tall, conv]
 
 
-@pytest.mark.parametrize("scaling", ["match_adamw", "spectral"])
-def test_muon_step_through_kernels_matches_foreach_path(scaling):
-    """Every piece kind in one optimizer: the fused kernels give the foreach path's parameters and state."""
+@pytest.mark.parametrize("cls,scaling", [(matrixopt.Muon, "match_adamw"), (matrixopt.Muon, "spectral"),
+                                         (matrixopt.AdaMuon, "match_adamw")])
+def test_muon_step_through_kernels_matches_foreach_path(cls, scaling):
+    """Every piece kind in one optimizer: the fused kernels give the foreach path's parameters and state (AdaMuon:
+    its second-moment pass too)."""
     runs = {}
     for backend in ("triton", "torch"):
         params = _model()
-        opt = matrixopt.Muon(params, lr=0.02, momentum=0.9, weight_decay=0.1, scaling=scaling)
+        opt = cls(params, lr=0.02, momentum=0.9, weight_decay=0.1, scaling=scaling)
         torch.manual_seed(4)
         with ew.elementwise_backend(backend):
             for _ in range(3):
                 for p in params:
                     p.grad = torch.randn_like(p)
                 opt.step()
-        runs[backend] = (params, [opt.state[p]["momentum_buffer"] for p in params])
+        runs[backend] = (params, [t for p in params for k, t in sorted(opt.state[p].items())])
     for a, b in zip(*(runs[k][0] + runs[k][1] for k in ("triton", "torch"))):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -254,3 +256,43 @@ def test_apply_update_scales_each_row_of_each_matrix():
         torch.testing.assert_close(q.double(), ref, **FP32_TOL)
     with pytest.raises(ValueError, match="row_scale must be a contiguous float32"):
         fused.apply_update_triton(params, Y, lambda m, n: 2.0, 0.1, 0.01, row_scale=row_scale[:, :S])
+
+
+@pytest.mark.parametrize("o_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transpose", [None, False])
+def test_second_moment_normalize_matches_float64(o_dtype, transpose):
+    """AdaMuon's pass: each V_i (tall or wide, read as it lies) steps from its O_i, O_i is divided by
+    sqrt(V_i) + eps in place, and the row sums of squares come back per row as V_i lies; Triton and the torch
+    reference agree with float64. A set skip flag leaves the moments as they were."""
+    torch.manual_seed(5)
+    beta2, eps = 0.95, 1e-8
+    mats = shapes() if transpose is None else [(S, L)] * 3
+    O = torch.randn(len(mats), S, L).to(o_dtype)
+    if transpose is False:  # a rows-first view with strides, as the sharded path hands it over
+        O = torch.randn(len(mats), L, S).to(o_dtype).mT
+    V = [torch.rand(s) for s in mats]
+    O64, V64 = O.double(), [v.double() for v in V]
+    results = {}
+    for name, fn in (("triton", fused.second_moment_normalize_triton), ("torch", ew.second_moment_normalize_reference)):
+        o, v = O.clone(), [x.clone() for x in V]
+        rows = fn(o, v, beta2, eps, transpose)
+        results[name] = (o, v, rows)
+        for i, (m, n) in enumerate(mats):
+            tall = m > n if transpose is None else False
+            o_i = O64[i].mT if tall else O64[i]
+            v_ref = beta2 * V64[i] + (1 - beta2) * o_i.square()
+            u_ref = o_i / (v_ref.sqrt() + eps)
+            torch.testing.assert_close(v[i].double(), v_ref, **FP32_TOL)
+            u = o[i].double().mT if tall else o[i].double()
+            torch.testing.assert_close(u, u_ref, **(FP32_TOL if o_dtype == torch.float32 else BF16_TOL))
+            torch.testing.assert_close(rows[i, :m].double(), u.square().sum(-1), rtol=1e-5, atol=1e-6)
+            assert torch.all(rows[i, m:] == 0)
+    # bf16: the interpreter truncates where torch rounds to nearest, so the stored values differ by an ulp
+    tol = dict(rtol=1e-5, atol=1e-6) if o_dtype == torch.float32 else dict(rtol=2**-6, atol=1e-6)
+    torch.testing.assert_close(results["triton"][2], results["torch"][2], **tol)
+    for name, fn in (("triton", fused.second_moment_normalize_triton), ("torch", ew.second_moment_normalize_reference)):
+        v = [x.clone() for x in V]
+        fn(O.clone(), v, beta2, eps, transpose, skip=torch.tensor(1.0))
+        assert all(torch.equal(a, b) for a, b in zip(v, V)), name
+    with pytest.raises(ValueError, match="does not fill"):
+        fused.second_moment_normalize_triton(O, [torch.rand(S, L + 1)] * len(mats), beta2, eps, transpose)
