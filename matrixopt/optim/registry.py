@@ -8,6 +8,7 @@ with :func:`register_optimizer`.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ from torch import nn
 
 from matrixopt.optim.adaptive import AdaMuon, NorMuon
 from matrixopt.optim.muon import MOP, Muon
-from matrixopt.optim.routing import param_groups, routing_summary
+from matrixopt.optim.routing import param_groups, routing_summary, stored_in_out
 from matrixopt.optim.shampoo import Shampoo
 from matrixopt.optim.soap import SOAP
 
@@ -73,6 +74,12 @@ def build_optimizer(model: nn.Module, name: str, *, adamw: Sequence[str] = (), m
     groups = param_groups(model, matrix_flag=flag, adamw=adamw, matrix=matrix, splits=splits, experts=experts)
     if verbose:
         print(routing_summary(groups, flag))
+    in_out = stored_in_out(groups, flag) if flag is not None else []
+    if in_out and (hparams.get("scaling", "match_adamw") != "match_adamw" or name == "normuon"):
+        warnings.warn(f"{in_out[:3]} are stored (in, out) (e.g. GPT-2's Conv1D): {name} with scaling="
+                      f"{hparams.get('scaling', 'match_adamw')!r} scales or normalizes their update by the stored "
+                      "layout, not by (out, in); the default scaling='match_adamw' with muon is symmetric",
+                      stacklevel=2)
     if flag is None:
         for g in groups:
             g.pop("names", None)
