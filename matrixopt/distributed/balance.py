@@ -1,7 +1,9 @@
 r"""Which rank owns which parameter: greedy longest-processing-time (LPT) bin packing on per-parameter cost.
 
 Each trainable parameter is owned, whole, by one rank, which runs the optimizer on it and holds its state.
-Matrix parameters are packed by the optimizer's own cost (FLOPs of one step on the full matrix):
+Matrix parameters are packed by the optimizer's own cost, FLOPs of one step on the full matrix from the shared
+cost model (:func:`matrixopt.distributed.cost.matrix_step_flops`; Muon's at its default 5 steps: the ratio between
+parameters, not the absolute number, drives the packing):
 
 - Muon: Newton–Schulz on an ``(m, n)`` piece as Muon computes it by default
   (:func:`matrixopt.linalg.ortho.newton_schulz_flops`): the standard form, ``steps * (4 s^2 l + 2 s^3)`` with
@@ -37,28 +39,26 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from matrixopt.linalg.ortho import newton_schulz_flops
+from matrixopt.distributed.cost import NS_STEPS, matrix_step_flops
 from matrixopt.optim.layout import matrix_pieces
 
-NS_STEPS = 5  # Muon's default; the ratio between parameters, not the absolute number, drives the packing
 COST_TOLERANCE = 0.02  # rebalancing the state may raise the largest per-rank cost this much above LPT's (relative)
 
 
 def muon_cost(m: int, n: int) -> float:
-    return newton_schulz_flops(m, n, NS_STEPS)
+    return matrix_step_flops("muon", m, n, NS_STEPS)
 
 
 def mop_cost(m: int, n: int) -> float:
-    s, l = min(m, n), max(m, n)
-    return 14 * l * s * s
+    return matrix_step_flops("mop", m, n)
 
 
 def shampoo_cost(m: int, n: int) -> float:
-    return 4 * m * n * (m + n) + 10 * (m**3 + n**3)
+    return matrix_step_flops("shampoo", m, n)
 
 
 def soap_cost(m: int, n: int) -> float:
-    return shampoo_cost(m, n) + 4 * m * n * (m + n)
+    return matrix_step_flops("soap", m, n)
 
 
 MATRIX_COSTS: dict[str, Callable[[int, int], float]] = {

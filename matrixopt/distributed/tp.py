@@ -16,8 +16,9 @@ Under tensor parallelism no rank holds the whole weight. Four modes (NVIDIA's Em
   next block is computed, so communication hides behind compute.
 - ``blockwise``: each shard is orthogonalized on its own. No communication, but the update depends on the TP
   size (it is the polar factor of each block, not of the matrix).
-- ``auto``: duplicated or distributed per shape, from a :class:`CostModel` measured once per group and device
-  (link latency and bandwidth, matmul rate) and cached; the choice is logged once per shape.
+- ``auto``: duplicated or distributed per shape, from the shared cost model (:mod:`matrixopt.distributed.cost`)
+  with a :class:`CostModel` measured once per group and device (link latency and bandwidth, matmul rate) and
+  cached; the choice is logged once per shape.
 
 Weights come as local shards plus ``partition_dim`` and a process group (Megatron style,
 :func:`tp_newton_schulz`) or as DTensors with ``Shard(0)``/``Shard(1)`` on a TP mesh dim
@@ -39,13 +40,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from matrixopt.device import time_ms
 from matrixopt.distributed import comm
-from matrixopt.linalg.ortho import (
-    NewtonSchulzConfig,
-    gram_flops,
-    newton_schulz_flops,
-    newton_schulz_with,
-    ns_apply_flops,
-)
+from matrixopt.distributed.cost import Link, tp_ns_times
+from matrixopt.linalg.ortho import NewtonSchulzConfig, newton_schulz_flops, newton_schulz_with
 
 logger = logging.getLogger(__name__)
 
@@ -103,26 +99,14 @@ class CostModel:
 def mode_costs(rows: int, cols: int, parts: int, *, batch: int = 1, steps: int = 5, itemsize: int = 2,
                chunks: int = 4, cost: CostModel) -> dict[str, float]:
     """Estimated seconds of ``duplicated`` and ``distributed`` for ``batch`` matrices of ``(rows, cols)`` whose
-    columns (the contracted dim) are split over ``parts`` ranks.
-
-    duplicated:  all-gather of the matrix, then ``steps`` full iterations on the short side.
-    distributed: one norm all-reduce, then per step the local Gram, a Gram all-reduce of ``rows^2`` elements
-    (hidden behind the Gram compute when ``chunks > 1``, so only the longer of the two counts) and the local
-    rest of the step (``A^2`` is computed on every rank). FLOPs: the standard form's counts of
-    :mod:`matrixopt.linalg.ortho` (a step, :func:`~matrixopt.linalg.ortho.ns_step_flops`, is its Gram product
-    plus the rest, :func:`~matrixopt.linalg.ortho.ns_apply_flops`).
-    """
-    frac = (parts - 1) / parts
-    gather = cost.latency + frac * batch * rows * cols * itemsize / cost.bandwidth
-    short, long = min(rows, cols), max(rows, cols)
-    duplicated = gather + newton_schulz_flops(short, long, steps, "standard", batch) / cost.flops
-    local_cols = -(-cols // parts)
-    gram = gram_flops(rows, local_cols, batch) / cost.flops
-    rest = ns_apply_flops(rows, local_cols, batch) / cost.flops
-    reduce = cost.latency + 2 * frac * batch * rows * rows * itemsize / cost.bandwidth
-    per_step = rest + (max(gram, reduce) if chunks > 1 else gram + reduce)
-    distributed = cost.latency + steps * per_step
-    return {"duplicated": duplicated, "distributed": distributed}
+    columns (the contracted dim) are split over ``parts`` ranks: the shared model's
+    :func:`matrixopt.distributed.cost.tp_ns_times` with ``cost``'s link and one matmul rate for every product.
+    FLOPs: the standard form's counts of :mod:`matrixopt.linalg.ortho`."""
+    times = tp_ns_times(rows, cols, parts, batch=batch, steps=steps, itemsize=itemsize, chunks=chunks,
+                        link=Link(latency=cost.latency, bandwidth=cost.bandwidth),
+                        ns=lambda s, l, b: newton_schulz_flops(s, l, steps, "standard", b) / cost.flops,
+                        gemm=lambda flops: flops / cost.flops)
+    return {mode: times[mode] for mode in ("duplicated", "distributed")}
 
 
 _MEASURED: dict[tuple, CostModel] = {}

@@ -1,0 +1,446 @@
+r"""The cost model: how long an optimizer step, a collective and a layout's step take, and how much memory a rank
+needs, from a device profile. One model serves the layer-wise balancer (:mod:`.balance`), ``--tp-mode auto``
+(:mod:`.tp`) and the planner (``matrixopt plan``).
+
+**Device profile** (:class:`DeviceProfile`, a JSON file; format below): achieved rates by problem size, measured
+by ``matrixopt plan --calibrate`` or filled from nominal figures (``"source": "nominal"``):
+
+- ``gemm``: bf16 batched matrix products, ``[[flops of one call, achieved FLOP/s], ...]`` in ascending FLOPs;
+- ``syrk``: the Gram product ``X X^T`` as our kernels compute it, the rate counted on the dense FLOPs ``2 m^2 k``
+  (a SYRK computing one triangle may exceed ``gemm``'s);
+- ``fp32_gemm``: float32 products (Shampoo's inverse roots, SOAP's eigenbases);
+- ``elementwise``: ``[[bytes moved by one pass, achieved bytes/s], ...]`` (momentum, AdamW, packing);
+- ``links``: ``{"intra": {"latency": s, "bandwidth": bytes/s}, "inter": {...}}``: inside a node (NVLink) and
+  between nodes (the network), per GPU and direction;
+- ``memory_bytes`` per GPU, ``gpus_per_node``, ``name``, ``device``, ``source``, ``notes`` and ``env``.
+
+A call's time is its size over the rate interpolated (linearly in log size) between the two nearest points; below
+the first point it takes the first point's time (launch-bound), above the last it runs at the last point's rate.
+
+**Collectives** (:func:`collective_time`): the α–β model, α the latency of one message step, β the per-GPU
+bandwidth of the slowest link the group crosses (a group inside one node uses ``intra``, one spanning nodes
+``inter``); ``P`` ranks, ``n`` bytes:
+
+=================  ==============================================================  =========================
+collective         seconds                                                         ``n`` is
+=================  ==============================================================  =========================
+all-gather         :math:`(P-1)\alpha + \frac{P-1}{P} n \beta`  (ring)              the gathered result
+reduce-scatter     :math:`(P-1)\alpha + \frac{P-1}{P} n \beta`  (ring)              the full input
+all-reduce         min of ring :math:`2(P-1)\alpha + 2\frac{P-1}{P} n\beta` and     the buffer
+                   tree :math:`2\lceil\log_2 P\rceil\alpha + 2 n\beta`
+broadcast          :math:`\lceil\log_2 P\rceil\alpha + n\beta`  (pipelined tree)    the buffer
+all-to-all         :math:`(P-1)\alpha + \frac{P-1}{P} n \beta`  (pairwise)          what one rank sends
+=================  ==============================================================  =========================
+
+**Optimizer steps** on lists of same-shape matrix groups (our optimizers batch same-shape matrices into one
+stack): Muon (:func:`newton_schulz_time` plus its elementwise passes), AdamW, Shampoo and SOAP (their factor
+products every step, their roots or eigenbases every ``precondition_frequency`` steps, amortized).
+:func:`matrix_step_flops` gives the FLOPs of one step on one matrix, which the balancer packs on.
+
+**Tensor-parallel Newton–Schulz** (:func:`tp_ns_times`): the three modes of :mod:`.tp` and what they overlap.
+
+**Memory** (:class:`Memory`): parameters, gradients, optimizer state, buffers and activations per rank, in bytes;
+the per-parameter byte counts are the constants below.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from matrixopt.linalg.ortho import gram_phases, newton_schulz_flops, uses_gram
+
+FORMAT = "matrixopt-profile/1"
+SOURCES = ("nominal", "measured")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
+
+# Bytes each step moves per parameter in its elementwise passes (fp32 state and weights):
+MUON_BYTES = 20  # read grad and momentum, write momentum, read and write the weight
+ADAMW_BYTES = 28  # read grad, weight, m, v; write weight, m, v
+SHAMPOO_BYTES = 44  # AdamW's passes for the graft plus reading and writing the momentum
+SOAP_BYTES = 36  # AdamW's passes in the eigenbasis plus the projected gradient written and read
+
+# Optimizer state bytes per parameter of a matrix (the per-factor state of Shampoo and SOAP is counted apart):
+STATE_BYTES = {"adamw": 8, "muon": 4, "shampoo": 12, "soap": 8}
+
+# Shampoo's inverse 4th roots run a coupled Newton iteration (matrixopt.linalg.roots): about 20 steps at a
+# condition number of 1e6, each X T and T^4 M, four (n, n) products. SOAP refreshes an eigenbasis with one power
+# step (one product) and a QR, counted as two products. Both blocks are capped at 1024 (max_preconditioner_dim).
+ROOT_STEPS = 20
+ROOT_PRODUCTS = 4
+EIGENBASIS_PRODUCTS = 3
+MAX_PRECONDITIONER_DIM = 1024
+NS_STEPS = 5
+
+
+# ----------------------------------------------------------------------------------------------------------
+# device profile
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One link class in the α–β model."""
+
+    latency: float
+    """α: seconds per message step."""
+    bandwidth: float
+    """1/β: bytes/s per GPU and direction."""
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.latency < math.inf):
+            raise ValueError(f"link latency must be finite and >= 0 seconds, got {self.latency!r}")
+        if not (0 < self.bandwidth < math.inf):
+            raise ValueError(f"link bandwidth must be finite and > 0 bytes/s, got {self.bandwidth!r}")
+
+
+NETWORKS: dict[str, Link] = {
+    "ib-400g": Link(latency=8e-6, bandwidth=400e9 / 8),  # one 400 Gb/s InfiniBand NDR NIC per GPU
+    "ib-200g": Link(latency=8e-6, bandwidth=200e9 / 8),  # HDR
+    "ib-800g": Link(latency=8e-6, bandwidth=800e9 / 8),  # XDR
+    "roce-400g": Link(latency=12e-6, bandwidth=400e9 / 8),
+    "eth-100g": Link(latency=25e-6, bandwidth=100e9 / 8),
+}
+"""Nominal inter-node links by name (``--network``): the NIC's line rate per GPU, and a latency assumed for one
+NCCL message step across the fabric."""
+
+Table = tuple[tuple[float, float], ...]
+_TABLES = ("gemm", "syrk", "fp32_gemm", "elementwise")
+
+
+def _check_table(name: str, table: Any) -> Table:
+    try:
+        points = tuple((float(x), float(r)) for x, r in table)
+    except (TypeError, ValueError):
+        raise ValueError(f"profile {name!r} must be a list of [size, rate] pairs, got {table!r:.80}") from None
+    if not points:
+        raise ValueError(f"profile {name!r} has no points")
+    sizes = [x for x, _ in points]
+    if sizes != sorted(sizes) or len(set(sizes)) != len(sizes):
+        raise ValueError(f"profile {name!r} sizes must be strictly ascending, got {sizes}")
+    if not all(0 < x < math.inf and 0 < r < math.inf for x, r in points):
+        raise ValueError(f"profile {name!r} sizes and rates must be finite and > 0")
+    return points
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceProfile:
+    """A device's achieved rates and links; see the module docstring for the JSON format. Checks itself."""
+
+    name: str
+    device: str
+    source: str
+    """"nominal" (from data sheets and stated assumptions) or "measured" (``matrixopt plan --calibrate``)."""
+    memory_bytes: float
+    gpus_per_node: int
+    gemm: Table
+    syrk: Table
+    fp32_gemm: Table
+    elementwise: Table
+    links: dict[str, Link]
+    notes: str = ""
+    env: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"profile source must be one of {SOURCES}, got {self.source!r}")
+        if not self.memory_bytes > 0:
+            raise ValueError(f"profile memory_bytes must be > 0, got {self.memory_bytes!r}")
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ValueError(f"profile gpus_per_node must be an int >= 1, got {self.gpus_per_node!r}")
+        for name in _TABLES:
+            object.__setattr__(self, name, _check_table(name, getattr(self, name)))
+        missing = {"intra", "inter"} - set(self.links)
+        if missing:
+            raise ValueError(f"profile links need 'intra' and 'inter', missing {sorted(missing)}")
+
+    # -- rates ------------------------------------------------------------------------------------------
+    def seconds(self, table: str, size: float) -> float:
+        """Seconds of one call of ``size`` (FLOPs, or bytes for ``elementwise``) from the named table."""
+        points: Table = getattr(self, table)
+        if size <= 0:
+            return 0.0
+        xs = [x for x, _ in points]
+        i = bisect.bisect_left(xs, size)
+        if i == 0:
+            return points[0][0] / points[0][1]  # launch-bound floor
+        if i == len(points):
+            return size / points[-1][1]
+        (x0, r0), (x1, r1) = points[i - 1], points[i]
+        t = (math.log(size) - math.log(x0)) / (math.log(x1) - math.log(x0))
+        return size / (r0 + t * (r1 - r0))
+
+    def link(self, group_size: int, stride: int = 1, gpus_per_node: int | None = None) -> Link:
+        """The link a group of ``group_size`` ranks ``stride`` apart crosses: ``intra`` if it fits in a node."""
+        per_node = gpus_per_node or self.gpus_per_node
+        return self.links["intra"] if (group_size - 1) * stride < per_node else self.links["inter"]
+
+    def with_network(self, network: Link) -> DeviceProfile:
+        """This profile with another inter-node link."""
+        return DeviceProfile(**{**self._fields(), "links": {**self.links, "inter": network}})
+
+    # -- JSON -------------------------------------------------------------------------------------------
+    def _fields(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self._fields()
+        d["links"] = {k: asdict(v) for k, v in self.links.items()}
+        for name in _TABLES:
+            d[name] = [list(p) for p in d[name]]
+        return {"format": FORMAT, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "profile") -> DeviceProfile:
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            got = d.get("format") if isinstance(d, dict) else type(d).__name__
+            raise ValueError(f"{where} is not a device profile: expected \"format\": \"{FORMAT}\", got {got!r}")
+        fields = dict(d)
+        fields.pop("format")
+        unknown = set(fields) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"{where} has unknown keys {sorted(unknown)}")
+        try:
+            fields["links"] = {k: Link(**v) for k, v in fields.get("links", {}).items()}
+            return cls(**fields)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> DeviceProfile:
+        """Read a profile JSON; ValueError naming the file and what is wrong with it."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except OSError as e:
+            raise ValueError(f"cannot read device profile {path}: {e.strerror or e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"device profile {path} is not valid JSON ({e}); rerun matrixopt plan --calibrate "
+                             f"--out {path} or pass a shipped profile") from None
+        return cls.from_dict(data, where=f"device profile {path}")
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+PROFILES_DIR = Path(__file__).parent / "profiles"
+
+
+def shipped_profile(name: str = "h100") -> DeviceProfile:
+    """A profile shipped with the package (``h100``, ``h200``; see ``matrixopt/distributed/profiles/``)."""
+    path = PROFILES_DIR / f"{name}.json"
+    if not path.is_file():
+        names = sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+        raise ValueError(f"no shipped profile {name!r}; shipped: {', '.join(names)} (or pass a JSON path)")
+    return DeviceProfile.load(path)
+
+
+def roofline_table(peak: float, launch: float, sizes: Sequence[float]) -> Table:
+    """``[[size, rate]]`` of calls that take ``launch + size / peak`` seconds: a nominal table for a device whose
+    only figures are a peak rate and a launch overhead."""
+    return tuple((float(s), s / (launch + s / peak)) for s in sizes)
+
+
+def nominal_profile(*, name: str, device: str, matmul_flops: float, fp32_flops: float, hbm_bytes_per_s: float,
+                    memory_bytes: float, nvlink_bytes_per_s: float, network: str, gpus_per_node: int = 8,
+                    matmul_efficiency: float = 0.8, hbm_efficiency: float = 0.85, launch: float = 4e-6,
+                    nvlink_latency: float = 3e-6, notes: str = "") -> DeviceProfile:
+    """A profile from data-sheet figures: peak dense matmul FLOP/s (bf16; ``fp32_flops`` for float32), HBM and
+    NVLink bandwidth (bytes/s per direction), memory, and a network from :data:`NETWORKS`. The achievable
+    fractions (``matmul_efficiency``, ``hbm_efficiency``), the launch overhead of one call and NVLink's latency
+    are assumptions, recorded in ``notes``; calibrate to replace them."""
+    flops = [2.0 ** k for k in range(24, 44)]  # 16 MFLOP .. 8.8 TFLOP per call
+    nbytes = [2.0 ** k for k in range(12, 36)]  # 4 KB .. 34 GB per pass
+    assumed = (f"assumed: {matmul_efficiency:g} of the peak matmul rate and {hbm_efficiency:g} of HBM bandwidth "
+               f"achievable, {launch * 1e6:g} us per call, NVLink latency {nvlink_latency * 1e6:g} us, inter-node "
+               f"link {network!r} at its line rate")
+    return DeviceProfile(
+        name=name, device=device, source="nominal", memory_bytes=memory_bytes, gpus_per_node=gpus_per_node,
+        gemm=roofline_table(matmul_efficiency * matmul_flops, launch, flops),
+        syrk=roofline_table(matmul_efficiency * matmul_flops, launch, flops),
+        fp32_gemm=roofline_table(matmul_efficiency * fp32_flops, launch, flops),
+        elementwise=roofline_table(hbm_efficiency * hbm_bytes_per_s, launch, nbytes),
+        links={"intra": Link(latency=nvlink_latency, bandwidth=nvlink_bytes_per_s), "inter": NETWORKS[network]},
+        notes="; ".join(x for x in (notes, assumed) if x))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# collectives
+
+
+def collective_time(kind: str, nbytes: float, parts: int, link: Link) -> float:
+    """Seconds of one collective over ``parts`` ranks on ``link`` (table in the module docstring); 0 for one
+    rank or no bytes."""
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r}; use one of {COLLECTIVES}")
+    if parts < 1:
+        raise ValueError(f"a collective needs >= 1 rank, got {parts}")
+    if parts == 1:
+        return 0.0
+    a, b, frac = link.latency, 1.0 / link.bandwidth, (parts - 1) / parts
+    steps = math.ceil(math.log2(parts))
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (parts - 1) * a + frac * nbytes * b
+    if kind == "all_reduce":
+        return min(2 * (parts - 1) * a + 2 * frac * nbytes * b, 2 * steps * a + 2 * nbytes * b)
+    return steps * a + nbytes * b  # broadcast
+
+
+# ----------------------------------------------------------------------------------------------------------
+# optimizer steps
+
+
+def matrix_step_flops(optimizer: str, m: int, n: int, steps: int = NS_STEPS) -> float:
+    """FLOPs of one step of ``optimizer`` on one ``(m, n)`` matrix, dense counts (2 per multiply-add); what the
+    layer-wise balancer packs on.
+
+    - muon: Newton–Schulz as Muon computes it (:func:`matrixopt.linalg.ortho.newton_schulz_flops`);
+    - mop: an SVD, about ``14 l s^2`` (Golub & Van Loan, Table 8.6.1: R-SVD, U and V wanted);
+    - shampoo: factor updates and preconditioning ``4 m n (m + n)`` plus roots ``~10 (m^3 + n^3)``;
+    - soap: Shampoo's plus projecting into and out of the eigenbasis, ``4 m n (m + n)``.
+    """
+    s, l = min(m, n), max(m, n)
+    if optimizer == "muon":
+        return newton_schulz_flops(m, n, steps)
+    if optimizer == "mop":
+        return 14 * l * s * s
+    shampoo = 4 * m * n * (m + n) + 10 * (m**3 + n**3)
+    if optimizer == "shampoo":
+        return shampoo
+    if optimizer == "soap":
+        return shampoo + 4 * m * n * (m + n)
+    raise ValueError(f"no FLOP count for optimizer {optimizer!r}; use muon, mop, shampoo or soap")
+
+
+def newton_schulz_time(profile: DeviceProfile, batch: int, m: int, n: int, steps: int = NS_STEPS,
+                       method: str = "auto") -> float:
+    """Seconds of ``steps`` Newton–Schulz iterations on a ``(batch, m, n)`` bf16 stack, product by product as
+    :func:`matrixopt.linalg.ortho.newton_schulz` runs them (replayed from a CUDA graph, so ``auto`` takes the Gram
+    form by aspect alone). The FLOPs add up to :func:`~matrixopt.linalg.ortho.newton_schulz_flops`."""
+    if batch == 0:
+        return 0.0
+    s, l = min(m, n), max(m, n)
+    gram = profile.seconds("syrk", 2.0 * batch * s * s * l)  # X X^T
+    square = profile.seconds("gemm", 2.0 * batch * s**3)  # (s, s) @ (s, s)
+    apply = profile.seconds("gemm", 2.0 * batch * s * s * l)  # (s, s) @ (s, l)
+    if not uses_gram(method, batch, s, l):
+        return steps * (gram + square + apply)
+    return sum(gram + (4 * k - 3) * square + apply for k in gram_phases(steps))
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """``count`` matrices of shape ``(m, n)``, stepped as one stack."""
+
+    m: int
+    n: int
+    count: int
+
+    @property
+    def numel(self) -> int:
+        return self.m * self.n * self.count
+
+
+def _blocks(dim: int) -> list[int]:
+    k = -(-dim // MAX_PRECONDITIONER_DIM)
+    return [dim // k + (i < dim % k) for i in range(k)]
+
+
+def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Shapes], *,
+                     ns_steps: int = NS_STEPS, precondition_frequency: int = 10) -> float:
+    """Seconds of one step of ``optimizer`` ("muon", "shampoo", "soap" or "adamw") on the matrices ``groups`` of
+    one rank, each group one stack, plus the step's elementwise passes (one fused pass over all of them).
+    Shampoo's roots and SOAP's eigenbases are refreshed every ``precondition_frequency`` steps; their cost is
+    amortized over the period."""
+    numel = sum(g.numel for g in groups)
+    if optimizer == "adamw":
+        return profile.seconds("elementwise", ADAMW_BYTES * numel)
+    if optimizer == "muon":
+        t = sum(newton_schulz_time(profile, g.count, g.m, g.n, ns_steps) for g in groups)
+        return t + profile.seconds("elementwise", MUON_BYTES * numel)
+    if optimizer not in ("shampoo", "soap"):
+        raise ValueError(f"no step-time model for optimizer {optimizer!r}; use muon, adamw, shampoo or soap")
+    if precondition_frequency < 1:
+        raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
+    every, refresh = 0.0, 0.0
+    for g in groups:
+        for mb in _blocks(g.m):
+            for nb in _blocks(g.n):
+                side = 2.0 * g.count * mb * nb * (mb + nb)  # L += G G^T and R += G^T G, or one product by each
+                products = 2 if optimizer == "shampoo" else 3  # factors, preconditioning (, projection back)
+                every += products * profile.seconds("fp32_gemm", side)
+                for k in (mb, nb):
+                    cube = 2.0 * g.count * k**3
+                    n_products = ROOT_STEPS * ROOT_PRODUCTS if optimizer == "shampoo" else EIGENBASIS_PRODUCTS
+                    refresh += n_products * profile.seconds("fp32_gemm", cube)
+    per_param = SHAMPOO_BYTES if optimizer == "shampoo" else SOAP_BYTES
+    return every + refresh / precondition_frequency + profile.seconds("elementwise", per_param * numel)
+
+
+def preconditioner_state_bytes(optimizer: str, m: int, n: int) -> int:
+    """Optimizer state of one ``(m, n)`` matrix in bytes (fp32): Muon's momentum, AdamW's two moments, or
+    Shampoo's and SOAP's per-element state plus two ``(k, k)`` matrices per factor of each block (factor and
+    root, or factor and eigenbasis)."""
+    base = STATE_BYTES[optimizer] * m * n
+    if optimizer not in ("shampoo", "soap"):
+        return base
+    return base + sum(2 * 4 * (mb * mb + nb * nb) for mb in _blocks(m) for nb in _blocks(n))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tensor-parallel Newton–Schulz
+
+
+def tp_ns_times(rows: int, cols: int, parts: int, *, batch: int = 1, steps: int = NS_STEPS, itemsize: int = 2,
+                chunks: int = 4, link: Link, ns: Callable[[int, int, int], float],
+                gemm: Callable[[float], float], gram: Callable[[float], float] | None = None) -> dict[str, float]:
+    """Seconds of the three TP Newton–Schulz modes of :mod:`matrixopt.distributed.tp` for ``batch`` matrices of
+    ``(rows, cols)`` whose columns (the contracted dim) are split over ``parts`` ranks on ``link``.
+
+    ns(s, l, batch): seconds of a whole local Newton–Schulz on ``(batch, s, l)``; gemm(flops) and gram(flops):
+    seconds of one product and of one Gram product (default ``gemm``).
+
+    - duplicated: all-gather of the matrix, then the whole iteration on every rank;
+    - distributed: two one-element all-reduces (max-abs and norm), then per step the local Gram product, its
+      all-reduce of ``rows^2`` elements and the local rest (``A A`` and ``B X``). With ``chunks > 1`` the Gram
+      all-reduce runs in row blocks behind the Gram compute, so only the longer of the two counts;
+    - blockwise: the local shard alone, no communication.
+    """
+    gram = gram or gemm
+    local_cols = -(-cols // parts)
+    gather = collective_time("all_gather", batch * rows * cols * itemsize, parts, link)
+    duplicated = gather + ns(min(rows, cols), max(rows, cols), batch)
+    g = gram(2.0 * batch * rows * rows * local_cols)
+    rest = gemm(2.0 * batch * rows**3) + gemm(2.0 * batch * rows * rows * local_cols)
+    reduce = collective_time("all_reduce", batch * rows * rows * itemsize, parts, link)
+    per_step = rest + (max(g, reduce) if chunks > 1 else g + reduce)
+    norms = 2 * collective_time("all_reduce", 4 * batch, parts, link)
+    distributed = norms + steps * per_step
+    blockwise = ns(min(rows, local_cols), max(rows, local_cols), batch)
+    return {"duplicated": duplicated, "distributed": distributed, "blockwise": blockwise}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# memory
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes one rank holds at its peak, by kind."""
+
+    params: float
+    grads: float
+    optimizer_state: float
+    buffers: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer_state + self.buffers + self.activations
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total": self.total}
