@@ -8,6 +8,7 @@ r"""Muon's elementwise passes around Newton–Schulz: the dispatch between the f
 - :func:`apply_update`: ``W <- (1 - lr wd) W - lr s(m, n) Y`` from the Newton–Schulz output, transposed back for
   tall matrices.
 - :func:`second_moment_normalize`: AdaMuon's element-wise second moment, and the stack divided by its root.
+- :func:`row_sums_of_squares`: the sum of squares of each row of each stacked matrix as it lies (NorMuon's).
 - :func:`nonfinite_flags`: which gradients hold a NaN or an Inf (the optimizers' check before a step).
 
 Dispatch: these run the Triton kernels for CUDA tensors they can take (see :func:`fusable`) outside
@@ -115,8 +116,15 @@ def second_moment_normalize_reference(O: Tensor, states: Sequence[Tensor], beta2
         new = [torch.where(skip != 0, v, n) for v, n in zip(states, new)]
     torch._foreach_copy_(states, new)
     torch._foreach_copy_(views, torch._foreach_div(o32, torch._foreach_add(torch._foreach_sqrt(new), eps)))
+    return row_sums_of_squares_reference(O, states, transpose)  # of the values as stored
+
+
+def row_sums_of_squares_reference(O: Tensor, like: Sequence[Tensor], transpose: bool | None = None) -> Tensor:
+    """``muon_fused.row_sums_of_squares_triton`` in torch (any device, any strides)."""
+    k, s, l = O.shape
     rows = torch.zeros((k, max(s, l)), dtype=torch.float32, device=O.device)
-    for i, o in enumerate(views):  # the values as stored
+    for i, (o, m) in enumerate(zip(O.unbind(0), like)):
+        o = o.mT if _transposed(m, transpose) else o
         rows[i, :o.shape[0]] = torch.linalg.vector_norm(o, dim=-1, dtype=torch.float32).square()
     return rows
 
@@ -212,6 +220,17 @@ def second_moment_normalize(O: Tensor, states: Sequence[Tensor], beta2: float, e
     if fused is None:
         return second_moment_normalize_reference(O, states, beta2, eps, transpose, skip)
     return fused.second_moment_normalize_triton(O, states, beta2, eps, transpose, skip=skip)
+
+
+def row_sums_of_squares(O: Tensor, like: Sequence[Tensor], transpose: bool | None = None) -> Tensor:
+    """``(k, max(s, l))`` float32: per row of each ``O[i]`` as matrix ``like[i]`` lies (``O[i]`` transposed for a
+    tall one, or as ``transpose`` says, as in :func:`momentum_pack`), its sum of squares; zero past its rows.
+    O: ``(k, s, l)``, any float dtype and strides; ``like``: k matrices, only their shapes are read. The fused
+    kernel reads O once, tall and wide matrices alike (NorMuon's per-neuron statistics)."""
+    fused = _kernels(_on_gpu([O]) and O.dtype in KERNEL_DTYPES)
+    if fused is None:
+        return row_sums_of_squares_reference(O, like, transpose)
+    return fused.row_sums_of_squares_triton(O, like, transpose)
 
 
 def _no_skip(skip: Tensor | None) -> None:

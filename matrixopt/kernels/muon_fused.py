@@ -188,13 +188,11 @@ def _second_moment_kernel(
     # (b, T_C, RMAX) float32 with T_C >= column tiles: each program's sums of squares of the normalized update, per
     # row as the state lies
     rows_ptr, T_C, RMAX,
-    # meta-parameters
-    TALL: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    # meta-parameters; HAS_V False: no second moment, O is only read for its row sums (the table's addresses unused)
+    TALL: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = table_ptr + tl.program_id(1).to(tl.int64) * 3
-    v_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
-    v_rs = tl.load(row + 1)
     slot = tl.load(row + 2)
 
     n_c = tl.cdiv(C, BLOCK_C)
@@ -209,16 +207,20 @@ def _second_moment_kernel(
     else:
         o_ptrs = o_base + offs_r[:, None] * stride_os + offs_c[None, :] * stride_ol
         o = tl.load(o_ptrs, mask=mask, other=0.0)
-    o = o.to(tl.float32)
-    v_ptrs = v_ptr + offs_r[:, None] * v_rs + offs_c[None, :]
-    v = tl.load(v_ptrs, mask=mask, other=0.0)
-    v = v * beta2 + (1.0 - beta2) * (o * o)
-    tl.store(v_ptrs, v, mask=mask)
-    u = (o / (tl.sqrt(v) + eps)).to(o_ptr.dtype.element_ty)
-    if TALL:
-        tl.store(o_ptrs, tl.trans(u), mask=tl.trans(mask))
+    if HAS_V:
+        o = o.to(tl.float32)
+        v_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+        v_ptrs = v_ptr + offs_r[:, None] * tl.load(row + 1) + offs_c[None, :]
+        v = tl.load(v_ptrs, mask=mask, other=0.0)
+        v = v * beta2 + (1.0 - beta2) * (o * o)
+        tl.store(v_ptrs, v, mask=mask)
+        u = (o / (tl.sqrt(v) + eps)).to(o_ptr.dtype.element_ty)
+        if TALL:
+            tl.store(o_ptrs, tl.trans(u), mask=tl.trans(mask))
+        else:
+            tl.store(o_ptrs, u, mask=mask)
     else:
-        tl.store(o_ptrs, u, mask=mask)
+        u = o
     u32 = u.to(tl.float32)  # the sums are of the values as stored
     tl.store(rows_ptr + (slot * T_C + pid % n_c) * RMAX + offs_r, tl.sum(u32 * u32, axis=1), mask=offs_r < R)
 
@@ -411,21 +413,35 @@ def second_moment_normalize_triton(O: Tensor, states: Sequence[Tensor], beta2: f
     copies of :func:`apply_rows`' tables of ``states`` (static ones, for CUDA graphs). skip: a 0-d float32 device
     flag; where nonzero at run time nothing is read or written. Returns ``(k, max(s, l))`` float32: row r of the
     normalized ``O_i`` as ``V_i`` lies, its sum of squares (zero past ``V_i``'s rows)."""
-    k, s, l = O.shape
-    if len(states) != k:
-        raise ValueError(f"second_moment_normalize: {len(states)} second moments for a stack of {k}")
     if any(v.dtype != torch.float32 for v in states):
         raise ValueError("second_moment_normalize: the second moments must be float32")
+    return _row_pass(O, states, transpose, tables, skip, beta2, eps)
+
+
+def row_sums_of_squares_triton(O: Tensor, like: Sequence[Tensor], transpose: bool | None = None) -> Tensor:
+    """``(k, max(s, l))`` float32: the sum of squares of each row of ``O[i]`` as matrix ``like[i]`` lies
+    (``O[i]`` transposed as in :func:`momentum_pack_triton`), zero past its rows; one read of O, any strides,
+    no copy of a transposed stack. ``like``: k matrices of the stack's shapes, only their shapes are read."""
+    return _row_pass(O, like, transpose, None, None, None, 0.0)
+
+
+def _row_pass(O: Tensor, mats: Sequence[Tensor], transpose: bool | None, tables: Sequence[Tensor] | None,
+              skip: Tensor | None, beta2: float | None, eps: float) -> Tensor:
+    """The second-moment kernel over ``O`` with the matrices ``mats`` as they lie: with their second moments
+    (``beta2`` a float) or only the row sums (None)."""
+    k, s, l = O.shape
+    if len(mats) != k:
+        raise ValueError(f"second_moment_normalize: {len(mats)} matrices for a stack of {k}")
     rmax = max(s, l)
     n_c = triton.cdiv(rmax, TILE_COLS)
     rows_sq = torch.zeros((k, n_c, rmax), dtype=torch.float32, device=O.device)
-    for j, (tall, rows) in enumerate(apply_rows(states, s, l, transpose)):
+    for j, (tall, rows) in enumerate(apply_rows(mats, s, l, transpose)):
         R, C = (l, s) if tall else (s, l)
         table = tables[j] if tables is not None else _table(rows, O.device)
         grid = (triton.cdiv(R, TILE_ROWS) * triton.cdiv(C, TILE_COLS), len(rows))
-        _second_moment_kernel[grid](table, O, O.stride(0), O.stride(1), O.stride(2), R, C, float(beta2),
+        _second_moment_kernel[grid](table, O, O.stride(0), O.stride(1), O.stride(2), R, C, float(beta2 or 0.0),
                                     float(eps), table if skip is None else skip, rows_sq, n_c, rmax,
-                                    TALL=tall, HAS_SKIP=skip is not None,
+                                    TALL=tall, HAS_SKIP=skip is not None, HAS_V=beta2 is not None,
                                     BLOCK_R=TILE_ROWS, BLOCK_C=TILE_COLS, num_warps=TILE_WARPS)
     return rows_sq.sum(1)
 

@@ -191,10 +191,10 @@ def _model():
 
 
 @pytest.mark.parametrize("cls,scaling", [(matrixopt.Muon, "match_adamw"), (matrixopt.Muon, "spectral"),
-                                         (matrixopt.AdaMuon, "match_adamw")])
+                                         (matrixopt.NorMuon, "match_adamw"), (matrixopt.AdaMuon, "match_adamw")])
 def test_muon_step_through_kernels_matches_foreach_path(cls, scaling):
     """Every piece kind in one optimizer: the fused kernels give the foreach path's parameters and state (AdaMuon:
-    its second-moment pass too)."""
+    its second-moment pass, NorMuon: its row sums, too)."""
     runs = {}
     for backend in ("triton", "torch"):
         params = _model()
@@ -296,3 +296,11 @@ def test_second_moment_normalize_matches_float64(o_dtype, transpose):
         assert all(torch.equal(a, b) for a, b in zip(v, V)), name
     with pytest.raises(ValueError, match="does not fill"):
         fused.second_moment_normalize_triton(O, [torch.rand(S, L + 1)] * len(mats), beta2, eps, transpose)
+    # the same kernel without second moments: O's row sums as each matrix lies, O left as it is
+    before = O.clone()
+    rows = fused.row_sums_of_squares_triton(O, V, transpose)
+    assert torch.equal(O, before)
+    torch.testing.assert_close(rows, ew.row_sums_of_squares_reference(O, V, transpose), rtol=1e-5, atol=1e-6)
+    for i, (m, n) in enumerate(mats):
+        o_i = O64[i].mT if (m > n if transpose is None else False) else O64[i]
+        torch.testing.assert_close(rows[i, :m].double(), o_i.square().sum(-1), rtol=1e-5, atol=1e-6)
