@@ -12,7 +12,8 @@ by ``matrixopt plan --calibrate`` or filled from nominal figures (``"source": "n
 - ``elementwise``: ``[[bytes moved by one pass, achieved bytes/s], ...]`` (momentum, AdamW, packing);
 - ``links``: ``{"intra": {"latency": s, "bandwidth": bytes/s}, "inter": {...}}``: inside a node (NVLink) and
   between nodes (the network), per GPU and direction;
-- ``memory_bytes`` per GPU, ``gpus_per_node``, ``name``, ``device``, ``source``, ``notes`` and ``env``.
+- ``peak_flops`` (the data sheet's, for MFU), ``memory_bytes`` per GPU, ``gpus_per_node``, ``name``,
+  ``device``, ``source``, ``notes`` and ``env``.
 
 A call's time is its size over the rate interpolated (linearly in log size) between the two nearest points; below
 the first point it takes the first point's time (launch-bound), above the last it runs at the last point's rate.
@@ -48,6 +49,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -135,6 +137,8 @@ class DeviceProfile:
     device: str
     source: str
     """"nominal" (from data sheets and stated assumptions) or "measured" (``matrixopt plan --calibrate``)."""
+    peak_flops: float
+    """The data sheet's dense bf16 matmul FLOP/s, which model FLOPs utilization (MFU) is quoted against."""
     memory_bytes: float
     gpus_per_node: int
     gemm: Table
@@ -148,6 +152,8 @@ class DeviceProfile:
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise ValueError(f"profile source must be one of {SOURCES}, got {self.source!r}")
+        if not (0 < self.peak_flops < math.inf):
+            raise ValueError(f"profile peak_flops must be finite and > 0, got {self.peak_flops!r}")
         if not self.memory_bytes > 0:
             raise ValueError(f"profile memory_bytes must be > 0, got {self.memory_bytes!r}")
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -224,7 +230,10 @@ class DeviceProfile:
         return cls.from_dict(data, where=f"device profile {path}")
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        """Write the profile as JSON, one ``[size, rate]`` point per line."""
+        text = json.dumps(self.to_dict(), indent=1)
+        text = re.sub(r"\[\s+([-0-9.e+]+),\s+([-0-9.e+]+)\s+\]", r"[\1, \2]", text)
+        Path(path).write_text(text + "\n")
 
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
@@ -259,7 +268,8 @@ def nominal_profile(*, name: str, device: str, matmul_flops: float, fp32_flops: 
                f"achievable, {launch * 1e6:g} us per call, NVLink latency {nvlink_latency * 1e6:g} us, inter-node "
                f"link {network!r} at its line rate")
     return DeviceProfile(
-        name=name, device=device, source="nominal", memory_bytes=memory_bytes, gpus_per_node=gpus_per_node,
+        name=name, device=device, source="nominal", peak_flops=matmul_flops, memory_bytes=memory_bytes,
+        gpus_per_node=gpus_per_node,
         gemm=roofline_table(matmul_efficiency * matmul_flops, launch, flops),
         syrk=roofline_table(matmul_efficiency * matmul_flops, launch, flops),
         fp32_gemm=roofline_table(matmul_efficiency * fp32_flops, launch, flops),

@@ -1,0 +1,115 @@
+"""Measure a device profile for the cost model (``matrixopt plan --calibrate --out profile.json``).
+
+On each point the call is timed with :func:`matrixopt.device.time_ms` (CUDA events; replayed from a CUDA graph on
+the GPU, as the trainer's Muon step runs), median of ``reps``:
+
+- ``gemm``: ``(b, s, s) @ (b, s, 4 s)`` in the iteration dtype (bf16 on CUDA, fp32 on the CPU), the shape of
+  Newton–Schulz's ``B X``; ``b`` grows with ``s`` shrinking so small shapes are measured as the stacks Muon runs;
+- ``syrk``: the Gram product ``X X^T`` of a ``(b, s, 4 s)`` stack through :func:`matrixopt.kernels.ns_step.gram`
+  (Triton SYRK or cuBLAS, whichever the dispatcher picks), rate on the dense FLOPs;
+- ``fp32_gemm``: the same products as ``gemm`` in float32;
+- ``elementwise``: ``c = a + b`` on fp32 vectors (3 passes of 4 bytes per element);
+- ``peak_flops`` (the data sheet's, for MFU) is copied from ``base``;
+- ``links``: with a process group of several ranks, a one-element all-reduce (latency) and a large one
+  (bandwidth, from the ring formula) on ``intra``; the group is assumed to lie inside one node. ``inter`` and,
+  without a group, ``intra`` are kept from ``base`` (the nominal profile by default) and ``notes`` say so.
+
+The output has the format of the shipped profiles (:class:`~matrixopt.distributed.cost.DeviceProfile`), with
+``"source": "measured"`` and the environment it was measured in.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+import torch.distributed as dist
+
+from matrixopt.device import describe, time_ms
+from matrixopt.distributed import comm
+from matrixopt.distributed.cost import DeviceProfile, Link, nominal_profile, shipped_profile
+from matrixopt.kernels.ns_step import gram
+
+# (s, b): Newton–Schulz-shaped stacks; the CPU list stays small so calibrating in a test takes seconds.
+CUDA_SHAPES = ((256, 64), (512, 32), (768, 24), (1024, 16), (2048, 8), (4096, 4), (8192, 1))
+CPU_SHAPES = ((32, 4), (64, 4), (128, 2))
+CUDA_ELEMENTS = tuple(2**k for k in range(14, 30, 2))
+CPU_ELEMENTS = (2**12, 2**16, 2**20)
+
+
+def _rate_points(sizes_and_ms: list[tuple[float, float]]) -> list[list[float]]:
+    """``[[size, size per second]]`` sorted by size, one point per size (the faster where sizes repeat)."""
+    best: dict[float, float] = {}
+    for size, ms in sizes_and_ms:
+        best[size] = max(best.get(size, 0.0), size / (ms / 1e3))
+    return [[s, best[s]] for s in sorted(best)]
+
+
+def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None = None,
+            group: dist.ProcessGroup | None = None) -> DeviceProfile:
+    """A measured profile of ``device`` (and of ``group``'s links, where it has several ranks). Collective when a
+    process group is initialized: every rank must call it."""
+    base = base or shipped_profile("h100")
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    shapes, elements = (CUDA_SHAPES, CUDA_ELEMENTS) if cuda else (CPU_SHAPES, CPU_ELEMENTS)
+    gen = torch.Generator(device).manual_seed(0)
+
+    def timed(fn) -> float:
+        return time_ms(fn, device, reps=reps, warmup=2, graph=cuda)["median"]
+
+    gemm, syrk, fp32 = [], [], []
+    for s, b in shapes:
+        for dt, out in ((dtype, gemm), (torch.float32, fp32)):
+            A = torch.randn(b, s, s, device=device, dtype=dt, generator=gen)
+            X = torch.randn(b, s, 4 * s, device=device, dtype=dt, generator=gen)
+            out.append((2.0 * b * s * s * 4 * s, timed(lambda A=A, X=X: torch.bmm(A, X))))
+        X = torch.randn(b, s, 4 * s, device=device, dtype=dtype, generator=gen)
+        syrk.append((2.0 * b * s * s * 4 * s, timed(lambda X=X: gram(X))))
+    elementwise = []
+    for n in elements:
+        a, c = torch.ones(n, device=device), torch.empty(n, device=device)
+        elementwise.append((12.0 * n, timed(lambda a=a, c=c: torch.add(a, a, out=c))))
+
+    links, notes = dict(base.links), []
+    world = comm.world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if world > 1:
+        tiny = torch.zeros(1, device=device)
+        big = torch.zeros((64 << 20 if cuda else 1 << 20) // 4, device=device)
+        lat = timed(lambda: comm.all_reduce_sum(tiny, group)) / 1e3
+        t_big = timed(lambda: comm.all_reduce_sum(big, group)) / 1e3
+        worst = comm.all_reduce_max(torch.tensor([lat, t_big], dtype=torch.float64, device=device), group)
+        lat, t_big = worst.tolist()
+        bw = 2 * (world - 1) / world * big.numel() * 4 / max(t_big - 2 * (world - 1) * lat, 1e-9)
+        links["intra"] = Link(latency=lat / (2 * (world - 1)), bandwidth=bw)
+        notes.append(f"intra link measured by all-reduce over {world} ranks; inter link from {base.name}")
+    else:
+        notes.append(f"links not measured (one rank): kept from {base.name}")
+    memory = (torch.cuda.get_device_properties(device).total_memory if cuda else base.memory_bytes)
+    env = {"device": describe(device), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "python": platform.python_version(), "dtype": str(dtype), "reps": reps, "world_size": world}
+    return DeviceProfile(
+        name=f"{describe(device)} (measured)", device=describe(device), source="measured", peak_flops=base.peak_flops,
+        memory_bytes=float(memory), gpus_per_node=base.gpus_per_node,
+        gemm=_rate_points(gemm), syrk=_rate_points(syrk), fp32_gemm=_rate_points(fp32),
+        elementwise=_rate_points(elementwise), links=links, notes="; ".join(notes), env=env)
+
+
+NOMINAL: dict[str, dict] = {
+    "h100": dict(name="h100-sxm-nominal", device="NVIDIA H100 SXM5 80GB", matmul_flops=989e12, fp32_flops=67e12,
+                 hbm_bytes_per_s=3.35e12, memory_bytes=80e9, nvlink_bytes_per_s=450e9, network="ib-400g",
+                 notes="data sheet: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32, 3.35 TB/s HBM3, 80 GB, NVLink 4 at "
+                       "450 GB/s per direction, one 400 Gb/s InfiniBand NIC per GPU, 8 GPUs per node"),
+    "h200": dict(name="h200-sxm-nominal", device="NVIDIA H200 SXM 141GB", matmul_flops=989e12, fp32_flops=67e12,
+                 hbm_bytes_per_s=4.8e12, memory_bytes=141e9, nvlink_bytes_per_s=450e9, network="ib-400g",
+                 notes="data sheet: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32, 4.8 TB/s HBM3e, 141 GB, NVLink 4 at "
+                       "450 GB/s per direction, one 400 Gb/s InfiniBand NIC per GPU, 8 GPUs per node"),
+}
+"""Data-sheet figures of the shipped nominal profiles (``matrixopt/distributed/profiles/<name>.json`` is
+``nominal(name)``): replace one with ``matrixopt plan --calibrate`` on the device."""
+
+
+def nominal(name: str) -> DeviceProfile:
+    """The nominal profile ``name`` (a key of :data:`NOMINAL`) built by
+    :func:`~matrixopt.distributed.cost.nominal_profile`."""
+    return nominal_profile(**NOMINAL[name])

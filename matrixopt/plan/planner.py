@@ -1,0 +1,546 @@
+r"""``matrixopt plan``: predict a matrix optimizer's step, exposed communication, memory and throughput against AdamW
+for each candidate layout of a model on a cluster, from the cost model (:mod:`matrixopt.distributed.cost`).
+
+One training step per GPU is, for either optimizer in the same layout,
+
+.. math::
+    t = t_\text{fwd+bwd} + t_\text{exposed comm} + t_\text{opt step},\qquad
+    t_\text{fwd+bwd} = \frac{\text{FLOPs per token} \cdot T}{\text{MFU} \cdot \text{peak}}
+
+with ``T`` tokens per GPU, FLOPs per token from the model (:meth:`~matrixopt.plan.models.Architecture.
+flops_per_token`) and an assumed MFU (forward a third, backward two thirds). The Muon/AdamW throughput ratio is
+``t_AdamW / t_Muon``. Layouts and what our implementation overlaps:
+
+- ``layerwise`` (:mod:`matrixopt.distributed.layerwise`; against DDP AdamW): replicated fp32 parameters;
+  gradients reduced to their owners during backward (reduce-scatter volume) and updated parameters broadcast in
+  bf16 during the next forward (all-gather volume): each exposed only where it outlasts the pass it hides behind.
+  Owners are chosen by LPT (:func:`matrixopt.distributed.balance.lpt`) on each matrix's predicted time, so the
+  step is the slowest owner's.
+- ``fsdp`` (FSDP2 with ShardedMuon): parameters, gradients and state sharded over the data-parallel ranks;
+  FSDP's all-gathers hide behind forward and backward, its reduce-scatter behind backward. The step gathers each
+  matrix to one owner and scatters the update back (two all-to-alls), pipelined over the shape buckets, so the
+  all-to-alls hide behind the owners' Newton–Schulz except for one bucket's share.
+- ``tpK <mode>``: FSDP over world/K with each block's matrices split over K ranks of a node (Megatron layout); the
+  per-layer activation all-reduces (two in forward, two in backward, not overlapped) and Muon's TP Newton–Schulz in
+  ``duplicated``, ``distributed`` or ``blockwise`` mode (:func:`matrixopt.distributed.cost.tp_ns_times`).
+- ``epK`` (mixture of experts): experts split over K ranks, whole, so Muon needs no gather for them beyond FSDP's
+  over the remaining expert-data-parallel ranks; the token all-to-alls (dispatch and combine, forward and
+  backward) are not overlapped.
+
+A layout fits when its memory per GPU is at most ``memory_fraction`` of the device's (allocator slack, CUDA
+context, NCCL buffers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from matrixopt.distributed.balance import lpt
+from matrixopt.distributed.cost import (
+    ADAMW_BYTES,
+    MUON_BYTES,
+    SHAMPOO_BYTES,
+    SOAP_BYTES,
+    DeviceProfile,
+    Memory,
+    Shapes,
+    collective_time,
+    matrix_step_time,
+    newton_schulz_time,
+    preconditioner_state_bytes,
+    tp_ns_times,
+)
+from matrixopt.plan.models import Architecture, ExplicitModel, Matrix
+
+OPTIMIZERS = ("muon", "shampoo", "soap")
+TP_MODES = ("duplicated", "distributed", "blockwise")
+ELEMENTWISE_BYTES = {"muon": MUON_BYTES, "shampoo": SHAMPOO_BYTES, "soap": SOAP_BYTES}
+STACK_CAP = 2**28  # elements of one Newton–Schulz stack (512 MB in bf16)
+GPU_COUNTS = tuple(2**k for k in range(3, 13))  # 8 .. 4096, the curve's x axis
+# Column-parallel matrices split their rows (output features) over TP ranks; the rest split their columns.
+COLUMN_PARALLEL = ("attn.q", "attn.k", "attn.v", "attn.qkv", "mlp.in", "moe.shared.in")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """What to plan. Checks itself (ValueError naming the constraint)."""
+
+    model: Architecture | ExplicitModel
+    gpus: int
+    gpus_per_node: int = 8
+    tokens_per_gpu: int = 4096
+    """Tokens whose forward and backward one GPU computes per step (a TP group shares TP times as many)."""
+    tp: int | None = None
+    """Tensor-parallel degree; None tries 1 and each power of two up to a node that divides the heads."""
+    ep: int | None = None
+    """Expert-parallel degree (mixture of experts); None tries the divisors of the expert count that fit."""
+    dp: int | None = None
+    """Data-parallel degree; None: gpus / tp. Given, ``tp * dp`` must equal ``gpus``."""
+    optimizer: str = "muon"
+    mfu: float = 0.4
+    """Model FLOPs utilization of forward and backward, against the profile's ``peak_flops``."""
+    ns_steps: int = 5
+    precondition_frequency: int = 10
+    memory_fraction: float = 0.9
+    recompute: bool = False
+    """Activation checkpointing of every layer: only layer inputs are kept, and backward recomputes the forward
+    (8 instead of 6 FLOPs per parameter and token)."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "gpus_per_node", "tokens_per_gpu", "ns_steps", "precondition_frequency"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"mfu must be in (0, 1], got {self.mfu}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ValueError(f"gpus {self.gpus} is not a whole number of nodes of {self.gpus_per_node} GPUs")
+        tp, ep = self.tp or 1, self.ep or 1
+        for name, v in (("tp", self.tp), ("ep", self.ep), ("dp", self.dp)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.gpus % (tp * ep):
+            raise ValueError(f"gpus {self.gpus} is not divisible by tp x ep = {tp} x {ep} = {tp * ep}; pick degrees "
+                             f"whose product divides the GPU count")
+        if tp > self.gpus_per_node:
+            raise ValueError(f"tp {tp} spans more than one node of {self.gpus_per_node} GPUs; keep tensor "
+                             f"parallelism inside a node")
+        if self.dp is not None and tp * self.dp != self.gpus:
+            raise ValueError(f"tp x dp = {tp} x {self.dp} = {tp * self.dp} must equal gpus {self.gpus} (expert "
+                             f"parallelism is carved out of dp)")
+        n_head, kv = self.model.n_head, getattr(self.model, "kv_heads", self.model.n_head)
+        if self.tp is not None and (n_head % tp or kv % tp):
+            raise ValueError(f"tp {tp} must divide the model's {n_head} query and {kv} key/value heads")
+        if self.ep is not None and ep > 1:
+            if not self.model.moe:
+                raise ValueError(f"ep {ep} needs a mixture-of-experts model; {self.model.name} is dense")
+            if self.model.n_experts % ep:
+                raise ValueError(f"ep {ep} must divide the model's {self.model.n_experts} experts")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    kind: str
+    """"layerwise" or "fsdp"."""
+    tp: int = 1
+    ep: int = 1
+    tp_mode: str | None = None
+
+    @property
+    def label(self) -> str:
+        parts = [self.kind] + ([f"ep{self.ep}"] if self.ep > 1 else [])
+        if self.tp > 1:
+            parts.append(f"tp{self.tp} {self.tp_mode}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """One layout's predicted step for the matrix optimizer and for AdamW, seconds and bytes per GPU."""
+
+    layout: Layout
+    fwd_bwd_s: float
+    opt_step_s: float
+    """The matrix optimizer's step, including its exposed communication."""
+    opt_comm_s: float
+    """The part of ``opt_step_s`` that is exposed communication (gathers, scatters, TP Newton–Schulz traffic)."""
+    exposed_comm_s: float
+    """Exposed communication outside the step (gradient sync, parameter gathers, TP and EP traffic) plus
+    ``opt_comm_s``."""
+    step_s: float
+    adamw_opt_step_s: float
+    adamw_step_s: float
+    memory: Memory
+    adamw_memory: Memory
+    capacity_bytes: float
+    tokens_per_gpu: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.capacity_bytes
+
+    @property
+    def ratio(self) -> float:
+        """The matrix optimizer's tokens/s over AdamW's in the same layout."""
+        return self.adamw_step_s / self.step_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_gpu / self.step_s
+
+    def to_dict(self) -> dict[str, Any]:
+        ms = {k: getattr(self, k) * 1e3 for k in ("fwd_bwd_s", "opt_step_s", "opt_comm_s", "exposed_comm_s",
+                                                    "step_s", "adamw_opt_step_s", "adamw_step_s")}
+        return {"layout": self.layout.label, **dataclasses.asdict(self.layout),
+                **{k.replace("_s", "_ms"): v for k, v in ms.items()}, "ratio": self.ratio,
+                "tokens_per_s_per_gpu": self.tokens_per_s, "fits": self.fits,
+                "memory_gb": {k: v / 1e9 for k, v in self.memory.to_dict().items()},
+                "adamw_memory_gb": {k: v / 1e9 for k, v in self.adamw_memory.to_dict().items()},
+                "notes": list(self.notes)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: PlanConfig
+    profile: DeviceProfile
+    predictions: tuple[Prediction, ...]
+    best: Prediction
+    assumptions: tuple[str, ...] = field(default=())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# candidates
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg: PlanConfig) -> list[Layout]:
+    """The layouts to compare: layer-wise (no TP or EP), FSDP, FSDP with each TP degree and Newton–Schulz mode,
+    and each expert-parallel degree of a mixture of experts; fixed where ``cfg`` gives ``tp`` or ``ep``."""
+    model, n = cfg.model, cfg.gpus
+    kv = getattr(model, "kv_heads", model.n_head)
+    if cfg.tp is not None:
+        tps = [cfg.tp]
+    elif cfg.dp is not None:
+        tps = [n // cfg.dp]
+    else:
+        tps = [t for t in (1, 2, 4, 8) if t <= cfg.gpus_per_node and n % t == 0 and model.n_head % t == 0
+               and kv % t == 0]
+    if not model.moe:
+        eps = [1]
+    elif cfg.ep is not None:
+        eps = [cfg.ep]
+    else:
+        eps = [e for e in _divisors(model.n_experts) if e > 1 and n % e == 0]
+    modes = TP_MODES if cfg.optimizer == "muon" else ("blockwise",)
+    out = []
+    for tp in tps:
+        for ep in eps:
+            if n % (tp * ep):
+                continue
+            if tp == 1 and ep == 1 and cfg.dp in (None, n):
+                out.append(Layout(kind="layerwise"))
+            for mode in (modes if tp > 1 else (None,)):
+                out.append(Layout(kind="fsdp", tp=tp, ep=ep, tp_mode=mode))
+    if not out:
+        raise ValueError(f"no layout for {n} GPUs with tp={cfg.tp}, ep={cfg.ep}, dp={cfg.dp}: the degrees must "
+                         f"divide the GPU count")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# one layout
+
+
+def _split_matrix(mat: Matrix, tp: int) -> tuple[int, int]:
+    """``(rows, cols)`` of one TP shard's contracted layout: the split dim last (see tp_ns_times)."""
+    if not _tp_sharded(mat, tp):
+        return mat.m, mat.n
+    return (mat.n, mat.m) if mat.name in COLUMN_PARALLEL else (mat.m, mat.n)
+
+
+def _tp_sharded(mat: Matrix, tp: int) -> bool:
+    return tp > 1 and not mat.expert and mat.name != "moe.router"
+
+
+def _owner_load(profile: DeviceProfile, cfg: PlanConfig, mats: Sequence[Matrix], owners: int, tp: int,
+                mode: str | None) -> tuple[float, float, int]:
+    """``(slowest owner's seconds, its exposed TP communication, owned elements on that rank)`` when ``owners``
+    ranks share ``mats`` by LPT on each matrix's time; each shape goes in stacks of ``count / owners``."""
+    items: list[float] = []
+    comm: list[float] = []
+    sizes: list[int] = []
+    for mat in mats:
+        k = mat.count
+        per = max(1, k // owners)  # the stack an owner runs
+        chunks = [per] * (k // per) + ([k % per] if k % per else [])
+        for c in chunks:
+            t, x = _matrix_time(profile, cfg, mat, c, tp if _tp_sharded(mat, tp) else 1, mode)
+            items.append(t)
+            comm.append(x)
+            sizes.append(c * mat.m * mat.n // (tp if _tp_sharded(mat, tp) else 1))
+    if not items:
+        return 0.0, 0.0, 0
+    owner, loads = lpt(items, owners)
+    worst = max(range(owners), key=lambda r: loads[r])
+    comm_w = sum(x for x, r in zip(comm, owner) if r == worst)
+    owned = max(sum(s for s, r in zip(sizes, owner) if r == q) for q in range(owners))
+    return loads[worst], comm_w, owned
+
+
+def _matrix_time(profile: DeviceProfile, cfg: PlanConfig, mat: Matrix, batch: int, tp: int,
+                 mode: str | None) -> tuple[float, float]:
+    """``(seconds, of which communication)`` of the optimizer's matrix work on ``batch`` matrices of ``mat``'s
+    shape (TP shards when ``tp > 1``), elementwise passes excluded."""
+    rows, cols = _split_matrix(mat, tp)
+    if cfg.optimizer != "muon":
+        shard = Shapes(rows, -(-cols // tp), batch)
+        t = matrix_step_time(profile, cfg.optimizer, [shard], precondition_frequency=cfg.precondition_frequency)
+        return t - profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * shard.numel), 0.0
+    if tp == 1:
+        return newton_schulz_time(profile, batch, rows, cols, cfg.ns_steps), 0.0
+    link = profile.link(tp, 1, cfg.gpus_per_node)
+    times = tp_ns_times(rows, cols, tp, batch=batch, steps=cfg.ns_steps, link=link,
+                        ns=lambda s, l, b: newton_schulz_time(profile, b, s, l, cfg.ns_steps),
+                        gemm=lambda f: profile.seconds("gemm", f), gram=lambda f: profile.seconds("syrk", f))
+    t = times[mode]
+    compute = {"duplicated": newton_schulz_time(profile, batch, rows, cols, cfg.ns_steps), "blockwise": t,
+               "distributed": None}[mode]
+    if compute is None:  # distributed: what the same schedule costs on a free network
+        free = tp_ns_times(rows, cols, tp, batch=batch, steps=cfg.ns_steps, link=dataclasses.replace(
+            link, latency=0.0, bandwidth=1e300), ns=lambda s, l, b: 0.0, gemm=lambda f: profile.seconds("gemm", f),
+            gram=lambda f: profile.seconds("syrk", f))
+        compute = free["distributed"]
+    return t, max(0.0, t - compute)
+
+
+def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Prediction:
+    """The step, exposed communication and memory per GPU of ``layout`` (module docstring for the model)."""
+    model, n, T = cfg.model, cfg.gpus, cfg.tokens_per_gpu
+    tp, ep = layout.tp, layout.ep
+    dp = n // tp  # data-parallel ranks (EP is carved out of them)
+    edp = dp // ep  # ranks sharing each expert
+    gpn = cfg.gpus_per_node
+    mats = model.matrices()
+    dense = [m for m in mats if not m.expert]
+    experts = [dataclasses.replace(m, count=m.count // ep) for m in mats if m.expert]  # on one EP rank
+    d = model.d_model
+
+    # elements per GPU before data-parallel sharding
+    dense_el = sum(m.numel / (tp if _tp_sharded(m, tp) else 1) for m in dense)
+    expert_el = sum(m.numel for m in experts)
+    rest_el = model.table_params() / tp + model.vector_params()
+    params_el = dense_el + expert_el + rest_el
+
+    # forward and backward
+    fwd_bwd = model.flops_per_token() * T / (cfg.mfu * profile.peak_flops) * (4 / 3 if cfg.recompute else 1)
+    fwd, bwd = fwd_bwd / 3, 2 * fwd_bwd / 3
+    notes: list[str] = []
+
+    # traffic every layout shares between the optimizers: TP activations, EP tokens (not overlapped)
+    shared = 0.0
+    if tp > 1:
+        shared += 4 * model.n_layer * collective_time("all_reduce", tp * T * d * 2, tp, profile.link(tp, 1, gpn))
+    if ep > 1:
+        moe_layers = model.n_layer - getattr(model, "n_dense_layers", 0)
+        tokens = T * model.top_k * d * 2
+        shared += 4 * moe_layers * collective_time("all_to_all", tokens, ep, profile.link(ep, tp, gpn))
+
+    dp_link = profile.link(dp, tp, gpn)
+    edp_link = profile.link(edp, tp * ep, gpn)
+    layer_el = params_el / model.n_layer
+    if layout.kind == "layerwise":
+        reduce = collective_time("reduce_scatter", 4 * params_el, dp, dp_link)
+        bcast = collective_time("all_gather", 2 * (dense_el + expert_el) + 4 * rest_el, dp, dp_link)
+        sync = max(0.0, reduce - bwd) + max(0.0, bcast - fwd)
+        adamw_sync = max(0.0, collective_time("all_reduce", 4 * params_el, dp, dp_link) - bwd)
+        ns, opt_comm, owned = _owner_load(profile, cfg, mats, dp, 1, None)
+        elementwise = profile.seconds("elementwise", (ELEMENTWISE_BYTES[cfg.optimizer] * owned
+                                                      + ADAMW_BYTES * rest_el / dp))
+        opt = ns + elementwise
+        adamw_opt = profile.seconds("elementwise", ADAMW_BYTES * params_el)
+        state_total = _state(cfg.optimizer, mats, 1) + 8 * rest_el
+        state = max(state_total / dp, 8.0 * getattr(model, "vocab", 0) * d)  # a whole-owned embedding
+        ws = _workspace(mats, dp, 1)
+        memory = Memory(params=4 * params_el, grads=4 * params_el, optimizer_state=state, buffers=ws,
+                        activations=_activations(model, T, tp, cfg.recompute))
+        adamw_memory = Memory(params=4 * params_el, grads=8 * params_el, optimizer_state=8 * params_el, buffers=0.0,
+                              activations=memory.activations)
+    else:
+        dense_shard = (dense_el + rest_el) / dp
+        expert_shard = expert_el / edp
+        gather = (collective_time("all_gather", 2 * (dense_el + rest_el), dp, dp_link)
+                  + collective_time("all_gather", 2 * expert_el, edp, edp_link))
+        rs = (collective_time("reduce_scatter", 4 * (dense_el + rest_el), dp, dp_link)
+              + collective_time("reduce_scatter", 4 * expert_el, edp, edp_link))
+        sync = max(0.0, gather - fwd) + max(0.0, gather + rs - bwd)
+        adamw_sync = sync
+        ns_d, comm_d, _ = _owner_load(profile, cfg, dense, dp, tp, layout.tp_mode)
+        ns_e, comm_e, _ = _owner_load(profile, cfg, experts, edp, 1, None)
+        ns = ns_d + ns_e  # dense and expert matrices run one after the other on every rank
+        dense_mat_shard = sum(m.numel / (tp if _tp_sharded(m, tp) else 1) for m in dense) / dp
+        a2a = 2 * (collective_time("all_to_all", 2 * dense_mat_shard, dp, dp_link)
+                   + collective_time("all_to_all", 2 * expert_shard, edp, edp_link))
+        buckets = max(1, len(mats))
+        opt_comm = comm_d + comm_e + max(0.0, a2a - ns) + a2a / buckets
+        local_mat = dense_mat_shard + expert_shard
+        local_rest = rest_el / dp
+        elementwise = profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * local_mat
+                                      + ADAMW_BYTES * local_rest)
+        opt = ns + max(0.0, a2a - ns) + a2a / buckets + elementwise  # ns holds the TP traffic
+        adamw_opt = profile.seconds("elementwise", ADAMW_BYTES * (dense_shard + expert_shard))
+        state = (_state(cfg.optimizer, dense, tp) / dp + _state(cfg.optimizer, experts, 1) / edp
+                 + 8 * local_rest)
+        transient = 2 * 2 * layer_el  # two layers' bf16 parameters gathered (current and prefetched)
+        ws = max(_workspace(dense, dp, tp), _workspace(experts, edp, 1))  # gathered stacks, one bucket at a time
+        memory = Memory(params=4 * (dense_shard + expert_shard) + transient,
+                        grads=4 * (dense_shard + expert_shard) + transient, optimizer_state=state, buffers=ws,
+                        activations=_activations(model, T, tp, cfg.recompute))
+        adamw_memory = dataclasses.replace(memory, optimizer_state=8 * (dense_shard + expert_shard), buffers=0.0)
+        if tp > 1 and cfg.optimizer == "muon":
+            notes.append(f"TP Newton-Schulz {layout.tp_mode}")
+    exposed = shared + sync + opt_comm
+    step = fwd_bwd + shared + sync + opt
+    adamw_step = fwd_bwd + shared + adamw_sync + adamw_opt
+    return Prediction(layout=layout, fwd_bwd_s=fwd_bwd, opt_step_s=opt, opt_comm_s=opt_comm, exposed_comm_s=exposed,
+                      step_s=step, adamw_opt_step_s=adamw_opt, adamw_step_s=adamw_step, memory=memory,
+                      adamw_memory=adamw_memory, capacity_bytes=cfg.memory_fraction * profile.memory_bytes,
+                      tokens_per_gpu=T, notes=tuple(notes))
+
+
+def _state(optimizer: str, mats: Sequence[Matrix], tp: int) -> float:
+    """Optimizer state bytes of ``mats`` (all of them, TP shards where split)."""
+    total = 0.0
+    for m in mats:
+        rows, cols = _split_matrix(m, tp)
+        cols = -(-cols // tp) if _tp_sharded(m, tp) else cols
+        total += m.count * preconditioner_state_bytes(optimizer, rows, cols)
+    return total
+
+
+def _workspace(mats: Sequence[Matrix], owners: int, tp: int) -> float:
+    """Newton–Schulz workspace of the largest stack one owner runs: three bf16 copies of it and its Gram, for at
+    most :data:`STACK_CAP` elements (a larger stack is assumed to run in pieces)."""
+    best = 0.0
+    for m in mats:
+        el = m.m * m.n // (tp if _tp_sharded(m, tp) else 1)
+        b = max(1, min(m.count // max(1, owners), STACK_CAP // el))
+        s = min(m.m, m.n)
+        best = max(best, b * (3 * 2 * el + 3 * 2 * s * s))
+    return best
+
+
+def _activations(model: Architecture | ExplicitModel, tokens: int, tp: int, recompute: bool) -> float:
+    """Activation bytes per GPU (:meth:`~matrixopt.plan.models.Architecture.activation_bytes_per_token`): a TP
+    group's ``tp * tokens`` with residual streams and norms replicated (no sequence parallelism) and the rest
+    split, plus bf16 logits and their fp32 loss copy split over the vocab. With ``recompute``, each layer keeps
+    its bf16 input and one layer at a time holds the rest."""
+    d = model.d_model
+    per_layer = tp * tokens * 8 * d + tokens * (model.activation_bytes_per_token() - 8 * d)
+    logits = tokens * getattr(model, "vocab", 0) * 6
+    if recompute:
+        return model.n_layer * tp * tokens * 2 * d + per_layer + logits
+    return model.n_layer * per_layer + logits
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the plan
+
+
+def assumptions(cfg: PlanConfig, profile: DeviceProfile) -> tuple[str, ...]:
+    return (
+        f"forward+backward: {cfg.model.flops_per_token() / 1e9:.3g} GFLOP per token x {cfg.tokens_per_gpu} tokens "
+        f"per GPU at MFU {cfg.mfu:g} of {profile.peak_flops / 1e12:.0f} TFLOP/s"
+        + (", every layer recomputed in backward" if cfg.recompute else ", no recomputation"),
+        f"device profile {profile.name} ({profile.source}); links: intra {profile.links['intra'].bandwidth / 1e9:g} "
+        f"GB/s, inter {profile.links['inter'].bandwidth / 1e9:g} GB/s per GPU",
+        f"{cfg.optimizer}: {cfg.ns_steps} Newton-Schulz steps" if cfg.optimizer == "muon"
+        else f"{cfg.optimizer}: roots refreshed every {cfg.precondition_frequency} steps",
+        "AdamW in the same layout (layer-wise against DDP); fp32 master weights, gradients and state; bf16 compute",
+        f"a layout fits in {cfg.memory_fraction:g} of {profile.memory_bytes / 1e9:.0f} GB per GPU",
+    )
+
+
+def plan(cfg: PlanConfig, profile: DeviceProfile) -> Plan:
+    """Every candidate layout's :class:`Prediction`; the best is the fitting one with the most matrix-optimizer
+    tokens/s (ties: the first candidate). ValueError when none fits, naming the closest and its memory."""
+    preds = tuple(predict(layout, cfg, profile) for layout in candidates(cfg))
+    fitting = [p for p in preds if p.fits]
+    if not fitting:
+        closest = min(preds, key=lambda p: p.memory.total)
+        m = closest.memory
+        raise ValueError(
+            f"{cfg.model.name} with {cfg.optimizer} fits no layout on {cfg.gpus} GPUs of "
+            f"{profile.memory_bytes / 1e9:.0f} GB (usable {closest.capacity_bytes / 1e9:.0f} GB): the smallest, "
+            f"{closest.layout.label}, needs {m.total / 1e9:.1f} GB per GPU (parameters {m.params / 1e9:.1f}, "
+            f"gradients {m.grads / 1e9:.1f}, optimizer state {m.optimizer_state / 1e9:.1f}, buffers "
+            f"{m.buffers / 1e9:.1f}, activations {m.activations / 1e9:.1f}); use more GPUs, fewer tokens per GPU, "
+            f"a larger tp/ep, or --recompute")
+    best = max(fitting, key=lambda p: p.tokens_per_s)
+    return Plan(cfg, profile, preds, best, assumptions(cfg, profile))
+
+
+def ratio_curve(cfg: PlanConfig, profile: DeviceProfile, gpus: Sequence[int] = GPU_COUNTS) -> list[dict[str, Any]]:
+    """The best fitting layout's Muon/AdamW ratio (and each layout kind's best) at each GPU count, the other
+    settings kept; counts where nothing fits or the degrees do not divide are skipped."""
+    rows = []
+    for g in gpus:
+        try:
+            c = dataclasses.replace(cfg, gpus=g, dp=None)
+            p = plan(c, profile)
+        except ValueError:
+            continue
+        kinds: dict[str, float] = defaultdict(float)
+        for q in p.predictions:
+            if q.fits:
+                key = q.layout.kind if q.layout.tp == 1 else f"fsdp tp {q.layout.tp_mode}"
+                kinds[key] = max(kinds[key], q.ratio)
+        rows.append({"gpus": g, "best": p.best.layout.label, "ratio": p.best.ratio,
+                     "step_ms": p.best.step_s * 1e3, "by_kind": dict(kinds)})
+    return rows
+
+
+def to_dict(p: Plan, curve: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    c = p.config
+    return {"model": c.model.name, "total_params": c.model.total_params(), "gpus": c.gpus,
+            "gpus_per_node": c.gpus_per_node, "tokens_per_gpu": c.tokens_per_gpu, "optimizer": c.optimizer,
+            "mfu": c.mfu, "profile": {"name": p.profile.name, "source": p.profile.source},
+            "assumptions": list(p.assumptions), "best": p.best.layout.label,
+            "layouts": [q.to_dict() for q in p.predictions], "curve": curve or []}
+
+
+def format_plan(p: Plan) -> str:
+    """A readable table of every layout, the best marked with ``*``."""
+    c = p.config
+    head = (f"{c.model.name} ({c.model.total_params() / 1e9:.3g}B parameters), {c.optimizer} vs AdamW, {c.gpus} GPUs "
+            f"({c.gpus_per_node} per node), {c.tokens_per_gpu} tokens per GPU")
+    cols = ["", "layout", "opt step ms", "exposed comm ms", "step ms", "AdamW step ms", "memory GB", "fits",
+            f"{c.optimizer}/AdamW"]
+    rows = [["*" if q is p.best else "", q.layout.label, f"{q.opt_step_s * 1e3:.2f}", f"{q.exposed_comm_s * 1e3:.2f}",
+             f"{q.step_s * 1e3:.1f}", f"{q.adamw_step_s * 1e3:.1f}", f"{q.memory.total / 1e9:.1f}",
+             "yes" if q.fits else "no", f"{q.ratio:.3f}"] for q in p.predictions]
+    widths = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
+    lines = [head, "", "  ".join(h.ljust(w) for h, w in zip(cols, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    lines += ["", f"* best: {p.best.layout.label}, {p.best.tokens_per_s:.0f} tokens/s per GPU, "
+                  f"{p.best.ratio:.3f} of AdamW's in the same layout", "assumptions:"]
+    lines += [f"  - {a}" for a in p.assumptions]
+    return "\n".join(lines)
+
+
+def plot_curve(curve: list[dict[str, Any]], title: str, path: str) -> bool:
+    """The ratio against the GPU count, one line per layout kind; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    kinds = sorted({k for r in curve for k in r["by_kind"]})
+    for kind in kinds:
+        pts = [(r["gpus"], r["by_kind"][kind]) for r in curve if kind in r["by_kind"]]
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=kind)
+    ax.plot([r["gpus"] for r in curve], [r["ratio"] for r in curve], "k--", label="best layout")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("tokens/s against AdamW (same layout)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,224 @@
+"""Predicted against measured: every committed measurement the cost model can be checked on, read from the JSON
+files under ``docs/results/`` (``matrixopt plan --validate``).
+
+Each row names its source file and what the model was given. Two device profiles are compared: the shipped nominal
+profile of the device the run used, and ``limits``: the same with the matmul rate and copy bandwidth the run's
+machine measured (the ``env.limits`` every benchmark JSON records) as the achieved rates. Where a throughput
+ratio is predicted, the forward and backward time comes from the measured AdamW step of the same run minus the
+model's AdamW optimizer step (the planner cannot predict MFU); the matrix optimizer's step is the prediction.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from matrixopt.distributed.calibrate import NOMINAL
+from matrixopt.distributed.cost import (
+    ADAMW_BYTES,
+    DeviceProfile,
+    Shapes,
+    matrix_step_time,
+    newton_schulz_time,
+    nominal_profile,
+    shipped_profile,
+    tp_ns_times,
+)
+from matrixopt.plan.models import Architecture, fused_qkv_matrices, gpt
+from matrixopt.plan.planner import Layout, PlanConfig, predict
+
+THRESHOLD = 0.15  # the relative error the model aims to stay within
+ROOT = Path(__file__).resolve().parents[2] / "docs" / "results"
+
+
+def profiles_for(record: dict[str, Any], device: str) -> dict[str, DeviceProfile]:
+    """The nominal profile of ``device`` ("h100" or "h200") and its ``limits`` variant from ``record['env']``."""
+    nominal = shipped_profile(device)
+    limits = record["env"].get("limits")
+    if not limits:
+        return {"nominal": nominal}
+    spec = {**NOMINAL[device], "matmul_flops": limits["peak_bf16_tflops"] * 1e12,
+            "hbm_bytes_per_s": limits["copy_tbps"] * 1e12, "matmul_efficiency": 1.0, "hbm_efficiency": 1.0,
+            "name": f"{device} with the lab's measured limits"}
+    return {"nominal": nominal, "limits": nominal_profile(**spec)}
+
+
+def _groups(arch: Architecture, fused: bool) -> tuple[list[Shapes], int]:
+    mats = fused_qkv_matrices(arch) if fused else arch.matrices()
+    by_shape: dict[tuple[int, int], int] = {}
+    for m in mats:
+        by_shape[(m.m, m.n)] = by_shape.get((m.m, m.n), 0) + m.count
+    groups = [Shapes(m, n, c) for (m, n), c in by_shape.items()]
+    rest = arch.total_params() - sum(g.numel for g in groups)
+    return groups, rest
+
+
+def _step(profile: DeviceProfile, optimizer: str, groups: list[Shapes], rest: int, frequency: int = 10) -> float:
+    """One process's step: the optimizer on the matrices and AdamW on the rest (one elementwise pass)."""
+    if optimizer == "adamw":
+        return profile.seconds("elementwise", ADAMW_BYTES * (sum(g.numel for g in groups) + rest))
+    return (matrix_step_time(profile, optimizer, groups, precondition_frequency=frequency)
+            + profile.seconds("elementwise", ADAMW_BYTES * rest))
+
+
+def _row(what: str, source: str, profile: str, predicted: float, measured: float, unit: str) -> dict[str, Any]:
+    err = predicted / measured - 1
+    return {"what": what, "source": source, "profile": profile, "predicted": predicted, "measured": measured,
+            "unit": unit, "error": err, "within": abs(err) <= THRESHOLD}
+
+
+def single_gpu(root: Path) -> list[dict[str, Any]]:
+    rows = []
+    for name in ("gpt2-small", "gpt2-medium", "1.3b"):
+        path = root / "bench" / f"step_{name}.json"
+        rec = json.loads(path.read_text())
+        groups, rest = _groups(gpt(name), fused=True)  # bench step keeps QKV fused
+        for pname, prof in profiles_for(rec, "h100").items():
+            for label, key, opt in (("Muon step", "matrixopt muon, deferred check, CUDA graph", "muon"),
+                                    ("AdamW step", "adamw (fused)", "adamw")):
+                rows.append(_row(f"{name}: {label}, 1 H100", path.name, pname, _step(prof, opt, groups, rest) * 1e3,
+                                 rec["results"][key]["ms"]["median"], "ms"))
+    path = root / "bench" / "shampoo_step_gpt2-small.json"
+    rec = json.loads(path.read_text())
+    groups, rest = _groups(gpt("gpt2-small"), fused=True)
+    for pname, prof in profiles_for(rec, "h100").items():
+        for opt in ("shampoo", "soap"):
+            for f in (1, 10):
+                measured = rec["results"][f"{opt}, frequency {f}"]["median"]
+                rows.append(_row(f"gpt2-small: {opt} step, roots every {f}, 1 H100", path.name, pname,
+                                 _step(prof, opt, groups, rest, f) * 1e3, measured, "ms"))
+    for name in ("gpt2-small", "gpt2-medium"):
+        path = root / "bench" / f"train_{name}.json"
+        rec = json.loads(path.read_text())
+        groups, rest = _groups(gpt(name), fused=False)  # the trainer splits Q, K and V
+        adamw_ms = rec["results"]["adamw"]["step_ms"]["median"]
+        for pname, prof in profiles_for(rec, "h100").items():
+            fwd_bwd = adamw_ms - _step(prof, "adamw", groups, rest) * 1e3
+            ratio = adamw_ms / (fwd_bwd + _step(prof, "muon", groups, rest) * 1e3)
+            rows.append(_row(f"{name}: Muon/AdamW tokens/s, training, 1 H100", path.name, pname, ratio,
+                             rec["results"]["muon"]["vs_adamw"], "x"))
+    return rows
+
+
+def _scale_rows(path: Path, summary: list[dict[str, Any]], world: int, tokens: int,
+                pairs: list[tuple[str, str, Layout]]) -> list[dict[str, Any]]:
+    """Rows for ``(muon config, its AdamW config, layout)`` of one scaling record."""
+    rec = json.loads(path.read_text())
+    rows = []
+    by = {(s["preset"], s["config"]): s for s in summary}
+    for preset in sorted({s["preset"] for s in summary}):
+        arch = gpt(preset)
+        for muon_cfg, adamw_cfg, layout in pairs:
+            mu, ad = by.get((preset, muon_cfg)), by.get((preset, adamw_cfg))
+            if mu is None or ad is None:
+                continue
+            for pname, prof in profiles_for(rec, "h200").items():
+                cfg = PlanConfig(model=arch, gpus=world, tokens_per_gpu=tokens)
+                p = predict(layout, cfg, prof)
+                fwd_bwd = ad["step_ms"] - (p.adamw_step_s - p.fwd_bwd_s) * 1e3  # measured AdamW step less its model
+                muon_step = fwd_bwd + (p.step_s - p.fwd_bwd_s) * 1e3
+                where = f"{preset}, {world} H200, {layout.kind}"
+                rows += [_row(f"{where}: Muon optimizer step", path.name, pname, p.opt_step_s * 1e3,
+                              mu["opt_step_ms_max"], "ms"),
+                         _row(f"{where}: Muon training step", path.name, pname, muon_step, mu["step_ms"], "ms"),
+                         _row(f"{where}: Muon/AdamW tokens/s", path.name, pname, ad["step_ms"] / muon_step,
+                              ad["step_ms"] / mu["step_ms"], "x"),
+                         _row(f"{where}: Muon peak memory per GPU", path.name, pname, p.memory.total / 1e9,
+                              mu["peak_mem_gb_max"], "GB"),
+                         _row(f"{where}: AdamW peak memory per GPU", path.name, pname, p.adamw_memory.total / 1e9,
+                              ad["peak_mem_gb_max"], "GB")]
+    return rows
+
+
+def scaling(root: Path) -> list[dict[str, Any]]:
+    lw, fsdp = Layout(kind="layerwise"), Layout(kind="fsdp")
+    rows = []
+    two = json.loads((root / "distributed" / "scale_1.3b_2gpu.json").read_text())
+    two_fsdp = json.loads((root / "distributed" / "scale_1.3b_2gpu_fsdp.json").read_text())
+    rows += _scale_rows(root / "distributed" / "scale_1.3b_2gpu.json", two["summary"], 2, two["tokens_per_gpu"],
+                        [("layerwise:muon", "ddp:adamw", lw)])
+    rows += _scale_rows(root / "distributed" / "scale_1.3b_2gpu_fsdp.json", two_fsdp["summary"], 2,
+                        two_fsdp["tokens_per_gpu"], [("fsdp:muon", "fsdp:adamw", fsdp)])
+    four = json.loads((root / "distributed" / "scale_4gpu.json").read_text())
+    rows += _scale_rows(root / "distributed" / "scale_4gpu.json", four["summary"], 4, four["tokens_per_gpu"],
+                        [("layerwise:muon", "ddp:adamw", lw), ("fsdp:muon", "fsdp:adamw", fsdp)])
+    return rows
+
+
+def _tp_times(prof: DeviceProfile, world: int, steps: int, r: int, c: int, chunks: int) -> dict[str, float]:
+    return tp_ns_times(r, c, world, steps=steps, chunks=chunks, link=prof.link(world),
+                       ns=lambda s, l, b: newton_schulz_time(prof, b, s, l, steps),
+                       gemm=lambda f: prof.seconds("gemm", f), gram=lambda f: prof.seconds("syrk", f))
+
+
+def tensor_parallel(root: Path) -> list[dict[str, Any]]:
+    rows = []
+    for world in (2, 4):
+        path = root / "distributed" / f"tp_ns_{world}gpu.json"
+        rec = json.loads(path.read_text())
+        steps = rec["env"].get("ns_steps", 5)
+        prof = shipped_profile("h200")
+        times = functools.partial(_tp_times, prof, world, steps)
+
+        best: dict[tuple, dict[str, float]] = {}
+        for e in rec["newton_schulz"]:
+            m, n = e["shape"]
+            if e["shard_dim"] is None:
+                rows.append(_row(f"NS {m}x{n}, 1 H200", path.name, "nominal",
+                                 newton_schulz_time(prof, 1, m, n, steps) * 1e3, e["median_ms"], "ms"))
+                continue
+            if e["mode"] == "distributed" and e["chunks"] != 4:
+                continue  # the default, 4 chunks, is the row compared
+            r, c = (n, m) if e["shard_dim"] == 0 else (m, n)
+            pred = times(r, c, e["chunks"] or 1)[e["mode"]] * 1e3
+            rows.append(_row(f"NS {m}x{n} split dim {e['shard_dim']}, TP {world} {e['mode']}", path.name, "nominal",
+                             pred, e["median_ms"], "ms"))
+            if e["mode"] in ("duplicated", "distributed"):
+                best.setdefault((m, n, e["shard_dim"]), {})[e["mode"]] = e["median_ms"]
+                best[(m, n, e["shard_dim"])]["picked"] = e["auto_picks"]
+        for (m, n, dim), meas in best.items():
+            r, c = (n, m) if dim == 0 else (m, n)
+            t = times(r, c, 4)
+            ours = min(("duplicated", "distributed"), key=t.get)
+            fastest = min(("duplicated", "distributed"), key=meas.get)
+            rows.append({"what": f"TP {world} mode choice, {m}x{n} split dim {dim}", "source": path.name,
+                         "profile": "nominal", "predicted": ours, "measured": fastest, "unit": "mode",
+                         "error": None, "within": ours == fastest})
+    return rows
+
+
+SECTIONS: dict[str, Callable[[Path], list[dict[str, Any]]]] = {
+    "single GPU": single_gpu, "scaling": scaling, "tensor-parallel Newton-Schulz": tensor_parallel}
+
+
+def validate(root: Path = ROOT) -> dict[str, list[dict[str, Any]]]:
+    """Every section's rows; ValueError naming a results file that is missing."""
+    out = {}
+    for name, fn in SECTIONS.items():
+        try:
+            out[name] = fn(root)
+        except FileNotFoundError as e:
+            raise ValueError(f"validation reads the committed results under {root}; missing {e.filename}") from None
+    return out
+
+
+def format_validation(sections: dict[str, list[dict[str, Any]]]) -> str:
+    lines = []
+    for name, rows in sections.items():
+        lines += [f"## {name}", "", "| measurement | profile | predicted | measured | error | source |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for r in rows:
+            if r["unit"] == "mode":
+                pred, meas, err = r["predicted"], r["measured"], "same" if r["within"] else "**differs**"
+            else:
+                fmt = ".3f" if r["unit"] == "x" else ".3g"
+                pred, meas = f"{r['predicted']:{fmt}} {r['unit']}", f"{r['measured']:{fmt}} {r['unit']}"
+                err = f"{r['error']:+.1%}" if r["within"] else f"**{r['error']:+.1%}**"
+            lines.append(f"| {r['what']} | {r['profile']} | {pred} | {meas} | {err} | {r['source']} |")
+        lines.append("")
+    flat = [r for rows in sections.values() for r in rows]
+    lines.append(f"{sum(r['within'] for r in flat)} of {len(flat)} rows within {THRESHOLD:.0%} (or the same mode)")
+    return "\n".join(lines)
