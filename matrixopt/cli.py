@@ -1,4 +1,4 @@
-"""``matrixopt train | compare | report | bench``: arguments -> TrainConfig -> train/ or bench/.
+"""``matrixopt train | compare | report | plan | bench``: arguments -> TrainConfig -> train/ or bench/.
 
 Run flags override a JSON config (``--config FILE``, the nested shape of ``TrainConfig.to_dict()``), which
 overrides the defaults (nanoGPT's CPU quick-start on TinyShakespeare). Bad input prints one line,
@@ -149,6 +149,12 @@ def build_parser() -> Parser:
     p.add_argument("--target", default="final",
                    help="the loss to reach: AdamW's final val loss (default) or its best (for runs that overfit)")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("plan", help="predict a matrix optimizer's step, memory and throughput on a cluster")
+    from matrixopt.plan.cli import add_arguments as add_plan_arguments
+
+    add_plan_arguments(p)
+    p.set_defaults(func=cmd_plan)
 
     sub.add_parser("bench", help="benchmarks (see `matrixopt bench --help`)", add_help=False)
     return parser
@@ -311,6 +317,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     write_report(args.dir, target=args.target)
     print(f"report: {Path(args.dir) / 'report.md'}")
     return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from matrixopt.plan.cli import run
+
+    return run(args)
 
 
 def cmd_bench(argv: list[str]) -> int:
