@@ -176,7 +176,7 @@ class ShardedMuon(Muon):
         params = [p.to_local() for p in ps] if rows * cols else []  # an empty shard only serves the collectives
         if params:
             momentum_pack([g.to_local() for g in gs], [self.state[p]["momentum_buffer"].to_local() for p in ps], X,
-                          group["momentum"], group["nesterov"], transposed)
+                          group["momentum"], group["nesterov"], transposed, sign=self._pack_sign(group))
         exchange = gather_to_owners(X, counts, sh.fsdp_rows, 2 if transposed else 1, sh.fsdp_group) \
             if counts is not None else None
         return _Flight(sh, ps, params, counts, transposed, X, exchange)

@@ -77,13 +77,16 @@ def _transposed(m: Tensor, transpose: bool | None) -> bool:
 
 
 def momentum_pack_reference(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, momentum: float,
-                            nesterov: bool, transpose: bool | None = None, grad_scale: Tensor | None = None) -> None:
+                            nesterov: bool, transpose: bool | None = None, grad_scale: Tensor | None = None,
+                            sign: bool = False) -> None:
     """``muon_fused.momentum_pack_triton`` with foreach ops and one stacking copy (any device, any strides)."""
     g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
     if grad_scale is not None:
         g32 = torch._foreach_mul(g32, grad_scale.to(g32[0].device))
     torch._foreach_lerp_(list(bufs), g32, 1 - momentum)  # B = mu B + (1 - mu) G
     updates = torch._foreach_lerp(g32, list(bufs), momentum) if nesterov else bufs
+    if sign:
+        updates = torch._foreach_sign(updates)
     torch.stack([u.mT if _transposed(u, transpose) else u for u in updates], out=out)
 
 
@@ -159,7 +162,7 @@ def skips_on_device(*tensors: Sequence[Tensor]) -> bool:
 
 def momentum_pack(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, momentum: float,
                   nesterov: bool, transpose: bool | None = None, skip: Tensor | None = None,
-                  grad_scale: Tensor | None = None) -> Tensor | None:
+                  grad_scale: Tensor | None = None, sign: bool = False) -> Tensor | None:
     """Momentum step on every matrix and its update packed short side first (module docstring).
 
     grads: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, one float dtype. bufs: their fp32 momentum,
@@ -168,7 +171,8 @@ def momentum_pack(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, 
     ``s <= l``), or transposed for every matrix (``True``) or none (``False``), as a sharded stack that must be
     laid out alike on every rank needs. skip: a 0-d float32 device flag, nonzero to write nothing; only where
     :func:`skips_on_device` holds (else ValueError). grad_scale: a 0-d float32 tensor the gradients are multiplied
-    by first (gradient clipping's coefficient; the gradients are not written).
+    by first (gradient clipping's coefficient; the gradients are not written). sign: pack the update's sign (+1,
+    -1 or 0; AdaMuon's Newton–Schulz input) instead of the update.
 
     Returns, from the fused kernel, ``(k, T)`` float64 partial sums of squares of the packed values (rows summing to
     each ``||out[i]||_F^2``) for :func:`frobenius_normalize`'s ``parts``, which then skips a pass over the stack;
@@ -176,11 +180,11 @@ def momentum_pack(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, 
     fused = _kernels(_on_gpu(grads, bufs) and fusable(grads, bufs))
     if fused is None:
         _no_skip(skip)
-        momentum_pack_reference(grads, bufs, out, momentum, nesterov, transpose, grad_scale)
+        momentum_pack_reference(grads, bufs, out, momentum, nesterov, transpose, grad_scale, sign)
         return None
     parts = torch.empty((out.shape[0], fused.pack_tiles(*out.shape[1:])), dtype=torch.float64, device=out.device)
     fused.momentum_pack_triton(grads, bufs, out, momentum, nesterov, transpose, skip=skip, parts=parts,
-                               grad_scale=grad_scale)
+                               grad_scale=grad_scale, sign=sign)
     return parts
 
 

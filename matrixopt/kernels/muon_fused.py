@@ -83,7 +83,8 @@ def _momentum_pack_kernel(
     scale_ptr,
     # meta-parameters
     G_DTYPE: tl.constexpr, NESTEROV: tl.constexpr, TALL: tl.constexpr, HAS_SKIP: tl.constexpr,
-    HAS_PARTS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_PARTS: tl.constexpr, HAS_SCALE: tl.constexpr, SIGN: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = table_ptr + tl.program_id(1).to(tl.int64) * 5
@@ -109,6 +110,8 @@ def _momentum_pack_kernel(
         u = g + mu * (b - g)
     else:
         u = b
+    if SIGN:  # the update's sign (AdaMuon's sign-stabilized input): +1, -1 or 0
+        u = tl.where(u > 0, 1.0, tl.where(u < 0, -1.0, 0.0))
     u = u.to(out_ptr.dtype.element_ty)
     if HAS_PARTS:  # the normalization's sum of squares, of the values as stored
         u64 = u.to(tl.float64)
@@ -332,7 +335,8 @@ def pack_tiles(s: int, l: int) -> int:
 def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, momentum: float,
                          nesterov: bool, transpose: bool | None = None, *,
                          tables: Sequence[Tensor] | None = None, skip: Tensor | None = None,
-                         parts: Tensor | None = None, grad_scale: Tensor | None = None) -> None:
+                         parts: Tensor | None = None, grad_scale: Tensor | None = None,
+                         sign: bool = False) -> None:
     """Momentum step on every matrix and its update packed short side first, by the Triton kernel.
 
     grads: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, ``s <= l``, all of one dtype (fp32, bf16 or
@@ -344,7 +348,8 @@ def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: T
     pack_tiles(s, l))`` float64 tensor that receives per-tile sums of squares of the packed values, each row summing
     to ``||out[i]||_F^2`` (zeros where skipped): :func:`frobenius_normalize_triton` then skips its own pass.
     grad_scale: a 0-d float32 device tensor every gradient is multiplied by as it is read (gradient clipping's
-    coefficient, applied here instead of in a pass of its own); the gradients themselves are left as they are."""
+    coefficient, applied here instead of in a pass of its own); the gradients themselves are left as they are.
+    sign: pack the update's sign (+1, -1, 0) instead of the update; ``parts`` are then the sign's."""
     k, s, l = out.shape
     if not out.is_contiguous() or len(grads) != k:
         raise ValueError(f"momentum_pack needs k={len(grads)} gradients and a contiguous (k, s, l) output; got out "
@@ -362,7 +367,7 @@ def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: T
                                     table if parts is None else parts, table if grad_scale is None else grad_scale,
                                     G_DTYPE=_TL_DTYPES[grads[0].dtype], NESTEROV=nesterov, TALL=tall,
                                     HAS_SKIP=skip is not None, HAS_PARTS=parts is not None,
-                                    HAS_SCALE=grad_scale is not None,
+                                    HAS_SCALE=grad_scale is not None, SIGN=sign,
                                     BLOCK_R=TILE_ROWS, BLOCK_C=TILE_COLS, num_warps=TILE_WARPS)
 
 

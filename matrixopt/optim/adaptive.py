@@ -47,10 +47,10 @@ import torch
 from torch import Tensor
 
 from matrixopt.kernels.muon_elementwise import row_sums_of_squares, second_moment_normalize
-from matrixopt.linalg.ortho import DEFAULT_SCHEDULE, newton_schulz_short_side
+from matrixopt.linalg.ortho import DEFAULT_SCHEDULE
 from matrixopt.optim.base import _check_finite
 from matrixopt.optim.layout import Bucket, matrix_pieces, row_pieces, row_state
-from matrixopt.optim.muon import Muon, ns_config
+from matrixopt.optim.muon import Muon
 
 
 class _SecondMomentMuon(Muon):
@@ -237,13 +237,8 @@ class AdaMuon(_SecondMomentMuon):
     def _views(self, p: Tensor, v: Tensor) -> list[Tensor]:
         return matrix_pieces(p, v)
 
-    def _capturable(self) -> bool:
-        return True  # Newton–Schulz on sign(U): torch ops and Muon's kernels
-
-    def _orthogonalize(self, group: dict[str, Any], X: Tensor, parts: Tensor | None = None) -> Tensor:
-        if group["sign_stabilize"]:
-            return newton_schulz_short_side(torch.sign(X), ns_config(group))  # the sums of squares are X's: unused
-        return super()._orthogonalize(group, X, parts)
+    def _pack_sign(self, group: dict[str, Any]) -> bool:
+        return group["sign_stabilize"]  # sign(U) from the momentum pass, its sums of squares with it
 
     @torch.compiler.disable
     def _normalize(self, group: dict[str, Any], bk: Bucket, O: Tensor,

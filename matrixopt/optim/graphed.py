@@ -38,7 +38,7 @@ class CapturedMuonStep:
 
     def __init__(self, buckets: list[Bucket], *, momentum: float, nesterov: bool,
                  fn: Callable[[Tensor, Tensor | None], Tensor], dtype: torch.dtype, scale: Callable[[int, int], float],
-                 weight_decay: float, decay_mode: str = "decoupled",
+                 weight_decay: float, decay_mode: str = "decoupled", sign: bool = False,
                  adapt: Callable[[Bucket, Tensor, Tensor | None], tuple[Tensor, Tensor | None]] | None = None
                  ) -> None:
         from matrixopt.kernels import muon_fused
@@ -64,7 +64,7 @@ class CapturedMuonStep:
                 parts = torch.zeros((len(bk.params), muon_fused.pack_tiles(bk.s, bk.l)), dtype=torch.float64,
                                     device=device)
                 muon_fused.momentum_pack_triton(bk.grads, bk.bufs, X, momentum, nesterov, tables=pack_tables,
-                                                skip=skip_all, parts=parts, grad_scale=self.grad_scale)
+                                                skip=skip_all, parts=parts, grad_scale=self.grad_scale, sign=sign)
                 Y, row_scale = fn(X, parts), None
                 if adapt is not None:
                     Y, row_scale = adapt(bk, Y, skip_all)  # writes the state it read back unchanged
@@ -79,7 +79,7 @@ class CapturedMuonStep:
                 parts = torch.empty((len(bk.params), muon_fused.pack_tiles(bk.s, bk.l)), dtype=torch.float64,
                                     device=device)
                 muon_fused.momentum_pack_triton(bk.grads, bk.bufs, X, momentum, nesterov, tables=pack_tables,
-                                                skip=self.skip, parts=parts, grad_scale=self.grad_scale)
+                                                skip=self.skip, parts=parts, grad_scale=self.grad_scale, sign=sign)
                 Y, row_scale = fn(X, parts), None
                 if adapt is not None:
                     Y, row_scale = adapt(bk, Y, self.skip)

@@ -154,7 +154,7 @@ def orthogonalized_momentum_step(buckets: list[Bucket], copies: list[tuple[Tenso
                                  nesterov: bool, fn: Callable[[Tensor, Tensor | None], Tensor], dtype: torch.dtype,
                                  scale: Callable[[int, int], float], lr: float | Tensor, weight_decay: float,
                                  decay_mode: str = "decoupled", skip: Tensor | None = None,
-                                 grad_scale: Tensor | None = None,
+                                 grad_scale: Tensor | None = None, sign: bool = False,
                                  adapt: Callable[[Bucket, Tensor, Tensor | None],
                                                  tuple[Tensor, Tensor | None]] | None = None) -> None:
     """Muon's step on every ``(m, n)`` matrix piece of :func:`momentum_buckets`' buckets, one batch per bucket:
@@ -176,7 +176,8 @@ def orthogonalized_momentum_step(buckets: list[Bucket], copies: list[tuple[Tenso
     device (no host sync). ``skip``: a 0-d float32 device flag; where nonzero at run time nothing is written. It
     needs every bucket on the fused kernels (:func:`matrixopt.kernels.muon_elementwise.skips_on_device`) and no
     copies. ``grad_scale``: a 0-d float32 tensor every gradient is multiplied by as it is read (a deferred
-    clipping coefficient, :meth:`matrixopt.optim.base.MatrixOptimizer.clip_grad_norm_`).
+    clipping coefficient, :meth:`matrixopt.optim.base.MatrixOptimizer.clip_grad_norm_`). ``sign``: ``fn`` gets the
+    sign of U (+1, -1, 0) instead of U (AdaMuon's sign-stabilized form), from the same pass.
 
     Per ``(s, l)`` bucket, a wide ``(768, 3072)`` and a tall ``(3072, 768)`` weight together: one fused pass
     writes the momentum and packs the updates into the stack, one ``fn`` call, one fused pass applies the scaled
@@ -185,7 +186,8 @@ def orthogonalized_momentum_step(buckets: list[Bucket], copies: list[tuple[Tenso
         raise ValueError("skip needs every matrix viewed in place (no copies written back)")
     for bk in buckets:
         X = torch.empty((len(bk.params), bk.s, bk.l), dtype=dtype, device=bk.device)
-        parts = momentum_pack(bk.grads, bk.bufs, X, momentum, nesterov, skip=skip, grad_scale=grad_scale)
+        parts = momentum_pack(bk.grads, bk.bufs, X, momentum, nesterov, skip=skip, grad_scale=grad_scale,
+                              sign=sign)
         Y, row_scale = fn(X, parts), None
         if adapt is not None:
             Y, row_scale = adapt(bk, Y, skip)

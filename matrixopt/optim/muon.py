@@ -191,7 +191,7 @@ class Muon(MatrixOptimizer):
                     fn=lambda X, parts: self._orthogonalize(group, X, parts),
                     dtype=self._stack_dtype(group, params[0].device),
                     scale=lambda m, n: update_scale(group["scaling"], m, n), weight_decay=group["weight_decay"],
-                    decay_mode=group["weight_decay_mode"])
+                    decay_mode=group["weight_decay_mode"], sign=self._pack_sign(group))
         grad_scale = self._step_grad_scale
         if not (self.cuda_graph and fusable and self._graph_step(group, params, grads, buckets, lr, skip, grad_scale,
                                                                  dict(step, adapt=adapt), fingerprint, flat_extras)):
@@ -204,6 +204,11 @@ class Muon(MatrixOptimizer):
         views of further state its buckets carry, and the map of each orthogonalized stack to the update; Muon
         has neither (NorMuon and AdaMuon do, :mod:`matrixopt.optim.adaptive`)."""
         return None, None
+
+    def _pack_sign(self, group: dict[str, Any]) -> bool:
+        """Whether Newton–Schulz orthogonalizes the update's sign rather than the update (AdaMuon's
+        sign-stabilized form): the momentum pass then packs the sign."""
+        return False
 
     _MAX_GRAPHS = 8  # captured steps kept per optimizer (one per set of parameters with gradients and settings)
 

@@ -138,7 +138,7 @@ class Layout:
     def label(self) -> str:
         parts = [self.kind] + ([f"ep{self.ep}"] if self.ep > 1 else [])
         if self.tp > 1:
-            parts.append(f"tp{self.tp} {self.tp_mode}")
+            parts.append(f"tp{self.tp}" + (f" {self.tp_mode}" if self.tp_mode else ""))
         return " ".join(parts)
 
 
@@ -194,6 +194,9 @@ class Plan:
     profile: DeviceProfile
     predictions: tuple[Prediction, ...]
     best: Prediction
+    adamw_best: str
+    """The layout where AdamW is fastest (among those where AdamW fits)."""
+    adamw_step_s: float
     assumptions: tuple[str, ...] = field(default=())
 
 
@@ -454,9 +457,11 @@ def assumptions(cfg: PlanConfig, profile: DeviceProfile) -> tuple[str, ...]:
 
 def plan(cfg: PlanConfig, profile: DeviceProfile) -> Plan:
     """Every candidate layout's :class:`Prediction`; the best is the fitting one with the most matrix-optimizer
-    tokens/s (ties: the first candidate). ValueError when none fits, naming the closest and its memory."""
+    tokens/s (ties: the first candidate) among those computing the optimizer's own update: TP ``blockwise``
+    orthogonalizes each shard alone, a different update, so it is listed but never picked. ValueError when none
+    fits, naming the closest and its memory."""
     preds = tuple(predict(layout, cfg, profile) for layout in candidates(cfg))
-    fitting = [p for p in preds if p.fits]
+    fitting = [p for p in preds if p.fits and p.layout.tp_mode != "blockwise"]
     if not fitting:
         closest = min(preds, key=lambda p: p.memory.total)
         m = closest.memory
@@ -468,7 +473,10 @@ def plan(cfg: PlanConfig, profile: DeviceProfile) -> Plan:
             f"{m.buffers / 1e9:.1f}, activations {m.activations / 1e9:.1f}); use more GPUs, fewer tokens per GPU, "
             f"a larger tp/ep, or --recompute")
     best = max(fitting, key=lambda p: p.tokens_per_s)
-    return Plan(cfg, profile, preds, best, assumptions(cfg, profile))
+    adamw = min((p for p in preds if p.adamw_memory.total <= p.capacity_bytes and p.layout.tp_mode != "blockwise"),
+                key=lambda p: p.adamw_step_s, default=best)
+    label = "ddp" if adamw.layout.kind == "layerwise" else dataclasses.replace(adamw.layout, tp_mode=None).label
+    return Plan(cfg, profile, preds, best, label, adamw.adamw_step_s, assumptions(cfg, profile))
 
 
 def ratio_curve(cfg: PlanConfig, profile: DeviceProfile, gpus: Sequence[int] = GPU_COUNTS) -> list[dict[str, Any]]:
@@ -487,6 +495,7 @@ def ratio_curve(cfg: PlanConfig, profile: DeviceProfile, gpus: Sequence[int] = G
                 key = q.layout.kind if q.layout.tp == 1 else f"fsdp tp {q.layout.tp_mode}"
                 kinds[key] = max(kinds[key], q.ratio)
         rows.append({"gpus": g, "best": p.best.layout.label, "ratio": p.best.ratio,
+                     "vs_best_adamw": p.adamw_step_s / p.best.step_s,
                      "step_ms": p.best.step_s * 1e3, "by_kind": dict(kinds)})
     return rows
 
@@ -496,7 +505,8 @@ def to_dict(p: Plan, curve: list[dict[str, Any]] | None = None) -> dict[str, Any
     return {"model": c.model.name, "total_params": c.model.total_params(), "gpus": c.gpus,
             "gpus_per_node": c.gpus_per_node, "tokens_per_gpu": c.tokens_per_gpu, "optimizer": c.optimizer,
             "mfu": c.mfu, "profile": {"name": p.profile.name, "source": p.profile.source},
-            "assumptions": list(p.assumptions), "best": p.best.layout.label,
+            "assumptions": list(p.assumptions), "best": p.best.layout.label, "adamw_best": p.adamw_best,
+            "vs_best_adamw": p.adamw_step_s / p.best.step_s,
             "layouts": [q.to_dict() for q in p.predictions], "curve": curve or []}
 
 
@@ -506,15 +516,19 @@ def format_plan(p: Plan) -> str:
     head = (f"{c.model.name} ({c.model.total_params() / 1e9:.3g}B parameters), {c.optimizer} vs AdamW, {c.gpus} GPUs "
             f"({c.gpus_per_node} per node), {c.tokens_per_gpu} tokens per GPU")
     cols = ["", "layout", "opt step ms", "exposed comm ms", "step ms", "AdamW step ms", "memory GB", "fits",
-            f"{c.optimizer}/AdamW"]
-    rows = [["*" if q is p.best else "", q.layout.label, f"{q.opt_step_s * 1e3:.2f}", f"{q.exposed_comm_s * 1e3:.2f}",
+            f"{c.optimizer}/AdamW", "vs best AdamW"]
+    other = " (other update)"
+    rows = [["*" if q is p.best else "", q.layout.label + (other if q.layout.tp_mode == "blockwise" else ""),
+             f"{q.opt_step_s * 1e3:.2f}", f"{q.exposed_comm_s * 1e3:.2f}",
              f"{q.step_s * 1e3:.1f}", f"{q.adamw_step_s * 1e3:.1f}", f"{q.memory.total / 1e9:.1f}",
-             "yes" if q.fits else "no", f"{q.ratio:.3f}"] for q in p.predictions]
+             "yes" if q.fits else "no", f"{q.ratio:.3f}", f"{p.adamw_step_s / q.step_s:.3f}"]
+            for q in p.predictions]
     widths = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
     lines = [head, "", "  ".join(h.ljust(w) for h, w in zip(cols, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
     lines += ["", f"* best: {p.best.layout.label}, {p.best.tokens_per_s:.0f} tokens/s per GPU, "
-                  f"{p.best.ratio:.3f} of AdamW's in the same layout", "assumptions:"]
+                  f"{p.best.ratio:.3f} of AdamW's in the same layout, {p.adamw_step_s / p.best.step_s:.3f} of "
+                  f"AdamW's in its best layout ({p.adamw_best})", "assumptions:"]
     lines += [f"  - {a}" for a in p.assumptions]
     return "\n".join(lines)
 

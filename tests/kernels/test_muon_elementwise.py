@@ -304,3 +304,28 @@ def test_second_moment_normalize_matches_float64(o_dtype, transpose):
     for i, (m, n) in enumerate(mats):
         o_i = O64[i].mT if (m > n if transpose is None else False) else O64[i]
         torch.testing.assert_close(rows[i, :m].double(), o_i.square().sum(-1), rtol=1e-5, atol=1e-6)
+
+
+def test_momentum_pack_packs_the_sign_when_asked():
+    """sign=True packs sign(U) (AdaMuon's input) from the same pass, zeros kept, and the partial sums of squares are
+    the sign's (its nonzero count); the momentum steps as without it. Triton and the reference agree."""
+    torch.manual_seed(6)
+    grads = [torch.randn(s) for s in shapes()]
+    grads[0][3, :5] = 0.0  # U = 0 where both the gradient and the momentum are 0
+    outs = {}
+    for sign in (False, True):
+        bufs = [torch.zeros(s) for s in shapes()]
+        bufs[1] += 1.0
+        out = torch.empty(len(grads), S, L)
+        parts = torch.empty((len(grads), fused.pack_tiles(S, L)), dtype=torch.float64)
+        fused.momentum_pack_triton(grads, bufs, out, 0.9, True, parts=parts, sign=sign)
+        ref = torch.empty_like(out)
+        ref_bufs = [torch.zeros(s) for s in shapes()]
+        ref_bufs[1] += 1.0
+        ew.momentum_pack_reference(grads, ref_bufs, ref, 0.9, True, sign=sign)
+        torch.testing.assert_close(out, ref, **FP32_TOL)
+        outs[sign] = (out, parts, bufs)
+    assert torch.equal(outs[True][0], torch.sign(outs[False][0]))
+    assert torch.all(outs[True][0][0, 3, :5] == 0)
+    torch.testing.assert_close(outs[True][1].sum(1), (outs[True][0] != 0).sum((1, 2)).double(), rtol=0, atol=0)
+    assert all(torch.equal(a, b) for a, b in zip(outs[True][2], outs[False][2]))
