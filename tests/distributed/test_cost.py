@@ -1,0 +1,158 @@
+"""The cost model: α–β collectives against hand-computed cases, rate tables, Newton–Schulz FLOPs, profile files."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from matrixopt.distributed import balance, cost
+from matrixopt.distributed.calibrate import measure, nominal
+from matrixopt.distributed.cost import DeviceProfile, Link, Shapes, collective_time
+from matrixopt.linalg import ortho
+
+LINK = Link(latency=1e-5, bandwidth=1e9)  # 10 us per message step, 1 GB/s: easy hand arithmetic
+MB = 1e6
+
+
+@pytest.mark.parametrize("kind, parts, nbytes, expected", [
+    ("all_gather", 4, MB, 3 * 1e-5 + 0.75 * 1e-3),  # (P-1) a + (P-1)/P n b
+    ("reduce_scatter", 4, MB, 3 * 1e-5 + 0.75 * 1e-3),
+    ("all_to_all", 2, MB, 1e-5 + 0.5 * 1e-3),
+    ("all_reduce", 4, MB, 6 * 1e-5 + 1.5 * 1e-3),  # ring 1.56 ms beats tree 2 * 2 a + 2 n b = 2.04 ms
+    ("all_reduce", 64, 8, 2 * 6 * 1e-5 + 2 * 8e-9),  # tiny message: tree 2 ceil(log2 P) a beats ring's 126 a
+    ("broadcast", 8, MB, 3 * 1e-5 + 1e-3),  # ceil(log2 P) a + n b
+    ("broadcast", 5, MB, 3 * 1e-5 + 1e-3),  # ceil(log2 5) = 3
+    ("all_reduce", 1, MB, 0.0),  # one rank: nothing to do
+])
+def test_alpha_beta_by_hand(kind, parts, nbytes, expected):
+    assert collective_time(kind, nbytes, parts, LINK) == pytest.approx(expected, rel=1e-12)
+
+
+def test_collective_errors_name_the_problem():
+    with pytest.raises(ValueError, match="unknown collective 'gather'"):
+        collective_time("gather", MB, 2, LINK)
+    with pytest.raises(ValueError, match=">= 1 rank"):
+        collective_time("all_reduce", MB, 0, LINK)
+    with pytest.raises(ValueError, match="bandwidth"):
+        Link(latency=0.0, bandwidth=0.0)
+    with pytest.raises(ValueError, match="latency"):
+        Link(latency=-1.0, bandwidth=1.0)
+
+
+def _flat(rate: float = 1e12, bw: float = 1e11, **links: Link) -> DeviceProfile:
+    """A profile whose every call runs at one rate, with no launch floor below 1 FLOP."""
+    table = ((1.0, rate), (1e18, rate))
+    return DeviceProfile(name="flat", device="test", source="nominal", peak_flops=rate, memory_bytes=1e10,
+                         gpus_per_node=8, gemm=table, syrk=table, fp32_gemm=table,
+                         elementwise=((1.0, bw), (1e18, bw)),
+                         links=links or {"intra": LINK, "inter": Link(latency=1e-4, bandwidth=1e8)})
+
+
+def test_link_class_by_group_span():
+    p = _flat()
+    assert p.link(8) is p.links["intra"]  # one node of 8
+    assert p.link(16) is p.links["inter"]
+    assert p.link(2, stride=4) is p.links["intra"]  # ranks 0 and 4: same node
+    assert p.link(2, stride=8) is p.links["inter"]  # ranks 0 and 8: next node
+    assert p.with_network(cost.NETWORKS["eth-100g"]).link(16) == cost.NETWORKS["eth-100g"]
+
+
+def test_rate_tables_interpolate_in_log_size():
+    p = DeviceProfile(**{**_flat()._fields(), "gemm": ((1e6, 1e9), (1e8, 3e9))})
+    assert p.seconds("gemm", 1e6) == pytest.approx(1e-3)
+    assert p.seconds("gemm", 1e7) == pytest.approx(1e7 / 2e9)  # halfway in log size: the mean rate
+    assert p.seconds("gemm", 1e3) == pytest.approx(1e-3)  # below the table: the first point's (launch) time
+    assert p.seconds("gemm", 1e10) == pytest.approx(1e10 / 3e9)  # above: the last point's rate
+    assert p.seconds("gemm", 0) == 0.0
+
+
+@pytest.mark.parametrize("b, m, n", [(1, 64, 64), (3, 64, 256), (2, 256, 64), (1, 96, 100)])
+def test_newton_schulz_time_counts_the_shared_flops(b, m, n):
+    p = _flat(rate=1e12)
+    t = cost.newton_schulz_time(p, b, m, n, steps=5)
+    assert t == pytest.approx(ortho.newton_schulz_flops(m, n, 5, "auto", batch=b) / 1e12)
+    assert cost.newton_schulz_time(p, b, m, n, 5, "standard") == pytest.approx(
+        ortho.newton_schulz_flops(m, n, 5, "standard", batch=b) / 1e12)
+
+
+def test_step_times_and_state():
+    p = _flat(rate=1e12, bw=1e11)
+    groups = [Shapes(64, 256, 3)]
+    adamw = cost.matrix_step_time(p, "adamw", groups)
+    assert adamw == pytest.approx(cost.ADAMW_BYTES * 3 * 64 * 256 / 1e11)
+    muon = cost.matrix_step_time(p, "muon", groups)
+    assert muon == pytest.approx(ortho.newton_schulz_flops(64, 256, 5, batch=3) / 1e12
+                                 + cost.MUON_BYTES * 3 * 64 * 256 / 1e11)
+    every = cost.matrix_step_time(p, "shampoo", groups, precondition_frequency=1)
+    tenth = cost.matrix_step_time(p, "shampoo", groups, precondition_frequency=10)
+    assert every > tenth > 0  # roots amortized over the period
+    assert cost.matrix_step_time(p, "soap", groups, precondition_frequency=10) > 0
+    assert cost.preconditioner_state_bytes("muon", 64, 256) == 4 * 64 * 256
+    # Shampoo: momentum + graft (12 B per element) and a factor and a root per side, (64^2 + 256^2) * 2 * 4 B
+    assert cost.preconditioner_state_bytes("shampoo", 64, 256) == 12 * 64 * 256 + 8 * (64**2 + 256**2)
+    with pytest.raises(ValueError, match="optimizer 'lion'"):
+        cost.matrix_step_time(p, "lion", groups)
+    with pytest.raises(ValueError, match="precondition_frequency"):
+        cost.matrix_step_time(p, "soap", groups, precondition_frequency=0)
+
+
+def test_tp_modes_by_hand():
+    """TP 2 on a (64, 256) matrix, contracted dim split: hand-computed seconds of each mode."""
+    rate, link = 1e12, Link(latency=1e-5, bandwidth=1e9)
+    t = cost.tp_ns_times(64, 256, 2, steps=5, itemsize=2, chunks=1, link=link,
+                         ns=lambda s, l, b: ortho.newton_schulz_flops(s, l, 5, "standard", b) / rate,
+                         gemm=lambda f: f / rate)
+    gather = 1e-5 + 0.5 * 64 * 256 * 2 / 1e9
+    assert t["duplicated"] == pytest.approx(gather + 5 * ortho.ns_step_flops(64, 256) / rate)
+    reduce = min(2e-5 + 64 * 64 * 2 / 1e9, 2e-5 + 2 * 64 * 64 * 2 / 1e9)  # ring and tree are equal terms at P=2
+    per_step = ortho.ns_step_flops(64, 128) / rate + reduce
+    assert t["distributed"] == pytest.approx(2 * (2e-5 + 4 / 1e9) + 5 * per_step)
+    assert t["blockwise"] == pytest.approx(5 * ortho.ns_step_flops(64, 128) / rate)
+
+
+def test_balancer_packs_on_the_shared_flops():
+    assert balance.muon_cost(768, 3072) == cost.matrix_step_flops("muon", 768, 3072) \
+        == ortho.newton_schulz_flops(768, 3072, 5)
+    assert balance.MATRIX_COSTS["soap"](64, 32) == cost.matrix_step_flops("soap", 64, 32)
+    with pytest.raises(ValueError, match="no FLOP count"):
+        cost.matrix_step_flops("lion", 4, 4)
+
+
+def test_shipped_profiles_are_the_nominal_ones_and_round_trip(tmp_path):
+    h100 = cost.shipped_profile("h100")
+    assert h100 == nominal("h100") and h100.source == "nominal" and h100.peak_flops == 989e12
+    assert h100.links["inter"].bandwidth == 50e9 and h100.links["intra"].bandwidth == 450e9
+    h100.save(tmp_path / "p.json")
+    assert DeviceProfile.load(tmp_path / "p.json") == h100
+    with pytest.raises(ValueError, match="no shipped profile 'a100'"):
+        cost.shipped_profile("a100")
+
+
+def test_bad_profiles_say_what_is_wrong(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        DeviceProfile.load(bad)
+    with pytest.raises(ValueError, match="cannot read device profile"):
+        DeviceProfile.load(tmp_path / "missing.json")
+    bad.write_text(json.dumps({"name": "x"}))
+    with pytest.raises(ValueError, match="not a device profile"):
+        DeviceProfile.load(bad)
+    good = cost.shipped_profile("h100").to_dict()
+    for change, message in (({"gemm": [[2.0, 1.0], [1.0, 1.0]]}, "strictly ascending"),
+                            ({"links": {"intra": good["links"]["intra"]}}, "missing \\['inter'\\]"),
+                            ({"source": "guessed"}, "source"), ({"extra": 1}, "unknown keys"),
+                            ({"elementwise": [[1.0, -1.0]]}, "finite and > 0")):
+        bad.write_text(json.dumps({**good, **change}))
+        with pytest.raises(ValueError, match=message):
+            DeviceProfile.load(bad)
+
+
+def test_calibrate_on_cpu_writes_the_shipped_format(tmp_path):
+    p = measure(torch.device("cpu"), reps=2)
+    assert p.source == "measured" and "links not measured" in p.notes
+    assert p.to_dict().keys() == cost.shipped_profile("h100").to_dict().keys()
+    assert all(math.isfinite(r) and r > 0 for _, r in p.gemm + p.syrk + p.elementwise)
+    p.save(tmp_path / "cpu.json")
+    assert DeviceProfile.load(tmp_path / "cpu.json") == p

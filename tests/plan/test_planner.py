@@ -1,0 +1,122 @@
+"""The planner: model shapes, deterministic plans, the constraints it checks, the CLI and the validation."""
+
+import json
+
+import pytest
+
+from matrixopt import cli
+from matrixopt.distributed.cost import shipped_profile
+from matrixopt.plan import planner, validate
+from matrixopt.plan.models import PRESETS, Architecture, load_model
+
+H100 = shipped_profile("h100")
+
+
+def test_presets_have_the_published_sizes():
+    assert PRESETS["1.3b"].total_params() == 1418842112  # bench step's 1.3B parameter set
+    assert PRESETS["gpt2-small"].total_params() == 163109376
+    assert PRESETS["qwen3-30b-a3b"].total_params() == pytest.approx(30.5e9, rel=0.01)  # "30B-A3B"
+    assert PRESETS["qwen3-30b-a3b"].active_matmul_params() == pytest.approx(3.0e9, rel=0.1)
+    assert PRESETS["kimi-k2-like"].total_params() == pytest.approx(1.03e12, rel=0.02)  # "1T total"
+
+
+def test_plan_is_deterministic_and_marks_the_best():
+    cfg = planner.PlanConfig(model=PRESETS["1.3b"], gpus=16, tokens_per_gpu=4096)
+    a, b = planner.plan(cfg, H100), planner.plan(cfg, H100)
+    assert planner.to_dict(a) == planner.to_dict(b)
+    text = planner.format_plan(a)
+    assert text == planner.format_plan(b)
+    assert sum(line.startswith("*  ") for line in text.splitlines()) == 1
+    labels = [p.layout.label for p in a.predictions]
+    assert labels[:2] == ["layerwise", "fsdp"] and "fsdp tp2 distributed" in labels
+    assert a.best.fits and a.best.layout.tp_mode != "blockwise"
+    assert all(p.step_s > p.fwd_bwd_s > 0 and p.memory.total > 0 for p in a.predictions)
+
+
+def test_moe_layouts_split_experts():
+    cfg = planner.PlanConfig(model=PRESETS["qwen3-30b-a3b"], gpus=8, tokens_per_gpu=4096, recompute=True, tp=1)
+    p = planner.plan(cfg, H100)
+    assert {q.layout.ep for q in p.predictions} == {2, 4, 8}
+    by_ep = {q.layout.ep: q for q in p.predictions}
+    assert by_ep[8].memory.params < by_ep[2].memory.params * 1.5  # FSDP spreads the rest over expert-DP ranks
+    assert 0 < p.best.ratio < 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(gpus=16, tp=3), "not divisible by tp x ep = 3 x 1 = 3"),
+    (dict(gpus=32, tp=32, gpus_per_node=32), "tp 32 must divide the model's 16 query"),
+    (dict(gpus=8, tp=2, dp=8), "tp x dp = 2 x 8 = 16 must equal gpus 8"),
+    (dict(gpus=12), "not a whole number of nodes of 8"),
+    (dict(gpus=8, ep=2), "needs a mixture-of-experts model"),
+    (dict(gpus=8, optimizer="lion"), "optimizer must be one of"),
+    (dict(gpus=8, tokens_per_gpu=0), "tokens_per_gpu must be an int >= 1"),
+])
+def test_bad_configs_name_the_constraint(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        planner.PlanConfig(model=PRESETS["1.3b"], **kwargs)
+
+
+def test_expert_degree_must_divide_the_experts():
+    with pytest.raises(ValueError, match="ep 3 must divide the model's 128 experts"):
+        planner.PlanConfig(model=PRESETS["qwen3-30b-a3b"], gpus=12, gpus_per_node=12, ep=3)
+
+
+def test_a_model_that_fits_nowhere_says_what_it_needs():
+    with pytest.raises(ValueError, match=r"fits no layout on 8 GPUs of 80 GB.*needs [0-9.]+ GB per GPU"):
+        planner.plan(planner.PlanConfig(model=PRESETS["kimi-k2-like"], gpus=8, ep=8), H100)
+
+
+def test_shapes_file(tmp_path):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps({"name": "tiny", "n_layer": 2, "d_model": 256, "n_head": 4, "vocab": 1000,
+                                "context": 128}))
+    assert isinstance(load_model(str(path)), Architecture)
+    explicit = tmp_path / "explicit.json"
+    explicit.write_text(json.dumps({"name": "mats", "n_layer": 2, "d_model": 256, "n_head": 4,
+                                    "matrices": [{"name": "w", "shape": [256, 1024], "count": 4}],
+                                    "adamw_params": 1000, "flops_per_token": 6e6,
+                                    "activation_bytes_per_token_layer": 4096}))
+    p = planner.plan(planner.PlanConfig(model=load_model(str(explicit)), gpus=8, tp=1), H100)
+    assert p.best.layout.label in ("layerwise", "fsdp")
+    explicit.write_text(json.dumps({"name": "mats", "matrices": [{"shape": [1, 2]}]}))
+    with pytest.raises(ValueError, match="model file"):
+        load_model(str(explicit))
+    with pytest.raises(ValueError, match="unknown model 'gpt5'"):
+        load_model("gpt5")
+
+
+def test_cli_prints_the_table_and_writes_json_and_plot(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert cli.main(["plan", "--model", "gpt2-medium", "--gpus", "8", "--tokens-per-gpu", "2048",
+                     "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "* best:" in text and "MFU 0.4" in text
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert record["profile"]["source"] == "nominal" and record["best"]
+    assert [r["gpus"] for r in record["curve"]][:2] == [8, 16] and record["curve"][-1]["gpus"] == 4096
+    pytest.importorskip("matplotlib")
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "1.3b", "--gpus", "12", "--gpus-per-node", "4", "--tp", "8"], "not divisible by tp x ep"),
+    (["--model", "1.3b", "--gpus", "8", "--network", "carrier-pigeon"], "--network 'carrier-pigeon'"),
+    (["--model", "1.3b"], "needs --model and --gpus"),
+])
+def test_cli_errors_are_one_line(argv, message, capsys):
+    assert cli.main(["plan", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_rejects_an_unreadable_profile(tmp_path, capsys):
+    bad = tmp_path / "profile.json"
+    bad.write_text('{"format": "matrixopt-profile/1", "name": ')
+    assert cli.main(["plan", "--model", "1.3b", "--gpus", "8", "--profile", str(bad)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_validation_reads_the_committed_results():
+    sections = validate.validate()
+    rows = [r for rs in sections.values() for r in rs]
+    assert len(rows) > 50 and all(r["source"].endswith(".json") for r in rows)
+    assert "| measurement |" in validate.format_validation(sections)
