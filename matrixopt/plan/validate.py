@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from matrixopt.distributed import balance
 from matrixopt.distributed.calibrate import NOMINAL
 from matrixopt.distributed.cost import (
     ADAMW_BYTES,
@@ -133,9 +134,47 @@ def _scale_rows(path: Path, summary: list[dict[str, Any]], world: int, tokens: i
     return rows
 
 
+def layerwise_owners(root: Path) -> list[dict[str, Any]]:
+    """The layer-wise balancer's assignment of the 1.3B GPT over 2 ranks (QKV fused as the trainer owns it, split
+    in three for Newton–Schulz), each owner's step predicted by the cost model: its slowest/mean owner step and its
+    largest state share against the measured ones."""
+    path = root / "distributed" / "layerwise_1.3b_2gpu.json"
+    rec = json.loads(path.read_text())
+    world, shape = rec["world_size"], rec["shape"]
+    d, L, V, T = shape["n_embd"], shape["n_layer"], shape["vocab_size"], shape["block_size"]
+    pieces = [[(d, d)] * 3, [(d, d)], [(4 * d, d)], [(d, 4 * d)]] * L  # c_attn (three pieces), c_proj, c_fc, proj
+    costs = [sum(balance.muon_cost(m, n) for m, n in ps) for ps in pieces]
+    sizes = [4 * sum(m * n for m, n in ps) for ps in pieces]  # Muon momentum, fp32
+    tables = [8 * V * d, 8 * V * d, 8 * T * d]  # token embedding, untied head, positions: AdamW's two moments
+    owner, compute = balance.lpt(costs, world)
+    state = [0] * world
+    for i, r in enumerate(owner):
+        state[r] += sizes[i]
+    table_owner, _ = balance.lpt([float(b) for b in tables], world, state)
+    owner = balance.rebalance_state(owner + table_owner, costs + [0.0] * 3, sizes + tables, world,
+                                    (1 + balance.COST_TOLERANCE) * max(compute))
+    prof = profiles_for({"env": {}}, "h200")["nominal"]
+    step, held = [0.0] * world, [0] * world
+    for r in range(world):
+        stacks: dict[tuple[int, int], int] = {}
+        for i, ps in enumerate(pieces):
+            if owner[i] == r:
+                for mn in ps:
+                    stacks[mn] = stacks.get(mn, 0) + 1
+        groups = [Shapes(m, n, c) for (m, n), c in stacks.items()]
+        rest = sum(b // 8 for b, o in zip(tables, owner[len(pieces):]) if o == r)
+        step[r] = _step(prof, "muon", groups, rest)
+        held[r] = sum(b for b, o in zip(sizes + tables, owner) if o == r)
+    measured_steps = [p["layerwise_step_ms"] for p in rec["per_rank"]]
+    return [_row("1.3b, 2 H200, layer-wise owners: slowest / mean owner step", path.name, "nominal",
+                 max(step) / (sum(step) / world), max(measured_steps) / (sum(measured_steps) / world), "x"),
+            _row("1.3b, 2 H200, layer-wise owners: largest state / single-process state", path.name, "nominal",
+                 max(held) / sum(held), rec["state_ratio"], "x")]
+
+
 def scaling(root: Path) -> list[dict[str, Any]]:
     lw, fsdp = Layout(kind="layerwise"), Layout(kind="fsdp")
-    rows = []
+    rows = layerwise_owners(root)
     two = json.loads((root / "distributed" / "scale_1.3b_2gpu.json").read_text())
     two_fsdp = json.loads((root / "distributed" / "scale_1.3b_2gpu_fsdp.json").read_text())
     rows += _scale_rows(root / "distributed" / "scale_1.3b_2gpu.json", two["summary"], 2, two["tokens_per_gpu"],
