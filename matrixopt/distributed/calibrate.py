@@ -8,6 +8,7 @@ the GPU, as the trainer's Muon step runs), median of ``reps``:
 - ``syrk``: the Gram product ``X X^T`` of a ``(b, s, 4 s)`` stack through :func:`matrixopt.kernels.ns_step.gram`
   (Triton SYRK or cuBLAS, whichever the dispatcher picks), rate on the dense FLOPs;
 - ``fp32_gemm``: the same products as ``gemm`` in float32;
+- ``qr``: ``torch.linalg.qr`` of one ``(n, n)`` float32 matrix (eagerly: it synchronizes with the host);
 - ``elementwise``: ``c = a + b`` on fp32 vectors (3 passes of 4 bytes per element);
 - ``peak_flops`` (the data sheet's, for MFU) is copied from ``base``;
 - ``links``: with a process group of several ranks, a one-element all-reduce (latency) and a large one
@@ -27,12 +28,14 @@ import torch.distributed as dist
 
 from matrixopt.device import describe, time_ms
 from matrixopt.distributed import comm
-from matrixopt.distributed.cost import DeviceProfile, Link, nominal_profile, shipped_profile
+from matrixopt.distributed.cost import DeviceProfile, Link, nominal_profile, qr_flops, shipped_profile
 from matrixopt.kernels.ns_step import gram
 
 # (s, b): Newton–Schulz-shaped stacks; the CPU list stays small so calibrating in a test takes seconds.
 CUDA_SHAPES = ((256, 64), (512, 32), (768, 24), (1024, 16), (2048, 8), (4096, 4), (8192, 1))
 CPU_SHAPES = ((32, 4), (64, 4), (128, 2))
+CUDA_QR = (256, 512, 1024, 2048)
+CPU_QR = (32, 64, 128)
 CUDA_ELEMENTS = tuple(2**k for k in range(14, 30, 2))
 CPU_ELEMENTS = (2**12, 2**16, 2**20)
 
@@ -66,6 +69,11 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
             out.append((2.0 * b * s * s * 4 * s, timed(lambda A=A, X=X: torch.bmm(A, X))))
         X = torch.randn(b, s, 4 * s, device=device, dtype=dtype, generator=gen)
         syrk.append((2.0 * b * s * s * 4 * s, timed(lambda X=X: gram(X))))
+    qr = []
+    for n in (CUDA_QR if cuda else CPU_QR):
+        A = torch.randn(n, n, device=device, generator=gen)
+        ms = time_ms(lambda A=A: torch.linalg.qr(A), device, reps=reps, warmup=2)["median"]
+        qr.append((qr_flops(n), ms))
     elementwise = []
     for n in elements:
         a, c = torch.ones(n, device=device), torch.empty(n, device=device)
@@ -91,7 +99,7 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
     return DeviceProfile(
         name=f"{describe(device)} (measured)", device=describe(device), source="measured", peak_flops=base.peak_flops,
         memory_bytes=float(memory), gpus_per_node=base.gpus_per_node,
-        gemm=_rate_points(gemm), syrk=_rate_points(syrk), fp32_gemm=_rate_points(fp32),
+        gemm=_rate_points(gemm), syrk=_rate_points(syrk), fp32_gemm=_rate_points(fp32), qr=_rate_points(qr),
         elementwise=_rate_points(elementwise), links=links, notes="; ".join(notes), env=env)
 
 

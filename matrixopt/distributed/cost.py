@@ -9,6 +9,8 @@ by ``matrixopt plan --calibrate`` or filled from nominal figures (``"source": "n
 - ``syrk``: the Gram product ``X X^T`` as our kernels compute it, the rate counted on the dense FLOPs ``2 m^2 k``
   (a SYRK computing one triangle may exceed ``gemm``'s);
 - ``fp32_gemm``: float32 products (Shampoo's inverse roots, SOAP's eigenbases);
+- ``qr``: the QR factorization of one ``(n, n)`` float32 matrix (SOAP's eigenbasis refresh), its rate counted on
+  ``8/3 n^3`` FLOPs (Householder factorization and forming Q); a batch runs one matrix after another;
 - ``elementwise``: ``[[bytes moved by one pass, achieved bytes/s], ...]`` (momentum, AdamW, packing);
 - ``links``: ``{"intra": {"latency": s, "bandwidth": bytes/s}, "inter": {...}}``: inside a node (NVLink) and
   between nodes (the network), per GPU and direction;
@@ -72,10 +74,9 @@ STATE_BYTES = {"adamw": 8, "muon": 4, "shampoo": 12, "soap": 8}
 
 # Shampoo's inverse 4th roots run a coupled Newton iteration (matrixopt.linalg.roots): about 20 steps at a
 # condition number of 1e6, each X T and T^4 M, four (n, n) products. SOAP refreshes an eigenbasis with one power
-# step (one product) and a QR, counted as two products. Both blocks are capped at 1024 (max_preconditioner_dim).
+# step (one product) and a QR (the profile's ``qr``). Both blocks are capped at 1024 (max_preconditioner_dim).
 ROOT_STEPS = 20
 ROOT_PRODUCTS = 4
-EIGENBASIS_PRODUCTS = 3
 MAX_PRECONDITIONER_DIM = 1024
 NS_STEPS = 5
 
@@ -111,7 +112,7 @@ NETWORKS: dict[str, Link] = {
 NCCL message step across the fabric."""
 
 Table = tuple[tuple[float, float], ...]
-_TABLES = ("gemm", "syrk", "fp32_gemm", "elementwise")
+_TABLES = ("gemm", "syrk", "fp32_gemm", "qr", "elementwise")
 
 
 def _check_table(name: str, table: Any) -> Table:
@@ -144,6 +145,7 @@ class DeviceProfile:
     gemm: Table
     syrk: Table
     fp32_gemm: Table
+    qr: Table
     elementwise: Table
     links: dict[str, Link]
     notes: str = ""
@@ -248,6 +250,9 @@ def shipped_profile(name: str = "h100") -> DeviceProfile:
     return DeviceProfile.load(path)
 
 
+MATMUL_EFFICIENCY = 0.8  # assumed achievable fraction of a data sheet's peak matmul rate (nominal profiles)
+
+
 def roofline_table(peak: float, launch: float, sizes: Sequence[float]) -> Table:
     """``[[size, rate]]`` of calls that take ``launch + size / peak`` seconds: a nominal table for a device whose
     only figures are a peak rate and a launch overhead."""
@@ -256,23 +261,28 @@ def roofline_table(peak: float, launch: float, sizes: Sequence[float]) -> Table:
 
 def nominal_profile(*, name: str, device: str, matmul_flops: float, fp32_flops: float, hbm_bytes_per_s: float,
                     memory_bytes: float, nvlink_bytes_per_s: float, network: str, gpus_per_node: int = 8,
-                    matmul_efficiency: float = 0.8, hbm_efficiency: float = 0.85, launch: float = 4e-6,
+                    matmul_efficiency: float = MATMUL_EFFICIENCY, hbm_efficiency: float = 0.85, launch: float = 4e-6,
                     nvlink_latency: float = 3e-6, notes: str = "") -> DeviceProfile:
     """A profile from data-sheet figures: peak dense matmul FLOP/s (bf16; ``fp32_flops`` for float32), HBM and
     NVLink bandwidth (bytes/s per direction), memory, and a network from :data:`NETWORKS`. The achievable
     fractions (``matmul_efficiency``, ``hbm_efficiency``), the launch overhead of one call and NVLink's latency
-    are assumptions, recorded in ``notes``; calibrate to replace them."""
+    are assumptions, recorded in ``notes``; calibrate to replace them. A QR of ``(n, n)`` is assumed to take one
+    launch per column (an unblocked panel factorization) besides its FLOPs at the fp32 rate."""
     flops = [2.0 ** k for k in range(24, 44)]  # 16 MFLOP .. 8.8 TFLOP per call
     nbytes = [2.0 ** k for k in range(12, 36)]  # 4 KB .. 34 GB per pass
+    sides = [2 ** k for k in range(6, 14)]  # QR of 64 .. 8192
+    qr = tuple((qr_flops(n), qr_flops(n) / (n * launch + qr_flops(n) / (matmul_efficiency * fp32_flops)))
+               for n in sides)
     assumed = (f"assumed: {matmul_efficiency:g} of the peak matmul rate and {hbm_efficiency:g} of HBM bandwidth "
-               f"achievable, {launch * 1e6:g} us per call, NVLink latency {nvlink_latency * 1e6:g} us, inter-node "
+               f"achievable, {launch * 1e6:g} us per call (a QR: one call per column), NVLink latency "
+               f"{nvlink_latency * 1e6:g} us, inter-node "
                f"link {network!r} at its line rate")
     return DeviceProfile(
         name=name, device=device, source="nominal", peak_flops=matmul_flops, memory_bytes=memory_bytes,
         gpus_per_node=gpus_per_node,
         gemm=roofline_table(matmul_efficiency * matmul_flops, launch, flops),
         syrk=roofline_table(matmul_efficiency * matmul_flops, launch, flops),
-        fp32_gemm=roofline_table(matmul_efficiency * fp32_flops, launch, flops),
+        fp32_gemm=roofline_table(matmul_efficiency * fp32_flops, launch, flops), qr=qr,
         elementwise=roofline_table(hbm_efficiency * hbm_bytes_per_s, launch, nbytes),
         links={"intra": Link(latency=nvlink_latency, bandwidth=nvlink_bytes_per_s), "inter": NETWORKS[network]},
         notes="; ".join(x for x in (notes, assumed) if x))
@@ -384,11 +394,18 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
                 products = 2 if optimizer == "shampoo" else 3  # factors, preconditioning (, projection back)
                 every += products * profile.seconds("fp32_gemm", side)
                 for k in (mb, nb):
-                    cube = 2.0 * g.count * k**3
-                    n_products = ROOT_STEPS * ROOT_PRODUCTS if optimizer == "shampoo" else EIGENBASIS_PRODUCTS
-                    refresh += n_products * profile.seconds("fp32_gemm", cube)
+                    cube = profile.seconds("fp32_gemm", 2.0 * g.count * k**3)
+                    if optimizer == "shampoo":
+                        refresh += ROOT_STEPS * ROOT_PRODUCTS * cube
+                    else:
+                        refresh += cube + g.count * profile.seconds("qr", qr_flops(k))
     per_param = SHAMPOO_BYTES if optimizer == "shampoo" else SOAP_BYTES
     return every + refresh / precondition_frequency + profile.seconds("elementwise", per_param * numel)
+
+
+def qr_flops(n: int) -> float:
+    """FLOPs of the QR factorization of an ``(n, n)`` matrix with Q formed: ``8/3 n^3`` (Golub & Van Loan, 5.2)."""
+    return 8.0 / 3.0 * n**3
 
 
 def preconditioner_state_bytes(optimizer: str, m: int, n: int) -> int:

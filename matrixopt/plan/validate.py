@@ -20,6 +20,7 @@ from matrixopt.distributed import balance
 from matrixopt.distributed.calibrate import NOMINAL
 from matrixopt.distributed.cost import (
     ADAMW_BYTES,
+    MATMUL_EFFICIENCY,
     DeviceProfile,
     Shapes,
     matrix_step_time,
@@ -43,6 +44,7 @@ def profiles_for(record: dict[str, Any], device: str) -> dict[str, DeviceProfile
         return {"nominal": nominal}
     spec = {**NOMINAL[device], "matmul_flops": limits["peak_bf16_tflops"] * 1e12,
             "hbm_bytes_per_s": limits["copy_tbps"] * 1e12, "matmul_efficiency": 1.0, "hbm_efficiency": 1.0,
+            "fp32_flops": NOMINAL[device]["fp32_flops"] * MATMUL_EFFICIENCY,  # not measured: as nominal
             "name": f"{device} with the lab's measured limits"}
     return {"nominal": nominal, "limits": nominal_profile(**spec)}
 

@@ -44,7 +44,7 @@ def _flat(rate: float = 1e12, bw: float = 1e11, **links: Link) -> DeviceProfile:
     """A profile whose every call runs at one rate, with no launch floor below 1 FLOP."""
     table = ((1.0, rate), (1e18, rate))
     return DeviceProfile(name="flat", device="test", source="nominal", peak_flops=rate, memory_bytes=1e10,
-                         gpus_per_node=8, gemm=table, syrk=table, fp32_gemm=table,
+                         gpus_per_node=8, gemm=table, syrk=table, fp32_gemm=table, qr=table,
                          elementwise=((1.0, bw), (1e18, bw)),
                          links=links or {"intra": LINK, "inter": Link(latency=1e-4, bandwidth=1e8)})
 
@@ -153,6 +153,6 @@ def test_calibrate_on_cpu_writes_the_shipped_format(tmp_path):
     p = measure(torch.device("cpu"), reps=2)
     assert p.source == "measured" and "links not measured" in p.notes
     assert p.to_dict().keys() == cost.shipped_profile("h100").to_dict().keys()
-    assert all(math.isfinite(r) and r > 0 for _, r in p.gemm + p.syrk + p.elementwise)
+    assert all(math.isfinite(r) and r > 0 for _, r in p.gemm + p.syrk + p.qr + p.elementwise)
     p.save(tmp_path / "cpu.json")
     assert DeviceProfile.load(tmp_path / "cpu.json") == p
