@@ -71,12 +71,14 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         curve = [] if args.no_curve else planner.ratio_curve(cfg, profile)
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(planner.to_dict(result, curve), indent=1) + "\n")
-        print(f"wrote {out.with_suffix('.json')}")
+        stem = out.with_suffix("") if out.suffix in (".json", ".png") else out  # "1.3b_64gpu" keeps its dot
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        record, plot = stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.png"
+        record.write_text(json.dumps(planner.to_dict(result, curve), indent=1) + "\n")
+        print(f"wrote {record}")
         if curve and planner.plot_curve(curve, f"{cfg.model.name}, {cfg.tokens_per_gpu} tokens/GPU, "
-                                               f"{profile.name}", str(out.with_suffix(".png"))):
-            print(f"wrote {out.with_suffix('.png')}")
+                                               f"{profile.name}", str(plot)):
+            print(f"wrote {plot}")
     return 0
 
 
