@@ -3,6 +3,7 @@
 
     matrixopt plan --model 1.3b --gpus 64 --tokens-per-gpu 4096
     matrixopt plan --model qwen3-30b-a3b --gpus 8 --recompute --out runs/plan/qwen3     # writes .json and .png
+    matrixopt plan --model qwen3-30b-a3b --gpus 8 --recompute --tokens-per-gpu 131072 --grad-accum 16
     matrixopt plan --model shapes.json --gpus 512 --tp 4 --network ib-200g --profile profile.json
     matrixopt plan --calibrate --out profile.json
     matrixopt plan --validate
@@ -21,7 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    "\"expert\"}], ...}; see matrixopt/plan/models.py)")
     p.add_argument("--gpus", type=int, help="GPUs in the job")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the profile's, 8)")
-    p.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens per GPU per step (default 4096)")
+    p.add_argument("--tokens-per-gpu", type=int, default=4096,
+                   help="tokens per GPU per optimizer step, all micro-batches (default 4096)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: try 1, 2, 4, 8)")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel degree (default: try the divisors)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: gpus / tp)")
@@ -63,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile, args.network)
     cfg = planner.PlanConfig(model=load_model(args.model), gpus=args.gpus,
                              gpus_per_node=args.gpus_per_node or profile.gpus_per_node,
-                             tokens_per_gpu=args.tokens_per_gpu, tp=args.tp, ep=args.ep, dp=args.dp,
+                             tokens_per_gpu=args.tokens_per_gpu, grad_accum=args.grad_accum, tp=args.tp, ep=args.ep,
+                             dp=args.dp,
                              optimizer=args.optimizer, mfu=args.mfu, recompute=args.recompute,
                              precondition_frequency=args.precondition_frequency)
     result = planner.plan(cfg, profile)

@@ -72,7 +72,11 @@ class PlanConfig:
     gpus: int
     gpus_per_node: int = 8
     tokens_per_gpu: int = 4096
-    """Tokens whose forward and backward one GPU computes per step (a TP group shares TP times as many)."""
+    """Tokens whose forward and backward one GPU computes per optimizer step (a TP group shares TP times as
+    many), over all ``grad_accum`` micro-batches."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step: activations hold one micro-batch; FSDP gathers and reduce-scatters per
+    micro-batch, layer-wise reduces only after the last (``no_sync``)."""
     tp: int | None = None
     """Tensor-parallel degree; None tries 1 and each power of two up to a node that divides the heads."""
     ep: int | None = None
@@ -90,10 +94,13 @@ class PlanConfig:
     (8 instead of 6 FLOPs per parameter and token)."""
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "gpus_per_node", "tokens_per_gpu", "ns_steps", "precondition_frequency"):
+        for name in ("gpus", "gpus_per_node", "tokens_per_gpu", "grad_accum", "ns_steps", "precondition_frequency"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.tokens_per_gpu % self.grad_accum:
+            raise ValueError(f"tokens_per_gpu {self.tokens_per_gpu} must split into grad_accum {self.grad_accum} "
+                             f"equal micro-batches")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if not 0 < self.mfu <= 1:
@@ -180,7 +187,7 @@ class Prediction:
         ms = {k: getattr(self, k) * 1e3 for k in ("fwd_bwd_s", "opt_step_s", "opt_comm_s", "exposed_comm_s",
                                                     "step_s", "adamw_opt_step_s", "adamw_step_s")}
         return {"layout": self.layout.label, **dataclasses.asdict(self.layout),
-                **{k.replace("_s", "_ms"): v for k, v in ms.items()}, "ratio": self.ratio,
+                **{k[:-2] + "_ms": v for k, v in ms.items()}, "ratio": self.ratio,
                 "tokens_per_s_per_gpu": self.tokens_per_s, "fits": self.fits,
                 "memory_gb": {k: v / 1e9 for k, v in self.memory.to_dict().items()},
                 "adamw_memory_gb": {k: v / 1e9 for k, v in self.adamw_memory.to_dict().items()},
@@ -327,17 +334,20 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
 
     # forward and backward
     fwd_bwd = model.flops_per_token() * T / (cfg.mfu * profile.peak_flops) * (4 / 3 if cfg.recompute else 1)
-    fwd, bwd = fwd_bwd / 3, 2 * fwd_bwd / 3
+    acc = cfg.grad_accum
+    mb = T // acc  # tokens of one micro-batch
+    fwd, bwd = fwd_bwd / 3 / acc, 2 * fwd_bwd / 3 / acc  # one micro-batch's passes
     notes: list[str] = []
 
     # traffic every layout shares between the optimizers: TP activations, EP tokens (not overlapped)
     shared = 0.0
     if tp > 1:
-        shared += 4 * model.n_layer * collective_time("all_reduce", tp * T * d * 2, tp, profile.link(tp, 1, gpn))
+        shared += 4 * model.n_layer * acc * collective_time("all_reduce", tp * mb * d * 2, tp,
+                                                            profile.link(tp, 1, gpn))
     if ep > 1:
         moe_layers = model.n_layer - getattr(model, "n_dense_layers", 0)
-        tokens = T * model.top_k * d * 2
-        shared += 4 * moe_layers * collective_time("all_to_all", tokens, ep, profile.link(ep, tp, gpn))
+        tokens = mb * model.top_k * d * 2
+        shared += 4 * moe_layers * acc * collective_time("all_to_all", tokens, ep, profile.link(ep, tp, gpn))
 
     dp_link = profile.link(dp, tp, gpn)
     edp_link = profile.link(edp, tp * ep, gpn)
@@ -356,7 +366,7 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         state = max(state_total / dp, 8.0 * getattr(model, "vocab", 0) * d)  # a whole-owned embedding
         ws = _workspace(mats, dp, 1)
         memory = Memory(params=4 * params_el, grads=4 * params_el, optimizer_state=state, buffers=ws,
-                        activations=_activations(model, T, tp, cfg.recompute))
+                        activations=_activations(model, mb, tp, cfg.recompute))
         adamw_memory = Memory(params=4 * params_el, grads=8 * params_el, optimizer_state=8 * params_el, buffers=0.0,
                               activations=memory.activations)
     else:
@@ -366,7 +376,7 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
                   + collective_time("all_gather", 2 * expert_el, edp, edp_link))
         rs = (collective_time("reduce_scatter", 4 * (dense_el + rest_el), dp, dp_link)
               + collective_time("reduce_scatter", 4 * expert_el, edp, edp_link))
-        sync = max(0.0, gather - fwd) + max(0.0, gather + rs - bwd)
+        sync = acc * (max(0.0, gather - fwd) + max(0.0, gather + rs - bwd))
         adamw_sync = sync
         ns_d, comm_d, _ = _owner_load(profile, cfg, dense, dp, tp, layout.tp_mode)
         ns_e, comm_e, _ = _owner_load(profile, cfg, experts, edp, 1, None)
@@ -388,7 +398,7 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         ws = max(_workspace(dense, dp, tp), _workspace(experts, edp, 1))  # gathered stacks, one bucket at a time
         memory = Memory(params=4 * (dense_shard + expert_shard) + transient,
                         grads=4 * (dense_shard + expert_shard) + transient, optimizer_state=state, buffers=ws,
-                        activations=_activations(model, T, tp, cfg.recompute))
+                        activations=_activations(model, mb, tp, cfg.recompute))
         adamw_memory = dataclasses.replace(memory, optimizer_state=8 * (dense_shard + expert_shard), buffers=0.0)
         if tp > 1 and cfg.optimizer == "muon":
             notes.append(f"TP Newton-Schulz {layout.tp_mode}")
@@ -443,7 +453,8 @@ def _activations(model: Architecture | ExplicitModel, tokens: int, tp: int, reco
 def assumptions(cfg: PlanConfig, profile: DeviceProfile) -> tuple[str, ...]:
     return (
         f"forward+backward: {cfg.model.flops_per_token() / 1e9:.3g} GFLOP per token x {cfg.tokens_per_gpu} tokens "
-        f"per GPU at MFU {cfg.mfu:g} of {profile.peak_flops / 1e12:.0f} TFLOP/s"
+        f"per GPU ({cfg.grad_accum} micro-batch{'es' if cfg.grad_accum > 1 else ''}) at MFU {cfg.mfu:g} of "
+        f"{profile.peak_flops / 1e12:.0f} TFLOP/s"
         + (", every layer recomputed in backward" if cfg.recompute else ", no recomputation"),
         f"device profile {profile.name} ({profile.source}); links: intra {profile.links['intra'].bandwidth / 1e9:g} "
         f"GB/s, inter {profile.links['inter'].bandwidth / 1e9:g} GB/s per GPU",
@@ -504,7 +515,8 @@ def ratio_curve(cfg: PlanConfig, profile: DeviceProfile, gpus: Sequence[int] = G
 def to_dict(p: Plan, curve: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     c = p.config
     return {"model": c.model.name, "total_params": c.model.total_params(), "gpus": c.gpus,
-            "gpus_per_node": c.gpus_per_node, "tokens_per_gpu": c.tokens_per_gpu, "optimizer": c.optimizer,
+            "gpus_per_node": c.gpus_per_node, "tokens_per_gpu": c.tokens_per_gpu, "grad_accum": c.grad_accum,
+            "recompute": c.recompute, "optimizer": c.optimizer,
             "mfu": c.mfu, "profile": {"name": p.profile.name, "source": p.profile.source},
             "assumptions": list(p.assumptions), "best": p.best.layout.label, "adamw_best": p.adamw_best,
             "vs_best_adamw": p.adamw_step_s / p.best.step_s,
@@ -515,7 +527,8 @@ def format_plan(p: Plan) -> str:
     """A readable table of every layout, the best marked with ``*``."""
     c = p.config
     head = (f"{c.model.name} ({c.model.total_params() / 1e9:.3g}B parameters), {c.optimizer} vs AdamW, {c.gpus} GPUs "
-            f"({c.gpus_per_node} per node), {c.tokens_per_gpu} tokens per GPU")
+            f"({c.gpus_per_node} per node), {c.tokens_per_gpu} tokens per GPU per step in {c.grad_accum} "
+            f"micro-batch{'es' if c.grad_accum > 1 else ''}")
     cols = ["", "layout", "opt step ms", "exposed comm ms", "step ms", "AdamW step ms", "memory GB", "fits",
             f"{c.optimizer}/AdamW", "vs best AdamW"]
     other = " (other update)"

@@ -50,10 +50,20 @@ def test_moe_layouts_split_experts():
     (dict(gpus=8, ep=2), "needs a mixture-of-experts model"),
     (dict(gpus=8, optimizer="lion"), "optimizer must be one of"),
     (dict(gpus=8, tokens_per_gpu=0), "tokens_per_gpu must be an int >= 1"),
+    (dict(gpus=8, tokens_per_gpu=4096, grad_accum=3), "must split into grad_accum 3 equal micro-batches"),
 ])
 def test_bad_configs_name_the_constraint(kwargs, message):
     with pytest.raises(ValueError, match=message):
         planner.PlanConfig(model=PRESETS["1.3b"], **kwargs)
+
+
+def test_accumulation_amortizes_the_step():
+    base = dict(model=PRESETS["qwen3-30b-a3b"], gpus=8, recompute=True, tp=1, ep=8)
+    one = planner.plan(planner.PlanConfig(tokens_per_gpu=8192, **base), H100).best
+    many = planner.plan(planner.PlanConfig(tokens_per_gpu=8192 * 16, grad_accum=16, **base), H100).best
+    assert many.opt_step_s == pytest.approx(one.opt_step_s)  # one optimizer step either way
+    assert many.memory.activations == pytest.approx(one.memory.activations)  # one micro-batch at a time
+    assert one.ratio < many.ratio < 1
 
 
 def test_expert_degree_must_divide_the_experts():
