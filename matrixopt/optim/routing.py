@@ -35,7 +35,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from matrixopt.optim.layout import _SPLIT, mark_experts, mark_split
+from matrixopt.optim.layout import _EXPERTS, _SPLIT, mark_experts, mark_split
 
 HEAD_NAMES = ("lm_head", "head", "output", "classifier", "fc_out", "score", "qa_outputs")
 ROUTER_NAMES = ("gate", "router")
@@ -154,6 +154,8 @@ def _default(p: Tensor, mod: nn.Module | None, pname: str) -> tuple[str, str]:
         return "adamw_no_decay", kind
     if p.ndim == 2:
         return "matrix", "unrecognized 2-D: matrix"
+    if getattr(p, _EXPERTS, False):
+        return "matrix", f"experts (marked), {p.shape[0]} matrices"
     return "adamw", f"unrecognized {p.ndim}-D: adamw"
 
 

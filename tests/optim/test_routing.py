@@ -156,6 +156,10 @@ def test_expert_pattern_and_router():
             self.moe = MoE()
 
     model = Block()
+    assert routes(matrixopt.param_groups(model))["moe.w"] == "adamw"  # an unknown 3-D parameter
+    matrixopt.mark_experts(model.moe.w)
+    assert routes(matrixopt.param_groups(model))["moe.w"] == "matrix"  # marked by hand
+    model = Block()
     r = routes(matrixopt.param_groups(model, experts=[r"moe\.w$"], splits={r"moe\.w$": 2}))
     assert r == {"moe.gate.weight": "matrix", "moe.w": "matrix"}  # no `experts` module here: the gate is a linear
     assert model.moe.w._matrixopt_experts and model.moe.w._matrixopt_split == (0, (8, 8))
