@@ -246,20 +246,34 @@ def validate(root: Path = ROOT) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def _cell(r: dict[str, Any]) -> str:
+    if r["unit"] == "mode":
+        return f"{r['predicted']} ({'same' if r['within'] else '**differs**'})"
+    fmt = ".3f" if r["unit"] == "x" else ".3g"
+    err = f"{r['error']:+.1%}"
+    return f"{r['predicted']:{fmt}} ({err if r['within'] else f'**{err}**'})"
+
+
 def format_validation(sections: dict[str, list[dict[str, Any]]]) -> str:
+    """Markdown tables, one row per measurement and one column per profile (error in parentheses, in bold beyond
+    :data:`THRESHOLD`), and the count of rows within it."""
     lines = []
     for name, rows in sections.items():
-        lines += [f"## {name}", "", "| measurement | profile | predicted | measured | error | source |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+        profiles = list(dict.fromkeys(r["profile"] for r in rows))
+        lines += [f"## {name}", "", "| measurement | measured | " + " | ".join(f"predicted, {p}" for p in profiles)
+                  + " | source |", "| --- " * (len(profiles) + 3) + "|"]
+        keyed: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
         for r in rows:
-            if r["unit"] == "mode":
-                pred, meas, err = r["predicted"], r["measured"], "same" if r["within"] else "**differs**"
-            else:
-                fmt = ".3f" if r["unit"] == "x" else ".3g"
-                pred, meas = f"{r['predicted']:{fmt}} {r['unit']}", f"{r['measured']:{fmt}} {r['unit']}"
-                err = f"{r['error']:+.1%}" if r["within"] else f"**{r['error']:+.1%}**"
-            lines.append(f"| {r['what']} | {r['profile']} | {pred} | {meas} | {err} | {r['source']} |")
+            keyed.setdefault((r["what"], r["source"]), {})[r["profile"]] = r
+        for (what, source), by in keyed.items():
+            first = next(iter(by.values()))
+            fmt = ".3f" if first["unit"] == "x" else ".3g"
+            meas = first["measured"] if first["unit"] == "mode" else f"{first['measured']:{fmt}} {first['unit']}"
+            cells = [_cell(by[p]) if p in by else "" for p in profiles]
+            lines.append(f"| {what} | {meas} | " + " | ".join(cells) + f" | {source} |")
         lines.append("")
     flat = [r for rows in sections.values() for r in rows]
-    lines.append(f"{sum(r['within'] for r in flat)} of {len(flat)} rows within {THRESHOLD:.0%} (or the same mode)")
+    nominal = [r for r in flat if r["profile"] == "nominal"]
+    lines.append(f"{sum(r['within'] for r in nominal)} of {len(nominal)} rows within {THRESHOLD:.0%} (or the same "
+                 f"mode) with the nominal profiles; {sum(r['within'] for r in flat)} of {len(flat)} with either")
     return "\n".join(lines)
