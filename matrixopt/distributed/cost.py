@@ -70,7 +70,7 @@ SHAMPOO_BYTES = 44  # AdamW's passes for the graft plus reading and writing the 
 SOAP_BYTES = 36  # AdamW's passes in the eigenbasis plus the projected gradient written and read
 
 # Optimizer state bytes per parameter of a matrix (the per-factor state of Shampoo and SOAP is counted apart):
-STATE_BYTES = {"adamw": 8, "muon": 4, "shampoo": 12, "soap": 8}
+STATE_BYTES = {"adamw": 8, "muon": 4, "shampoo": 8, "soap": 8}  # Shampoo: momentum and the Adam graft's moment
 
 # Shampoo's inverse 4th roots run a coupled Newton iteration (matrixopt.linalg.roots): about 20 steps at a
 # condition number of 1e6, each X T and T^4 M, four (n, n) products. SOAP refreshes an eigenbasis with one power

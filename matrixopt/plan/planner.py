@@ -265,8 +265,8 @@ def _tp_sharded(mat: Matrix, tp: int) -> bool:
 
 def _owner_load(profile: DeviceProfile, cfg: PlanConfig, mats: Sequence[Matrix], owners: int, tp: int,
                 mode: str | None) -> tuple[float, float, int]:
-    """``(slowest owner's seconds, its exposed TP communication, owned elements on that rank)`` when ``owners``
-    ranks share ``mats`` by LPT on each matrix's time; each shape goes in stacks of ``count / owners``."""
+    """``(slowest owner's seconds, its exposed TP communication, the most matrix elements one owner holds)`` when
+    ``owners`` ranks share ``mats`` by LPT on each matrix's time; each shape goes in stacks of ``count / owners``."""
     items: list[float] = []
     comm: list[float] = []
     sizes: list[int] = []

@@ -89,8 +89,8 @@ def test_step_times_and_state():
     assert every > tenth > 0  # roots amortized over the period
     assert cost.matrix_step_time(p, "soap", groups, precondition_frequency=10) > 0
     assert cost.preconditioner_state_bytes("muon", 64, 256) == 4 * 64 * 256
-    # Shampoo: momentum + graft (12 B per element) and a factor and a root per side, (64^2 + 256^2) * 2 * 4 B
-    assert cost.preconditioner_state_bytes("shampoo", 64, 256) == 12 * 64 * 256 + 8 * (64**2 + 256**2)
+    # Shampoo: momentum and the graft's second moment (8 B per element), a factor and a root per side in fp32
+    assert cost.preconditioner_state_bytes("shampoo", 64, 256) == 8 * 64 * 256 + 8 * (64**2 + 256**2)
     with pytest.raises(ValueError, match="optimizer 'lion'"):
         cost.matrix_step_time(p, "lion", groups)
     with pytest.raises(ValueError, match="precondition_frequency"):
