@@ -231,6 +231,34 @@ def test_trainer_bf16(tmp_path):
     assert state["momentum_buffer"].dtype == torch.float32
 
 
+class PoisonOneGradient(transformers.TrainerCallback):
+    """Writes a NaN into q_proj's gradient before the optimizer step of step ``at`` (after Trainer's clipping)."""
+
+    def __init__(self, weight, at):
+        self.weight, self.at = weight, at
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        if state.global_step == self.at:
+            self.weight.grad[0, 0] = float("nan")
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_trainer_nonfinite_gradient(tmp_path, skip):
+    """A NaN gradient stops the run naming the parameter, or with skip_nonfinite=True skips that update only."""
+    model = tiny_llama()
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    args = trainer_args(tmp_path, max_steps=3, save_strategy="no")
+    opt = hf.create_optimizer(model, args, name="muon", skip_nonfinite=skip)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows(), optimizers=(opt, None),
+                                   callbacks=[PoisonOneGradient(weight, at=1)])
+    if not skip:
+        with pytest.raises(matrixopt.NonFiniteGradientError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight"):
+            trainer.train()
+        return
+    trainer.train()
+    assert opt.skipped_updates == 1 and torch.isfinite(weight).all()
+
+
 def test_unknown_optimizer_name_lists_the_valid_ones(tmp_path):
     with pytest.raises(ValueError, match=r"unknown matrixopt optimizer 'lion'; valid names: adamuon, adamw, mop"):
         hf.create_optimizer(tiny_llama(), trainer_args(tmp_path), name="lion")
