@@ -28,7 +28,13 @@ import torch.distributed as dist
 
 from matrixopt.device import describe, time_ms
 from matrixopt.distributed import comm
-from matrixopt.distributed.cost import DeviceProfile, Link, nominal_profile, qr_flops, shipped_profile
+from matrixopt.distributed.cost import (
+    DeviceProfile,
+    link_from_all_reduce,
+    nominal_profile,
+    qr_flops,
+    shipped_profile,
+)
 from matrixopt.kernels.ns_step import gram
 
 # (s, b): Newton–Schulz-shaped stacks; the CPU list stays small so calibrating in a test takes seconds.
@@ -88,8 +94,7 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
         t_big = timed(lambda: comm.all_reduce_sum(big, group)) / 1e3
         worst = comm.all_reduce_max(torch.tensor([lat, t_big], dtype=torch.float64, device=device), group)
         lat, t_big = worst.tolist()
-        bw = 2 * (world - 1) / world * big.numel() * 4 / max(t_big - 2 * (world - 1) * lat, 1e-9)
-        links["intra"] = Link(latency=lat / (2 * (world - 1)), bandwidth=bw)
+        links["intra"] = link_from_all_reduce(world, lat, t_big, big.numel() * 4)
         notes.append(f"intra link measured by all-reduce over {world} ranks; inter link from {base.name}")
     else:
         notes.append(f"links not measured (one rank): kept from {base.name}")

@@ -310,6 +310,17 @@ def collective_time(kind: str, nbytes: float, parts: int, link: Link) -> float:
     return steps * a + nbytes * b  # broadcast
 
 
+def link_from_all_reduce(parts: int, small_s: float, large_s: float, large_bytes: float) -> Link:
+    """The link that makes :func:`collective_time` give the two measured all-reduces over ``parts >= 2`` ranks: a
+    one-element one (``small_s``: the tree's ``2 ceil(log2 P)`` latencies) and one of ``large_bytes`` (``large_s``:
+    the ring)."""
+    if parts < 2:
+        raise ValueError(f"a link is measured over >= 2 ranks, got {parts}")
+    latency = small_s / (2 * math.ceil(math.log2(parts)))
+    moving = max(large_s - 2 * (parts - 1) * latency, 1e-12)
+    return Link(latency=latency, bandwidth=2 * (parts - 1) / parts * large_bytes / moving)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # optimizer steps
 

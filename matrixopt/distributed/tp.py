@@ -29,6 +29,7 @@ functions below take and return local tensors only.
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -100,10 +101,12 @@ def mode_costs(rows: int, cols: int, parts: int, *, batch: int = 1, steps: int =
                chunks: int = 4, cost: CostModel) -> dict[str, float]:
     """Estimated seconds of ``duplicated`` and ``distributed`` for ``batch`` matrices of ``(rows, cols)`` whose
     columns (the contracted dim) are split over ``parts`` ranks: the shared model's
-    :func:`matrixopt.distributed.cost.tp_ns_times` with ``cost``'s link and one matmul rate for every product.
-    FLOPs: the standard form's counts of :mod:`matrixopt.linalg.ortho`."""
+    :func:`matrixopt.distributed.cost.tp_ns_times` with one matmul rate for every product and ``cost``'s link,
+    its per-call latency (a one-element all-reduce, a tree of ``2 ceil(log2 P)`` message steps) spread over the
+    steps. FLOPs: the standard form's counts of :mod:`matrixopt.linalg.ortho`."""
+    alpha = cost.latency / (2 * math.ceil(math.log2(parts))) if parts > 1 else cost.latency
     times = tp_ns_times(rows, cols, parts, batch=batch, steps=steps, itemsize=itemsize, chunks=chunks,
-                        link=Link(latency=cost.latency, bandwidth=cost.bandwidth),
+                        link=Link(latency=alpha, bandwidth=cost.bandwidth),
                         ns=lambda s, l, b: newton_schulz_flops(s, l, steps, "standard", b) / cost.flops,
                         gemm=lambda flops: flops / cost.flops)
     return {mode: times[mode] for mode in ("duplicated", "distributed")}

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from _mp import run
 
 from matrixopt.distributed import balance, cost
 from matrixopt.distributed.calibrate import measure, nominal
@@ -147,6 +148,24 @@ def test_bad_profiles_say_what_is_wrong(tmp_path):
         bad.write_text(json.dumps({**good, **change}))
         with pytest.raises(ValueError, match=message):
             DeviceProfile.load(bad)
+
+
+@pytest.mark.parametrize("parts", [2, 3, 8])
+def test_link_from_all_reduce_inverts_the_model(parts):
+    small, large = collective_time("all_reduce", 4, parts, LINK), collective_time("all_reduce", 64 * MB, parts, LINK)
+    got = cost.link_from_all_reduce(parts, small, large, 64 * MB)
+    assert got.latency == pytest.approx(LINK.latency, rel=1e-3)
+    assert got.bandwidth == pytest.approx(LINK.bandwidth, rel=1e-3)
+
+
+def _calibrate_two_ranks(rank: int, world: int) -> None:
+    p = measure(torch.device("cpu"), reps=2)
+    assert p.links["intra"] != nominal("h100").links["intra"] and "measured by all-reduce over 2" in p.notes
+    assert p.links["inter"] == nominal("h100").links["inter"]
+
+
+def test_calibrate_measures_the_link_over_gloo():
+    run(_calibrate_two_ranks, 2)
 
 
 def test_calibrate_on_cpu_writes_the_shipped_format(tmp_path):
