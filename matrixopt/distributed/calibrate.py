@@ -64,8 +64,8 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
     shapes, elements = (CUDA_SHAPES, CUDA_ELEMENTS) if cuda else (CPU_SHAPES, CPU_ELEMENTS)
     gen = torch.Generator(device).manual_seed(0)
 
-    def timed(fn) -> float:
-        return time_ms(fn, device, reps=reps, warmup=2, graph=cuda)["median"]
+    def timed(fn, graph: bool = cuda) -> float:
+        return time_ms(fn, device, reps=reps, warmup=2, graph=graph)["median"]
 
     gemm, syrk, fp32 = [], [], []
     for s, b in shapes:
@@ -78,8 +78,7 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
     qr = []
     for n in (CUDA_QR if cuda else CPU_QR):
         A = torch.randn(n, n, device=device, generator=gen)
-        ms = time_ms(lambda A=A: torch.linalg.qr(A), device, reps=reps, warmup=2)["median"]
-        qr.append((qr_flops(n), ms))
+        qr.append((qr_flops(n), timed(lambda A=A: torch.linalg.qr(A), graph=False)))
     elementwise = []
     for n in elements:
         a, c = torch.ones(n, device=device), torch.empty(n, device=device)
@@ -90,8 +89,8 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
     if world > 1:
         tiny = torch.zeros(1, device=device)
         big = torch.zeros((64 << 20 if cuda else 1 << 20) // 4, device=device)
-        lat = timed(lambda: comm.all_reduce_sum(tiny, group)) / 1e3
-        t_big = timed(lambda: comm.all_reduce_sum(big, group)) / 1e3
+        lat = timed(lambda: comm.all_reduce_sum(tiny, group), graph=False) / 1e3  # collectives run eagerly
+        t_big = timed(lambda: comm.all_reduce_sum(big, group), graph=False) / 1e3
         worst = comm.all_reduce_max(torch.tensor([lat, t_big], dtype=torch.float64, device=device), group)
         lat, t_big = worst.tolist()
         links["intra"] = link_from_all_reduce(world, lat, t_big, big.numel() * 4)
