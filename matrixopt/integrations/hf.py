@@ -55,6 +55,18 @@ def trainer_hparams(args: Any, name: str) -> dict[str, Any]:
                 adamw_eps=args.adam_epsilon)
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers: the parameters are the
+    same, and routing sees the ``transformers`` model's own names and config."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
 def _sharded(model: nn.Module, name: str, routing: dict[str, Any], hparams: dict[str, Any]) -> torch.optim.Optimizer:
     """The optimizer over DTensor parameters (FSDP2): the sharded matrix optimizer, or AdamW per device mesh."""
     from matrixopt.distributed.parallelism import SHARDED, by_mesh
@@ -88,6 +100,7 @@ def create_optimizer(model: nn.Module, args: Any = None, name: str = "muon", *, 
         **hparams: the optimizer's own arguments; they override those taken from ``args``.
     """
     _check_name(name)
+    model = unwrap(model)
     hparams = (trainer_hparams(args, name) if args is not None else {}) | hparams
     routing = dict(adamw=adamw, matrix=matrix, splits=splits, experts=experts)
     if any(isinstance(p, DTensor) for p in model.parameters()):

@@ -266,6 +266,14 @@ def test_unknown_optimizer_name_lists_the_valid_ones(tmp_path):
         hf.optimizer_cls_and_kwargs(name="Muon")
 
 
+def test_wrapped_models_route_as_the_model():
+    model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**TINY))
+    opt = hf.create_optimizer(torch.compile(model), name="muon")
+    names = [n for g in opt.param_groups for n in g["names"]]
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names
+    assert model.model.layers[0].self_attn.qkv_proj.weight._matrixopt_split == (0, (32, 16, 16))
+
+
 def test_trainer_hparams_reach_every_group(tmp_path):
     args = trainer_args(tmp_path, adam_beta1=0.8, adam_epsilon=1e-6)
     opt = hf.create_optimizer(tiny_llama(), args, name="soap")
