@@ -6,6 +6,7 @@
     matrixopt plan --model qwen3-30b-a3b --gpus 8 --recompute --tokens-per-gpu 131072 --grad-accum 16
     matrixopt plan --model shapes.json --gpus 512 --tp 4 --network ib-200g --profile profile.json
     matrixopt plan --calibrate --out profile.json
+    torchrun --nproc-per-node 8 -m matrixopt plan --calibrate --out profile.json     # the NVLink all-reduce too
     matrixopt plan --validate
 """
 
@@ -87,16 +88,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def calibrate(args: argparse.Namespace) -> int:
+    """Measure this machine; under torchrun (``WORLD_SIZE`` > 1) join the ranks to measure the link too, rank 0
+    writing the profile."""
+    import os
+
     import torch
+    import torch.distributed as dist
 
     from matrixopt.distributed.calibrate import measure
-    from matrixopt.distributed.cost import shipped_profile
 
     if not args.out:
         raise ValueError("matrixopt plan --calibrate needs --out FILE.json for the profile")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    base = load_profile(args.profile, args.network) if args.profile != "h100" else shipped_profile("h100")
-    profile = measure(device, base=base)
+    cuda = torch.cuda.is_available()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    profile = measure(device, base=load_profile(args.profile, args.network))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return 0
     profile.save(args.out)
     best = max(r for _, r in profile.gemm)
     print(f"{profile.device}: matmul up to {best / 1e12:.3g} TFLOP/s, elementwise up to "

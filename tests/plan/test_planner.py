@@ -125,6 +125,15 @@ def test_cli_rejects_an_unreadable_profile(tmp_path, capsys):
     assert "not valid JSON" in capsys.readouterr().err
 
 
+def test_cli_calibrates_into_a_loadable_profile(tmp_path, capsys):
+    from matrixopt.distributed.cost import DeviceProfile
+
+    assert cli.main(["plan", "--calibrate", "--out", str(tmp_path / "cpu.json")]) == 0
+    assert DeviceProfile.load(tmp_path / "cpu.json").source == "measured"
+    assert cli.main(["plan", "--model", "1.3b", "--gpus", "8", "--profile", str(tmp_path / "cpu.json")]) == 0
+    assert "(measured)" in capsys.readouterr().out
+
+
 def test_validation_reads_the_committed_results():
     sections = validate.validate()
     rows = [r for rs in sections.values() for r in rs]
