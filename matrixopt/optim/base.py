@@ -345,10 +345,10 @@ class MatrixOptimizer(Optimizer):
     # ----------------------------------------------------------------------------------- AdamW
     def _adamw_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                       skip: Tensor | None = None) -> None:
-        """Decoupled-weight-decay Adam. Float32 state for every parameter dtype; PyTorch's fused kernel when the
-        parameters are float32 (outside torch.compile, whose functionalization can't trace it), a foreach path
-        otherwise. ``skip``: a 0-d float32 device flag, nonzero to write nothing (the fused kernel's
-        ``found_inf``; the foreach path checks it on the host)."""
+        """Adam with weight decay in the group's mode. Float32 state for every parameter dtype; PyTorch's fused
+        kernel when the parameters are float32 (outside torch.compile, whose functionalization can't trace it),
+        every decay mode, a foreach path otherwise. ``skip``: a 0-d float32 device flag, nonzero to write nothing
+        (the fused kernel's ``found_inf``; the foreach path checks it on the host)."""
         exp_avgs, exp_avg_sqs, steps = [], [], []
         for p in params:
             st = self.state[p]
@@ -362,8 +362,7 @@ class MatrixOptimizer(Optimizer):
         beta1, beta2 = group["betas"]
         lr, wd, eps, decay_mode = group["lr"], group["weight_decay"], group["eps"], group["weight_decay_mode"]
         fused_ok = not torch.compiler.is_compiling()  # traced graphs can't functionalize _fused_adamw_
-        fused = (fused_ok and (decay_mode == "decoupled" or wd == 0)  # the fused kernel decays the decoupled way
-                 and all(p.dtype == torch.float32 and g.dtype == torch.float32 for p, g in zip(params, grads)))
+        fused = fused_ok and all(p.dtype == torch.float32 and g.dtype == torch.float32 for p, g in zip(params, grads))
         if skip is not None and not fused:  # the foreach path can't skip on the device: check on the host now
             if self.nonfinite.on_host(skip):
                 return
@@ -375,10 +374,21 @@ class MatrixOptimizer(Optimizer):
         if fused:
             if isinstance(lr, Tensor):
                 lr = lr.to(params[0].device)
+            # The fused kernel decays the decoupled way; the other modes decay around it with its own decay off
+            # (decoupled and independent decay before the update, as the kernel does; cautious after, from the
+            # weights before the step and the step taken, which is -lr times the update direction)
+            kernel_wd = wd if decay_mode == "decoupled" else 0.0
+            live = 1.0 if skip is None else 1 - skip  # a skipped step decays nothing either
+            before = torch._foreach_mul(params, 1.0) if decay_mode == "cautious" and wd else None
+            if decay_mode == "independent" and wd:
+                torch._foreach_mul_(params, 1 - wd * live)
             # the fused kernel divides the gradients by grad_scale as it reads them
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                                weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
+                                weight_decay=kernel_wd, eps=eps, amsgrad=False, maximize=False,
                                 grad_scale=None if scale is None else scale.reciprocal(), found_inf=skip)
+            for p, w in zip(params, before or ()):
+                agree = (w - p).mul_(w) >= 0  # the direction (W_before - W_after) / lr agrees with W in sign
+                p.sub_(w.mul_(agree).mul_(lr * wd * live))
             return
         # foreach path (low-precision parameters, other decay modes): float32 math on 0-d step tensors (no host sync)
         g32 = [g.float() for g in grads]

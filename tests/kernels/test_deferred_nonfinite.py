@@ -18,12 +18,12 @@ from matrixopt.kernels import muon_fused as fused  # noqa: E402
 from matrixopt.kernels.muon_elementwise import elementwise_backend  # noqa: E402
 
 
-def _setup(deferred, cuda_graph=False, cls=Muon):
+def _setup(deferred, cuda_graph=False, cls=Muon, mode="decoupled"):
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(16, 24)), nn.Parameter(torch.randn(24, 16)), nn.Parameter(torch.randn(16))]
     graph = {"cuda_graph": cuda_graph} if cls is Muon else {}
     opt = cls([{"params": params[:2]}, {"params": params[2:], "use_muon": False}], lr=0.05, weight_decay=0.1,
-              deferred_nonfinite=deferred, **graph)
+              deferred_nonfinite=deferred, weight_decay_mode=mode, **graph)
     return params, opt
 
 
@@ -39,12 +39,14 @@ def _snapshot(params, opt):
     return [p.detach().clone() for p in params] + [v.clone() for st in opt.state.values() for v in st.values()]
 
 
-@pytest.mark.parametrize("cls", [Muon, NorMuon, AdaMuon])
-def test_a_bad_step_writes_nothing_raises_next_and_the_run_goes_on(cls):
-    """Also NorMuon's and AdaMuon's second moments: a skipped step leaves them as they were."""
+@pytest.mark.parametrize("cls,mode", [(Muon, "decoupled"), (NorMuon, "decoupled"), (AdaMuon, "decoupled"),
+                                      (Muon, "cautious"), (Muon, "independent")])
+def test_a_bad_step_writes_nothing_raises_next_and_the_run_goes_on(cls, mode):
+    """Also NorMuon's and AdaMuon's second moments, and the decay modes (fused AdamW decays around its kernel): a
+    skipped step leaves everything as it was."""
     with elementwise_backend("triton"):
-        params, opt = _setup(True, cls=cls)
-        ref_params, ref = _setup(False, cls=cls)
+        params, opt = _setup(True, cls=cls, mode=mode)
+        ref_params, ref = _setup(False, cls=cls, mode=mode)
         for seed in range(2):
             for ps, o in ((params, opt), (ref_params, ref)):
                 _set_grads(ps, seed)
