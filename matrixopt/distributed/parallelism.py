@@ -377,9 +377,6 @@ class FSDP(MultiProcess):
             raise ValueError(f"--parallel fsdp supports the optimizers {', '.join(self.optimizers)}, not "
                              f"{name!r}; use --parallel layerwise for {name}")
         if name in SHARDED:
-            if self.tp > 1 and SHARDED[name] is not ShardedMuon:
-                raise ValueError(f"--parallel fsdp with --tp {self.tp} runs Muon only; {name} runs on FSDP2 row "
-                                 f"shards without tensor parallelism (drop --tp) or under --parallel layerwise")
             return SHARDED[name](param_groups(model, splits=splits), tp_mode=self.tp_mode, **hparams)
         groups = []  # DTensor foreach kernels take one mesh per call: one group per (routing group, mesh)
         for g in param_groups(model, matrix_flag=None, splits=splits):

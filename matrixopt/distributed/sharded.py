@@ -41,7 +41,7 @@ from matrixopt.distributed import comm
 from matrixopt.distributed.balance import lpt, muon_cost
 from matrixopt.distributed.comm import InFlight, gather_to_owners, scatter_from_owners
 from matrixopt.distributed.tp import MODES, CostModel, tp_newton_schulz
-from matrixopt.kernels.muon_elementwise import apply_update, momentum_pack
+from matrixopt.kernels.muon_elementwise import apply_update, momentum_pack, row_sums_of_squares
 from matrixopt.optim.adaptive import AdaMuon, NorMuon
 from matrixopt.optim.layout import _SPLIT
 from matrixopt.optim.muon import Muon, ns_config, update_scale
@@ -290,12 +290,13 @@ class ShardedMuon(Muon):
 
 
 class _ShardedSecondMoment(ShardedMuon):
-    """NorMuon's and AdaMuon's second moments on FSDP2 row shards (``Shard(0)``; not with tensor parallelism, nor
-    with weights split along their columns). Owners send back the bare orthogonalized pieces; each rank steps the
-    second moments of its rows (a row, a neuron, lies whole on one rank), the Frobenius norms of each (matrix,
-    piece) are summed over the FSDP group, and the update kernel applies each row's normalization, RMS alignment
-    and update scale. The second moments are DTensors sharded as the weights' rows, so state dicts and
-    distributed checkpoints see ordinary sharded state."""
+    """NorMuon's and AdaMuon's second moments on sharded matrices: FSDP2 row shards, tensor parallelism over rows
+    or columns, or both (not on weights split along their columns). Owners send back the bare orthogonalized
+    pieces; each rank steps the second moments of its shard (NorMuon's row statistics summed over the TP group
+    where TP splits the rows' columns), the Frobenius norms of each (matrix, piece) are summed over the FSDP and TP
+    groups, and the update kernel applies each row's normalization, RMS alignment and update scale. The second
+    moments are DTensors sharded as the weights, so state dicts and distributed checkpoints see ordinary sharded
+    state."""
 
     def _owner_scale(self, group: dict[str, Any], m: int, n: int) -> float:
         return 1.0
@@ -304,31 +305,40 @@ class _ShardedSecondMoment(ShardedMuon):
         """A new zero second moment for the DTensor parameter ``p``, sharded as its rows."""
         raise NotImplementedError
 
+    def _shard_moments(self, group: dict[str, Any], O: Tensor, state: list[Tensor], row_group: ProcessGroup | None,
+                       cols: int) -> tuple[Tensor | None, Tensor | None, Tensor]:
+        """``_moments`` on this rank's shard ``O (k, rows, c)`` of k matrices with ``cols`` columns in all,
+        ``row_group`` the ranks holding the rest of each row (None: whole rows here). ``row_sq`` is this rank's
+        part of each row's squared norm."""
+        return self._moments(group, O, state, None)  # element-wise: nothing to gather
+
     def _shard_update(self, group: dict[str, Any], f: _Flight, Y: Tensor) -> tuple[Tensor, Tensor | None]:
         sh = f.sharding
-        if sh.tp_group is not None or (sh.split is not None and sh.split[0] != 0):
-            raise ValueError(f"{type(self).__name__} runs on FSDP2 row shards, not under tensor parallelism nor on "
-                             f"weights split along their columns (a {sh.shape} matrix with TP or split "
-                             f"{sh.split}); use --parallel layerwise, or ShardedMuon")
+        if sh.split is not None and sh.split[0] != 0:
+            raise ValueError(f"{type(self).__name__} does not take weights split along their columns (a {sh.shape} "
+                             f"matrix split {sh.split}); use --parallel layerwise, or ShardedMuon")
         rows, cols = sh.local_shape
+        tp_cols = sh.tp_group is not None and sh.tp_dim == 1
         Yr = Y.mT if f.transposed else Y  # (k, rows, cols): this rank's rows of each matrix
         for p in f.dtensors:
             if self._state_key not in self.state[p]:
                 self.state[p][self._state_key] = self._sharded_state(p)
         if f.params:
             state = [self.state[p][self._state_key].to_local() for p in f.dtensors]
-            out, factor, row_sq = self._moments(group, Yr, state, None)
+            out, factor, row_sq = self._shard_moments(group, Yr, state, sh.tp_group if tp_cols else None, sh.shape[1])
         else:  # an empty shard: no rows, but the norms' all-reduce still needs this rank
             out, factor, row_sq = None, None, Yr.new_zeros(Yr.shape[:2], dtype=torch.float32)
-        sizes = sh.split[1] if sh.split is not None else (sh.shape[0],)  # pieces along the rows
+        sizes = sh.split[1] if sh.split is not None else (sh.shape[0],)  # pieces along the rows (of the TP shard)
         start = sum(sh.fsdp_rows[:comm.rank(sh.fsdp_group)]) if sh.fsdp_group is not None else 0
         bounds = torch.tensor(sizes, device=Y.device).cumsum(0)
         piece = torch.bucketize(torch.arange(start, start + rows, device=Y.device), bounds, right=True)  # (rows,)
         normsq = row_sq.new_zeros(row_sq.shape[0], len(sizes)).index_add_(1, piece, row_sq)  # (k, pieces)
-        if sh.fsdp_group is not None:
-            comm.all_reduce_sum(normsq, sh.fsdp_group)
-        target = torch.tensor([min(m, cols) ** 0.5 * update_scale(group["scaling"], m, cols) for m in sizes],
-                              device=Y.device)
+        for g in (sh.fsdp_group, sh.tp_group):
+            if g is not None:
+                comm.all_reduce_sum(normsq, g)
+        tp = len(sh.tp_sizes) if sh.rank_major else 1  # a rank-major piece is 1/tp of the whole piece
+        target = torch.tensor([min(m * tp, sh.shape[1]) ** 0.5 * update_scale(group["scaling"], m * tp, sh.shape[1])
+                               for m in sizes], device=Y.device)
         align = torch.where(normsq > 0, target / normsq.sqrt(), 0.0)[:, piece]  # (k, rows)
         scale = align if factor is None else factor * align
         update = Yr if out is None else out
@@ -338,17 +348,29 @@ class _ShardedSecondMoment(ShardedMuon):
 
 
 class ShardedNorMuon(_ShardedSecondMoment, NorMuon):
-    """:class:`matrixopt.NorMuon` over FSDP2 DTensor parameters (see :class:`ShardedMuon` for the arguments and
-    the layouts it takes; not under tensor parallelism). ``row_second_moment`` is a DTensor sharded as the rows."""
+    """:class:`matrixopt.NorMuon` over DTensor parameters (see :class:`ShardedMuon` for the arguments and the
+    layouts it takes). ``row_second_moment`` is a DTensor sharded as the rows (replicated over a TP group that
+    shards the columns)."""
 
     def _sharded_state(self, p: DTensor) -> DTensor:
         local = torch.zeros(p.to_local().shape[0], dtype=torch.float32, device=p.device)
-        return DTensor.from_local(local, p.device_mesh, p.placements, shape=(p.shape[0],), stride=(1,))
+        rows = [pl if pl.is_shard(0) else Replicate() for pl in p.placements]  # a column shard holds every row
+        return DTensor.from_local(local, p.device_mesh, rows, shape=(p.shape[0],), stride=(1,))
+
+    def _shard_moments(self, group: dict[str, Any], O: Tensor, state: list[Tensor], row_group: ProcessGroup | None,
+                       cols: int) -> tuple[None, Tensor, Tensor]:
+        sumsq = row_sums_of_squares(O, list(O.unbind(0)), transpose=False)[:, :O.shape[1]]  # this rank's columns
+        full = sumsq
+        if row_group is not None:
+            full = sumsq.clone()
+            comm.all_reduce_sum(full, row_group)
+        inv, _ = self._row_step(group, full, cols, state, None)
+        return None, inv, inv.square() * sumsq
 
 
 class ShardedAdaMuon(_ShardedSecondMoment, AdaMuon):
-    """:class:`matrixopt.AdaMuon` over FSDP2 DTensor parameters (see :class:`ShardedMuon`; not under tensor
-    parallelism). ``exp_avg_sq`` is a DTensor sharded as the parameter."""
+    """:class:`matrixopt.AdaMuon` over DTensor parameters (see :class:`ShardedMuon` for the arguments and the
+    layouts it takes). ``exp_avg_sq`` is a DTensor sharded as the parameter."""
 
     def _sharded_state(self, p: DTensor) -> DTensor:
         return torch.zeros_like(p, dtype=torch.float32)

@@ -160,20 +160,28 @@ def _weights_and_grads() -> tuple[dict[str, torch.Tensor], list[dict[str, torch.
     return weights, grads
 
 
+# Muon in every TP mode; NorMuon and AdaMuon (whose second moments see the shards) in one
+TP_RUNS = [(Muon, ShardedMuon, "duplicated"), (Muon, ShardedMuon, "distributed"), (Muon, ShardedMuon, "auto"),
+           (NorMuon, ShardedNorMuon, "duplicated"), (AdaMuon, ShardedAdaMuon, "distributed")]
+
+
 def _dp_tp_mesh(rank: int, world: int) -> None:
     weights, grads = _weights_and_grads()
-    ref = {k: nn.Parameter(w.clone()) for k, w in weights.items()}
-    ref_opt = Muon(list(ref.values()), **HPARAMS)
-    for gs in grads:
-        for k, p in ref.items():
-            p.grad = gs[k].clone()
-        ref_opt.step()
+    refs = {}
+    for cls in dict.fromkeys(cls for cls, _, _ in TP_RUNS):
+        ref = refs[cls] = {k: nn.Parameter(w.clone()) for k, w in weights.items()}
+        ref_opt = cls(list(ref.values()), **HPARAMS)
+        for gs in grads:
+            for k, p in ref.items():
+                p.grad = gs[k].clone()
+            ref_opt.step()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     # a fixed cost model that makes auto choose distributed: no start-up measurement in the test
-    for mode in ("duplicated", "distributed", "auto"):
+    for cls, sharded, mode in TP_RUNS:
+        ref = refs[cls]
         params = {k: nn.Parameter(distribute_tensor(w, mesh, list(MESH_2D[k][1]))) for k, w in weights.items()}
-        opt = ShardedMuon(list(params.values()), tp_mode=mode, tp_chunks=2,
-                          tp_cost_model=CostModel(latency=0.0, bandwidth=1e15, flops=1e3), **HPARAMS)
+        opt = sharded(list(params.values()), tp_mode=mode, tp_chunks=2,
+                      tp_cost_model=CostModel(latency=0.0, bandwidth=1e15, flops=1e3), **HPARAMS)
         for gs in grads:
             for k, p in params.items():
                 p.grad = distribute_tensor(gs[k], mesh, list(MESH_2D[k][1]))
@@ -181,7 +189,7 @@ def _dp_tp_mesh(rank: int, world: int) -> None:
         for k, p in params.items():
             assert p.placements == MESH_2D[k][1]
             err = (p.full_tensor() - ref[k].detach()).abs().max().item()
-            assert err < ATOL, f"{mode} {k}: {err}"
+            assert err < ATOL, f"{sharded.__name__} {mode} {k}: {err}"
     bad = nn.Parameter(distribute_tensor(weights["pair_a"], mesh, [Shard(0), Shard(0)]))
     bad.grad = distribute_tensor(grads[0]["pair_a"], mesh, [Shard(0), Shard(0)])
     with pytest.raises(ValueError, match="both shard the rows"):
@@ -207,15 +215,20 @@ def _column_parallel(rank: int, world: int) -> None:
     weights = {k: torch.randn(*shape, generator=g) * 0.1 for k, shape in COLWISE.items()}
     grads = [{k: torch.randn(*shape, generator=g) for k, shape in COLWISE.items()} for _ in range(STEPS)]
     order = {"qkv": rank_major_qkv(8, tp), "fc": torch.arange(10)}  # row order of the sharded weights
-    ref = {k: nn.Parameter(w.clone()) for k, w in weights.items()}
-    mark_split(ref["qkv"], 3)
-    ref_opt = Muon(list(ref.values()), **HPARAMS)
-    for gs in grads:
-        for k, p in ref.items():
-            p.grad = gs[k].clone()
-        ref_opt.step()
+    refs = {}
+    for cls in dict.fromkeys(cls for cls, _, _ in TP_RUNS):
+        ref = refs[cls] = {k: nn.Parameter(w.clone()) for k, w in weights.items()}
+        mark_split(ref["qkv"], 3)
+        ref_opt = cls(list(ref.values()), **HPARAMS)
+        for gs in grads:
+            for k, p in ref.items():
+                p.grad = gs[k].clone()
+            ref_opt.step()
     for fsdp in (False, True):
-        for mode in ("duplicated", "distributed"):
+        for cls, sharded, mode in TP_RUNS:
+            if mode == "auto":
+                continue
+            ref = refs[cls]
             net = nn.ModuleDict({k: nn.Linear(n, m, bias=False) for k, (m, n) in COLWISE.items()})
             with torch.no_grad():
                 for k, linear in net.items():
@@ -226,7 +239,7 @@ def _column_parallel(rank: int, world: int) -> None:
                     fully_shard(linear, mesh=mesh["dp"])
                 assert isinstance(net["fc"].weight.placements[0], _StridedShard)
             mark_split(net["qkv"].weight, 3)
-            opt = ShardedMuon([net[k].weight for k in COLWISE], tp_mode=mode, **HPARAMS)
+            opt = sharded([net[k].weight for k in COLWISE], tp_mode=mode, **HPARAMS)
             for gs in grads:
                 for k, linear in net.items():  # this rank's rows: its TP shard, then (fsdp) its FSDP rows of that
                     rows = gs[k][order[k]].split(chunk_sizes(COLWISE[k][0], tp))[tp_rank]
@@ -237,7 +250,7 @@ def _column_parallel(rank: int, world: int) -> None:
                 opt.step()
             for k, linear in net.items():
                 err = (linear.weight.full_tensor()[order[k].argsort()] - ref[k].detach()).abs().max().item()
-                assert err < ATOL, f"fsdp={fsdp} {mode} {k}: {err}"
+                assert err < ATOL, f"fsdp={fsdp} {sharded.__name__} {mode} {k}: {err}"
     dist.barrier()
 
 
