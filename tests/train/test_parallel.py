@@ -23,7 +23,7 @@ FIELDS = ("step", "loss", "lr", "val_loss")
 RTOL = 1e-4
 # Under TP, AdamW sees the same gradients up to the order of fp32 sums (row-parallel all-reduce): measured <= 1e-7.
 # Muon's TP Newton–Schulz computes the same polar factor in another fp32 order (all-gather, or a Gram all-reduce).
-TP_RTOL = {"adamw": 1e-5, "muon": 1e-4}
+TP_RTOL = {"adamw": 1e-5, "muon": 1e-4, "normuon": 1e-4}
 # Two micro-batches per step (no_sync on the first), clipping at 1.0 (the default), two evaluations.
 FLAGS = [
     "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4",
@@ -98,6 +98,7 @@ def test_two_ranks_log_single_process_losses(tmp_path, single, parallel, optimiz
 
 @pytest.mark.parametrize("ranks, optimizer, tp_mode", [
     (2, "adamw", None), (4, "adamw", None), (2, "muon", "duplicated"), (2, "muon", "distributed"),
+    (2, "normuon", "distributed"),
 ])  # fmt: skip
 def test_tensor_parallel_logs_single_process_losses(tmp_path, single, ranks, optimizer, tp_mode):
     mode = ["--tp-mode", tp_mode] if tp_mode else []
