@@ -33,8 +33,8 @@ the heads it does not hold, and the MAX all-reduce over the whole group fills th
 
 Distribution: max logits are MAX-reduced over ``process_group`` (data and context parallel ranks saw different
 tokens), so every rank computes the same scales. Replicated weights (DDP, layer-wise) are then scaled identically
-everywhere; a DTensor weight sharded by rows (FSDP2 ``fully_shard``, column-wise TP: ``Shard(0)``) has its local
-rows scaled by the scales of the global rows it holds.
+everywhere; a DTensor weight sharded by rows (FSDP2 ``fully_shard``, column-wise TP: ``Shard(0)``, or both:
+``(_StridedShard(0), Shard(0))``) has its local rows scaled by the scales of the global rows it holds.
 
 Reference: Kimi Team, "Kimi K2: Open Agentic Intelligence", 2025, sec. 2.1 (MuonClip),
 https://arxiv.org/abs/2507.20534.
@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def _chunk_sizes(n: int, parts: int) -> list[int]:
@@ -61,24 +62,28 @@ def _chunk_sizes(n: int, parts: int) -> list[int]:
 
 def _local_rows(t: Tensor, name: str) -> tuple[int, int]:
     """``(start, count)``: the global dim-0 rows this rank's local tensor of ``t`` holds (all rows for a plain
-    tensor). DTensor placements may be ``Shard(0)`` (nested in mesh-dim order, as DTensor applies them) or
-    ``Replicate`` on each mesh dim."""
+    tensor). DTensor placements may be ``Shard(0)`` (nested in mesh-dim order, as DTensor applies them),
+    ``Replicate``, or FSDP2's ``_StridedShard(0)`` over a later ``Shard(0)`` (``fully_shard`` on top of column-wise
+    TP: the TP shard's rows are split again, so that shard is applied first)."""
     if not isinstance(t, DTensor):
         return 0, t.shape[0]
     mesh, coord = t.device_mesh, t.device_mesh.get_coordinate()
     if coord is None:  # this rank is not in the mesh: it holds nothing
         return 0, 0
     start, count = 0, t.shape[0]
-    for mesh_dim, placement in enumerate(t.placements):
-        if type(placement) is Shard and placement.dim % t.ndim == 0:
-            sizes = _chunk_sizes(count, mesh.size(mesh_dim))
-            start += sum(sizes[: coord[mesh_dim]])
-            count = sizes[coord[mesh_dim]]
-        elif not isinstance(placement, Replicate):
+    dims = [i for i, pl in enumerate(t.placements) if isinstance(pl, (Shard, _StridedShard)) and pl.dim % t.ndim == 0]
+    for i, placement in enumerate(t.placements):
+        strided = isinstance(placement, _StridedShard)
+        if not isinstance(placement, Replicate) and not (i in dims and (
+                not strided or placement.split_factor == math.prod(mesh.size(j) for j in dims if j > i))):
             raise NotImplementedError(
                 f"QK-clip scales rows of `{name}`, a DTensor with placements {t.placements} on a mesh of shape "
-                f"{tuple(mesh.shape)}; {placement} is not supported (only Shard(0) and Replicate: FSDP2 "
-                f"fully_shard on one mesh dim, column-wise TP). Redistribute the weight or clip a Shard(0) copy")
+                f"{tuple(mesh.shape)}; {placement} is not supported (only Shard(0), Replicate, and FSDP2's "
+                f"_StridedShard(0) over column-wise TP). Redistribute the weight or clip a Shard(0) copy")
+    for mesh_dim in sorted(dims, key=lambda i: isinstance(t.placements[i], _StridedShard)):
+        sizes = _chunk_sizes(count, mesh.size(mesh_dim))
+        start += sum(sizes[: coord[mesh_dim]])
+        count = sizes[coord[mesh_dim]]
     assert count == t.to_local().shape[0], (name, t.placements, start, count, t.to_local().shape)
     return start, count
 

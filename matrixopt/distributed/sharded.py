@@ -354,7 +354,8 @@ class ShardedNorMuon(_ShardedSecondMoment, NorMuon):
 
     def _sharded_state(self, p: DTensor) -> DTensor:
         local = torch.zeros(p.to_local().shape[0], dtype=torch.float32, device=p.device)
-        rows = [pl if pl.is_shard(0) else Replicate() for pl in p.placements]  # a column shard holds every row
+        rows = [pl if isinstance(pl, (Shard, _StridedShard)) and pl.dim == 0 else Replicate()
+                for pl in p.placements]  # a column shard holds every row
         return DTensor.from_local(local, p.device_mesh, rows, shape=(p.shape[0],), stride=(1,))
 
     def _shard_moments(self, group: dict[str, Any], O: Tensor, state: list[Tensor], row_group: ProcessGroup | None,

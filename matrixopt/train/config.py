@@ -161,10 +161,6 @@ class TrainConfig:
                 raise ValueError(f"qk_clip (--qk-clip) must be a finite number > 0, the largest pre-softmax logit a "
                                  f"head may reach (Kimi K2 uses 100), got {self.qk_clip!r}; pass e.g. --qk-clip 100, "
                                  f"or leave it out to turn QK-clip off")
-            if self.tp > 1:
-                raise ValueError(f"qk_clip (--qk-clip) does not run with tensor parallelism yet (tp={self.tp}): FSDP2 "
-                                 f"over TP shards attn.c_attn with a strided placement QK-clip cannot scale; use "
-                                 f"--tp 1 (--parallel fsdp, ddp or layerwise) or leave out --qk-clip")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -6,13 +6,16 @@
     qk.step()                           # clip the heads whose max logit exceeded tau, reset the trackers
     qk.metrics()                        # at logged steps only: reads the last step's stats on the host
 
-Each block's ``attn.c_attn`` is a :class:`~matrixopt.FusedQKV` (rows ``[Q; K; V]``, heads contiguous). The max
-logits are MAX-reduced over every rank (data-parallel ranks saw different rows), so the replicated (DDP,
-layer-wise) or row-sharded (FSDP2) weights are scaled alike everywhere. Not under tensor parallelism yet: FSDP2
-over TP shards ``c_attn`` with a strided placement that QKClip does not scale (TrainConfig refuses it).
+Each block's ``attn.c_attn`` is a :class:`~matrixopt.FusedQKV` (rows ``[Q; K; V]``, heads contiguous; under
+tensor parallelism stored rank-major, :func:`~matrixopt.train.parallelize.rank_major_qkv`). The max logits are
+MAX-reduced over every rank (data-parallel ranks saw different rows; a TP rank reports its own heads and -Inf for
+the others), so the replicated (DDP, layer-wise) or row-sharded (FSDP2, TP, both) weights are scaled alike
+everywhere.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch.distributed as dist
 
@@ -20,6 +23,7 @@ from matrixopt.distributed.layerwise import LayerwiseOptimizer
 from matrixopt.distributed.parallelism import Parallelism
 from matrixopt.distributed.qk_clip import FusedQKV, QKClip, QKClipStats
 from matrixopt.train.model import GPT
+from matrixopt.train.parallelize import rank_major_qkv
 
 
 class GPTQKClip:
@@ -27,10 +31,16 @@ class GPTQKClip:
     run by :meth:`step` after each optimizer step. Construction turns the model's max-logit trackers on."""
 
     def __init__(self, model: GPT, par: Parallelism, tau: float):
-        attentions = [FusedQKV(weight=block.attn.c_attn.weight, bias=block.attn.c_attn.bias,
-                               n_head=model.config.n_head, name=f"transformer.h.{i}.attn.c_attn")
+        c = model.config
+        order = rank_major_qkv(c.n_embd, par.tp) if par.tp > 1 else None
+        attentions = [FusedQKV(weight=block.attn.c_attn.weight, bias=block.attn.c_attn.bias, n_head=c.n_head,
+                               row_order=order, name=f"transformer.h.{i}.attn.c_attn")
                       for i, block in enumerate(model.transformer.h)]  # the parameters as par.wrap left them
         self.clip = QKClip(tau, attentions, process_group=dist.group.WORLD if par.world > 1 else None)
+        # the query heads this rank computes: all, or its TP rank's n_head / tp
+        local = c.n_head // par.tp
+        first = par.mesh.get_local_rank("tp") * local if par.tp > 1 else 0
+        self._heads = slice(first, first + local)
         self.model, self.optimizer = model, par.optimizer
         self.stats: QKClipStats | None = None
         model.track_max_logits(True)
@@ -40,7 +50,10 @@ class GPTQKClip:
         its trackers. Collective; no host sync."""
         if isinstance(self.optimizer, LayerwiseOptimizer):
             self.optimizer.wait_params()  # the owners' broadcasts land before every rank scales its copy
-        self.stats = self.clip.step(self.model.max_logits())
+        local = self.model.max_logits()  # (n_layer, heads computed here)
+        logits = local.new_full((local.shape[0], self.model.config.n_head), -math.inf)
+        logits[:, self._heads] = local  # -Inf: a head another TP rank holds, filled in by the MAX all-reduce
+        self.stats = self.clip.step(logits)
         self.model.reset_max_logits()
 
     def metrics(self) -> dict[str, float | int]:

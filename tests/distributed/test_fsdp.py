@@ -215,11 +215,11 @@ def _column_parallel(rank: int, world: int) -> None:
     weights = {k: torch.randn(*shape, generator=g) * 0.1 for k, shape in COLWISE.items()}
     grads = [{k: torch.randn(*shape, generator=g) for k, shape in COLWISE.items()} for _ in range(STEPS)]
     order = {"qkv": rank_major_qkv(8, tp), "fc": torch.arange(10)}  # row order of the sharded weights
-    refs = {}
+    refs, ref_opts = {}, {}
     for cls in dict.fromkeys(cls for cls, _, _ in TP_RUNS):
         ref = refs[cls] = {k: nn.Parameter(w.clone()) for k, w in weights.items()}
         mark_split(ref["qkv"], 3)
-        ref_opt = cls(list(ref.values()), **HPARAMS)
+        ref_opt = ref_opts[cls] = cls(list(ref.values()), **HPARAMS)
         for gs in grads:
             for k, p in ref.items():
                 p.grad = gs[k].clone()
@@ -251,6 +251,11 @@ def _column_parallel(rank: int, world: int) -> None:
             for k, linear in net.items():
                 err = (linear.weight.full_tensor()[order[k].argsort()] - ref[k].detach()).abs().max().item()
                 assert err < ATOL, f"fsdp={fsdp} {sharded.__name__} {mode} {k}: {err}"
+                if cls is NorMuon:  # the row second moments are DTensors laid out as the rows: whole, they match
+                    v = opt.state[linear.weight]["row_second_moment"]
+                    assert v.placements == linear.weight.placements
+                    v_ref = ref_opts[cls].state[ref[k]]["row_second_moment"].flatten()  # (3, 8) for the split qkv
+                    torch.testing.assert_close(v.full_tensor()[order[k].argsort()], v_ref, rtol=1e-4, atol=1e-7)
     dist.barrier()
 
 

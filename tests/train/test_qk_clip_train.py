@@ -225,9 +225,11 @@ def single_clipped(tmp_path_factory):
     return read_metrics(out)
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "layerwise", "fsdp"])
+@pytest.mark.parametrize("parallel", [["ddp"], ["layerwise"], ["fsdp"], ["fsdp", "--tp", "2"]])
 def test_two_ranks_clip_as_one_process(tmp_path, single_clipped, parallel):
-    proc = torchrun(2, ["train", "--out", str(tmp_path), "--qk-clip", "0.01", "--parallel", parallel, *TINY])
+    """Also under tensor parallelism: each TP rank reports its heads, and the rank-major c_attn rows it holds are
+    scaled by their heads' factors."""
+    proc = torchrun(2, ["train", "--out", str(tmp_path), "--qk-clip", "0.01", "--parallel", *parallel, *TINY])
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = read_metrics(tmp_path)
     fields = ("step", "loss", "val_loss")
@@ -253,7 +255,6 @@ def test_bad_threshold_on_the_command_line_exits_2(tmp_path, tiny, capsys, tau):
                  f"(Kimi K2 uses 100), got {float(tau)!r}")
 
 
-def test_threshold_from_a_config_file_and_no_tensor_parallelism_yet():
+def test_threshold_from_a_config_file():
     assert from_dict(TrainConfig, {"qk_clip": 100}).qk_clip == 100.0
-    with pytest.raises(ValueError, match=r"qk_clip .* does not run with tensor parallelism yet \(tp=2\).*use --tp 1"):
-        TrainConfig(qk_clip=100.0, parallel="fsdp", tp=2)
+    assert TrainConfig(qk_clip=100.0, parallel="fsdp", tp=2).qk_clip == 100.0
