@@ -81,8 +81,9 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
         qr.append((qr_flops(n), timed(lambda A=A: torch.linalg.qr(A), graph=False)))
     elementwise = []
     for n in elements:
-        a, c = torch.ones(n, device=device), torch.empty(n, device=device)
-        elementwise.append((12.0 * n, timed(lambda a=a, c=c: torch.add(a, a, out=c))))
+        # two inputs: c = a + a reads a once, and would count its 4 bytes per element twice
+        a, b, c = torch.ones(n, device=device), torch.ones(n, device=device), torch.empty(n, device=device)
+        elementwise.append((12.0 * n, timed(lambda a=a, b=b, c=c: torch.add(a, b, out=c))))
 
     links, notes = dict(base.links), []
     world = comm.world_size(group) if dist.is_available() and dist.is_initialized() else 1

@@ -8,7 +8,7 @@ import torch
 from _mp import run
 
 from matrixopt.distributed import balance, cost
-from matrixopt.distributed.calibrate import measure, nominal
+from matrixopt.distributed.calibrate import NOMINAL, measure, nominal
 from matrixopt.distributed.cost import DeviceProfile, Link, Shapes, collective_time
 from matrixopt.linalg import ortho
 
@@ -120,11 +120,17 @@ def test_balancer_packs_on_the_shared_flops():
         cost.matrix_step_flops("lion", 4, 4)
 
 
-def test_shipped_profiles_are_the_nominal_ones_and_round_trip(tmp_path):
-    h100 = cost.shipped_profile("h100")
-    if h100.source == "nominal":  # until a measured profile replaces it
-        assert h100 == nominal("h100") and h100.peak_flops == 989e12
-        assert h100.links["inter"].bandwidth == 50e9 and h100.links["intra"].bandwidth == 450e9
+def test_shipped_profiles_and_round_trip(tmp_path):
+    """The H200 profile is the nominal one. The H100 one is measured, with the links and the MFU peak of the nominal
+    one (one rank measures no link), and no rate above the data sheet's: a calibration that counts bytes or FLOPs it
+    does not move fails here."""
+    assert cost.shipped_profile("h200") == nominal("h200")
+    h100, sheet = cost.shipped_profile("h100"), NOMINAL["h100"]
+    if h100.source == "measured":
+        assert h100.links == nominal("h100").links and h100.peak_flops == sheet["matmul_flops"] == 989e12
+    assert max(r for _, r in h100.gemm) <= sheet["matmul_flops"]
+    assert max(r for _, r in h100.fp32_gemm) <= sheet["fp32_flops"]
+    assert max(r for _, r in h100.elementwise) <= sheet["hbm_bytes_per_s"]
     h100.save(tmp_path / "p.json")
     assert DeviceProfile.load(tmp_path / "p.json") == h100
     with pytest.raises(ValueError, match="no shipped profile 'a100'"):
