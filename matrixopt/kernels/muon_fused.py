@@ -66,6 +66,17 @@ _TL_DTYPES = {dt: getattr(tl, str(dt).removeprefix("torch.")) for dt in KERNEL_D
 # ----------------------------------------------------------------------------------------------- kernels
 
 @triton.jit
+def _tile(pid, R, C, skip_ptr, HAS_SKIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program ``pid``'s ``BLOCK_R x BLOCK_C`` tile of an ``R x C`` matrix (row-major over the tiles): its row and
+    column offsets and the in-bounds mask, empty when the 0-d skip flag is set (``HAS_SKIP``)."""
+    n_c = tl.cdiv(C, BLOCK_C)
+    offs_r = (pid // n_c) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = (pid % n_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows = tl.where(tl.load(skip_ptr) == 0, R, 0) if HAS_SKIP else R  # no rows at all when skipping
+    return offs_r, offs_c, (offs_r[:, None] < rows) & (offs_c[None, :] < C)
+
+
+@triton.jit
 def _momentum_pack_kernel(
     # (k, 5) int64 table: gradient address, momentum address, gradient row stride, momentum row stride, slot
     table_ptr,
@@ -94,11 +105,7 @@ def _momentum_pack_kernel(
     b_rs = tl.load(row + 3)
     slot = tl.load(row + 4)
 
-    n_c = tl.cdiv(C, BLOCK_C)
-    offs_r = (pid // n_c) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_c = (pid % n_c) * BLOCK_C + tl.arange(0, BLOCK_C)
-    rows = tl.where(tl.load(skip_ptr) == 0, R, 0) if HAS_SKIP else R  # no rows at all when skipping
-    mask = (offs_r[:, None] < rows) & (offs_c[None, :] < C)
+    offs_r, offs_c, mask = _tile(pid, R, C, skip_ptr, HAS_SKIP, BLOCK_R, BLOCK_C)
     g = tl.load(g_ptr + offs_r[:, None] * g_rs + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALE:
         g = g * tl.load(scale_ptr)
@@ -150,11 +157,7 @@ def _apply_update_kernel(
     else:
         lr_value = lr
 
-    n_c = tl.cdiv(C, BLOCK_C)
-    offs_r = (pid // n_c) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_c = (pid % n_c) * BLOCK_C + tl.arange(0, BLOCK_C)
-    rows = tl.where(tl.load(skip_ptr) == 0, R, 0) if HAS_SKIP else R  # no rows at all when skipping
-    mask = (offs_r[:, None] < rows) & (offs_c[None, :] < C)
+    offs_r, offs_c, mask = _tile(pid, R, C, skip_ptr, HAS_SKIP, BLOCK_R, BLOCK_C)
     y_base = y_ptr + slot * stride_yb
     if TALL:  # Y[slot] is (C, R): read the (c, r) tile along its rows and transpose it in registers
         y = tl.trans(tl.load(y_base + offs_c[:, None] * stride_ys + offs_r[None, :] * stride_yl,
@@ -198,11 +201,7 @@ def _second_moment_kernel(
     row = table_ptr + tl.program_id(1).to(tl.int64) * 3
     slot = tl.load(row + 2)
 
-    n_c = tl.cdiv(C, BLOCK_C)
-    offs_r = (pid // n_c) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_c = (pid % n_c) * BLOCK_C + tl.arange(0, BLOCK_C)
-    rows = tl.where(tl.load(skip_ptr) == 0, R, 0) if HAS_SKIP else R  # no rows at all when skipping
-    mask = (offs_r[:, None] < rows) & (offs_c[None, :] < C)
+    offs_r, offs_c, mask = _tile(pid, R, C, skip_ptr, HAS_SKIP, BLOCK_R, BLOCK_C)
     o_base = o_ptr + slot * stride_ob
     if TALL:  # O[slot] is (C, R): the (c, r) tile is read and written along its rows, transposed in registers
         o_ptrs = o_base + offs_c[:, None] * stride_os + offs_r[None, :] * stride_ol
@@ -225,7 +224,8 @@ def _second_moment_kernel(
     else:
         u = o
     u32 = u.to(tl.float32)  # the sums are of the values as stored
-    tl.store(rows_ptr + (slot * T_C + pid % n_c) * RMAX + offs_r, tl.sum(u32 * u32, axis=1), mask=offs_r < R)
+    tile_c = pid % tl.cdiv(C, BLOCK_C)
+    tl.store(rows_ptr + (slot * T_C + tile_c) * RMAX + offs_r, tl.sum(u32 * u32, axis=1), mask=offs_r < R)
 
 
 @triton.jit
