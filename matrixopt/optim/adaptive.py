@@ -51,6 +51,7 @@ from matrixopt.linalg.ortho import DEFAULT_SCHEDULE
 from matrixopt.optim.base import _check_finite
 from matrixopt.optim.layout import Bucket, matrix_pieces, row_pieces, row_state
 from matrixopt.optim.muon import Muon
+from matrixopt.optim.offload import Offload
 
 
 class _SecondMomentMuon(Muon):
@@ -65,13 +66,14 @@ class _SecondMomentMuon(Muon):
                  scaling: str = "match_adamw", *, weight_decay_mode: str = "decoupled", ns_method: str = "auto",
                  adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.999),
                  adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None, skip_nonfinite: bool = False,
-                 deferred_nonfinite: bool = False, cuda_graph: bool = False, **options: Any) -> None:
+                 deferred_nonfinite: bool = False, cuda_graph: bool = False, state_dtype: Any = None,
+                 offload: str | Offload | None = None, **options: Any) -> None:
         self._extra_defaults = dict(beta2=beta2, eps=eps) | self._options(dict(options))
         super().__init__(params, lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, ns_dtype, scaling,
                          adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
                          adamw_weight_decay=adamw_weight_decay, skip_nonfinite=skip_nonfinite,
                          deferred_nonfinite=deferred_nonfinite, cuda_graph=cuda_graph, ns_method=ns_method,
-                         weight_decay_mode=weight_decay_mode)
+                         weight_decay_mode=weight_decay_mode, state_dtype=state_dtype, offload=offload)
 
     def _options(self, given: dict[str, Any]) -> dict[str, Any]:
         """The subclass's own matrix-group options, from the constructor's keyword arguments ``given``, with their
@@ -145,7 +147,7 @@ class NorMuon(_SecondMomentMuon):
 
     Args:
         params, lr, momentum, nesterov, weight_decay, weight_decay_mode, ns_steps, ns_coefficients, ns_dtype,
-            ns_method, scaling, adamw_*, skip_nonfinite, deferred_nonfinite, cuda_graph: as in
+            ns_method, scaling, adamw_*, skip_nonfinite, deferred_nonfinite, cuda_graph, state_dtype, offload: as in
             :class:`matrixopt.Muon`
             (``scaling="match_adamw"`` makes the update RMS 0.2, so an AdamW learning rate works).
         beta2: decay of the per-row second moment, in [0, 1) (default 0.95, the paper's).
@@ -208,7 +210,7 @@ class AdaMuon(_SecondMomentMuon):
 
     Args:
         params, lr, momentum, nesterov, weight_decay, weight_decay_mode, ns_steps, ns_coefficients, ns_dtype,
-            ns_method, scaling, adamw_*, skip_nonfinite, deferred_nonfinite, cuda_graph: as in
+            ns_method, scaling, adamw_*, skip_nonfinite, deferred_nonfinite, cuda_graph, state_dtype, offload: as in
             :class:`matrixopt.Muon`
             (``scaling="match_adamw"`` makes the update RMS 0.2, so an AdamW learning rate works).
         beta2: decay of the element-wise second moment, in [0, 1) (default 0.95).

@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from matrixopt.kernels.decay import check_weight_decay_mode, decay_
+from matrixopt.optim import state as compact
 from matrixopt.optim.adam import adam_direction, adam_moments_
 from matrixopt.optim.nonfinite import (
     NonFinitePolicy,
@@ -30,6 +31,7 @@ from matrixopt.optim.nonfinite import (
     label,
     nonfinite_flags,
 )
+from matrixopt.optim.offload import CHUNK_NUMEL, Offload, StagedStep, check_offload
 
 
 def _check_finite(name: str, value: Any) -> None:
@@ -96,15 +98,20 @@ class MatrixOptimizer(Optimizer):
 
     def __init__(self, params: Iterable[Any], matrix_defaults: dict[str, Any], adamw_defaults: dict[str, Any],
                  *, skip_nonfinite: bool = False, deferred_nonfinite: bool = False,
-                 clip_in_step: bool = False) -> None:
+                 clip_in_step: bool = False, state_dtype: Any = None, offload: str | Offload | None = None) -> None:
         """``deferred_nonfinite``: only for subclasses whose ``_matrix_update`` takes ``skip``. ``clip_in_step``:
         declared by subclasses whose ``_matrix_update`` multiplies the gradients by ``self._step_grad_scale`` as it
-        reads them (see :meth:`clip_grad_norm_`)."""
+        reads them (see :meth:`clip_grad_norm_`). ``state_dtype`` (None, ``torch.bfloat16``/"bf16", "int8") and
+        ``offload`` (None, "cpu"): how the momentum and Adam moments are stored (:mod:`matrixopt.optim.state`,
+        :mod:`matrixopt.optim.offload`)."""
+        self.state_dtype = compact.check_state_dtype(state_dtype)
+        self.offload = check_offload(offload)
         check_adamw_group(adamw_defaults)
         self._matrix_defaults = dict(matrix_defaults)
         self._adamw_defaults = dict(adamw_defaults)
         self.nonfinite = NonFinitePolicy(skip=skip_nonfinite, deferred=deferred_nonfinite, clip_in_step=clip_in_step)
         self._step_grad_scale: Tensor | None = None  # the clip coefficient the running step applies (see step())
+        self._rounding_step = 0  # steps taken with compact state: the stochastic rounding's seed
         super().__init__(params, dict(matrix_defaults))
 
     @property
@@ -127,7 +134,8 @@ class MatrixOptimizer(Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         """torch.optim.Optimizer pickles only defaults, state and param_groups; keep our attributes too."""
         return super().__getstate__() | {k: self.__dict__[k] for k in ("_matrix_defaults", "_adamw_defaults",
-                                                                       "nonfinite")}
+                                                                       "nonfinite", "state_dtype", "offload",
+                                                                       "_rounding_step")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Optimizer.load_state_dict calls this with state and param_groups only: keep the policy this object has
@@ -137,6 +145,8 @@ class MatrixOptimizer(Optimizer):
             state["nonfinite"].skipped = state.pop("skipped_updates", 0)
         super().__setstate__(state)
         self.__dict__.setdefault("_step_grad_scale", None)
+        for k, v in (("state_dtype", None), ("offload", None), ("_rounding_step", 0)):  # pickled before these
+            self.__dict__.setdefault(k, v)
         for group in self.param_groups:  # pickled before weight_decay_mode existed
             group.setdefault("weight_decay_mode", "decoupled")
 
@@ -295,6 +305,9 @@ class MatrixOptimizer(Optimizer):
         return loss
 
     def _update(self, work: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]], skip: Tensor | None) -> None:
+        if self.state_dtype is not None or self.offload is not None:
+            self._staged_update(work, skip)
+            return
         side = self._adamw_stream(work)
         if side is not None:
             # AdamW (bound by memory bandwidth) on a side stream, beside the matrix groups' GEMMs
@@ -317,6 +330,58 @@ class MatrixOptimizer(Optimizer):
                 self._adamw_update(group, params, grads, skip)
         if side is not None:
             main.wait_stream(side)
+
+    def _group_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                      skip: Tensor | None) -> None:
+        if not group[self.matrix_flag]:
+            self._adamw_update(group, params, grads, skip)
+        elif skip is None:
+            self._matrix_update(group, params, grads)
+        else:
+            self._matrix_update(group, params, grads, skip)
+
+    def _staged_update(self, work: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]],
+                       skip: Tensor | None) -> None:
+        """The step over compact or offloaded state: chunk by chunk (:meth:`_state_chunks`), each chunk's state
+        decoded to float32 on the parameters' device, updated by the usual update and stored back
+        (:class:`matrixopt.optim.offload.StagedStep`; the next chunk's state is fetched while this one computes).
+        Offloaded, the step is all or nothing: on an exception the parameters and state are the step's before."""
+        if skip is not None:  # a deferred check, read on the host now: the state is moved and encoded anyway
+            if self.nonfinite.on_host(skip):
+                return
+            skip = None
+        chunks = [(group, [params[i] for i in idx], [grads[i] for i in idx])
+                  for group, params, grads in sorted(work, key=lambda w: not w[0][self.matrix_flag])
+                  for idx in self._state_chunks(group, params, grads)]
+        generators: dict[torch.device, torch.Generator] = {}
+
+        def generator(device: torch.device) -> torch.Generator:
+            if device not in generators:  # reseeded each step: reproducible, and resumable from a checkpoint
+                generators[device] = torch.Generator(device).manual_seed(0x5EED * 1_000_003 + self._rounding_step)
+            return generators[device]
+
+        staged = StagedStep(self.state, self.state_dtype, self.offload, generator)
+        self._staging = True
+        try:
+            for i, (group, params, grads) in enumerate(chunks):
+                staged.stage(params)
+                if i + 1 < len(chunks):
+                    staged.prefetch(chunks[i + 1][1])  # overlaps this chunk's update
+                self._group_update(group, params, grads, None)
+                staged.unstage(params)
+            staged.commit()
+        except BaseException:
+            staged.rollback()
+            raise
+        finally:
+            self._staging = False
+        self._rounding_step += 1
+
+    def _state_chunks(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[list[int]]:
+        """Indices of ``params`` in the chunks a staged step updates one at a time, each up to ``CHUNK_NUMEL``
+        values (or one larger parameter). Subclasses keep together parameters whose updates are computed
+        together (Muon's Newton–Schulz batches), so that a chunked step computes what the whole step would."""
+        return _pack([[i] for i in range(len(params))], [p.numel() for p in params])
 
     overlap_adamw = True  # set False on an instance to run AdamW after the matrix groups on one stream
 
@@ -408,12 +473,18 @@ class MatrixOptimizer(Optimizer):
         self.raise_deferred_nonfinite()
         sd = super().state_dict()
         sd["optimizer"] = type(self).__name__
+        if self.state_dtype is not None:
+            sd["rounding_step"] = self._rounding_step
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from ``state_dict()`` of the same optimizer class over the same parameters. A state
         dict from another optimizer class, another grouping or other parameter shapes raises ValueError. State
-        tensors keep the float32 dtype they were saved with (PyTorch would cast them to the parameter dtype)."""
+        tensors keep the float32 dtype they were saved with (PyTorch would cast them to the parameter dtype).
+
+        State saved in another ``state_dtype`` is converted: decoded to float32 (exact), and encoded for a compact
+        optimizer (which rounds, stochastically); state already in this optimizer's format is kept bit for bit.
+        Offloaded or not when saved, the state goes where this optimizer keeps it."""
         saved_name = state_dict.get("optimizer")
         if saved_name is not None and saved_name != type(self).__name__:
             raise ValueError(f"this state dict was saved by {saved_name}, not {type(self).__name__}; build the "
@@ -447,11 +518,35 @@ class MatrixOptimizer(Optimizer):
                     raise ValueError(f"state '{k}' has shape {tuple(v.shape)} but the parameter has shape "
                                      f"{tuple(p.shape)}: the state dict comes from a different model")
         super().load_state_dict(state_dict)
+        generator = torch.Generator().manual_seed(0x5EED)
         for pid, st in state_dict["state"].items():
             p = id_map[pid]
+            st = compact.converted(st, self.state_dtype, generator) if any(
+                isinstance(v, Tensor) and not compact.in_format(st, k, self.state_dtype)
+                for k, v in st.items() if not compact.is_scale(k, st)) else st
             self.state[p] = {k: (v.to(device=p.device, copy=True) if isinstance(v, Tensor) else v)
                              for k, v in st.items()}
+            if self.offload is not None:
+                self.state[p] = {k: self.offload.to_host(v) for k, v in self.state[p].items()}
+        self._rounding_step = int(state_dict.get("rounding_step", self._rounding_step))
 
     _shaped_state_keys = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+    _staging = False  # True while a staged step runs (compact or offloaded state: no captured graphs)
     # group options newer than some saved state dicts: loading one without them keeps this optimizer's values
     _added_options: tuple[str, ...] = ("weight_decay_mode",)
+
+
+def _pack(units: list[list[int]], sizes: list[int]) -> list[list[int]]:
+    """``units`` (lists of indices that stay together) packed in order into chunks of up to ``CHUNK_NUMEL``
+    values, ``sizes`` per index."""
+    chunks: list[list[int]] = []
+    total = 0
+    for unit in units:
+        n = sum(sizes[i] for i in unit)
+        if chunks and total + n <= CHUNK_NUMEL:
+            chunks[-1].extend(unit)
+            total += n
+        else:
+            chunks.append(list(unit))
+            total = n
+    return [sorted(c) for c in chunks]

@@ -30,9 +30,10 @@ from torch import Tensor
 
 from matrixopt.kernels import muon_elementwise
 from matrixopt.linalg.ortho import DEFAULT_SCHEDULE, NewtonSchulzConfig, newton_schulz_short_side, polar
-from matrixopt.optim.base import MatrixOptimizer, _check_finite, adamw_group_defaults, check_decay, check_lr
+from matrixopt.optim.base import MatrixOptimizer, _check_finite, _pack, adamw_group_defaults, check_decay, check_lr
 from matrixopt.optim.graphed import CapturedMuonStep
-from matrixopt.optim.layout import Bucket, momentum_buckets, orthogonalized_momentum_step
+from matrixopt.optim.layout import Bucket, matrix_pieces, momentum_buckets, orthogonalized_momentum_step
+from matrixopt.optim.offload import Offload
 
 SCALINGS = ("match_adamw", "original", "spectral")
 
@@ -98,7 +99,18 @@ class Muon(MatrixOptimizer):
             bucket's stacks). The learning rate may change; a change of another matrix-group setting captures
             anew. While the gradients, parameters and momentum stay at the same addresses (gradients zeroed or
             overwritten in place, or reallocated where they were), a step is one replay and little host work.
-            Ignored off CUDA and without Triton (:mod:`matrixopt.optim.graphed`).
+            Ignored off CUDA and without Triton (:mod:`matrixopt.optim.graphed`), and with ``state_dtype`` or
+            ``offload``.
+        state_dtype: how the momentum (and the AdamW groups' moments, and AdaMuon's second moment) is stored:
+            None (default, float32), ``torch.bfloat16`` or ``"bf16"`` (2 bytes a value instead of 4), or ``"int8"``
+            (1 byte and a float32 scale per 256 values). Stochastically rounded, so the rounding error is carried
+            in expectation; every step computes in float32 (:mod:`matrixopt.optim.state`, which has the table of
+            bytes per parameter).
+        offload: None (default) or ``"cpu"``: the optimizer state lives in CPU memory (pinned where CUDA is
+            available); each step brings one chunk of it to the parameters' device at a time, overlapped with the
+            previous chunk's update, and stores it back. With float32 state the parameters are bit for bit those of
+            the step without offload. The step is all or nothing: an exception mid-step leaves parameters and
+            state as they were (:mod:`matrixopt.optim.offload`). Host memory: twice the state plus the parameters.
 
     Parameters of matrix groups: 2-D ``(out, in)``; conv kernels ``(out, in, ...)`` (flattened); stacked experts
     ``(E, out, in)`` marked with :func:`matrixopt.mark_experts`; fused weights marked with
@@ -116,7 +128,8 @@ class Muon(MatrixOptimizer):
                  adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None, skip_nonfinite: bool = False,
                  deferred_nonfinite: bool = False, cuda_graph: bool = False, ns_method: str = "auto",
-                 weight_decay_mode: str = "decoupled") -> None:
+                 weight_decay_mode: str = "decoupled", state_dtype: Any = None,
+                 offload: str | Offload | None = None) -> None:
         matrix_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                weight_decay_mode=weight_decay_mode, ns_steps=ns_steps,
                                ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, ns_method=ns_method,
@@ -127,7 +140,8 @@ class Muon(MatrixOptimizer):
         # the fused kernels (and the captured step) skip on the deferred check's flag; the momentum pass applies
         # clip_grad_norm_'s coefficient as it reads a gradient
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
-                         deferred_nonfinite=deferred_nonfinite, clip_in_step=True)
+                         deferred_nonfinite=deferred_nonfinite, clip_in_step=True, state_dtype=state_dtype,
+                         offload=offload)
 
     def __getstate__(self) -> dict[str, Any]:
         return super().__getstate__() | {"cuda_graph": self.cuda_graph}  # captured graphs are not pickled
@@ -175,8 +189,8 @@ class Muon(MatrixOptimizer):
             bufs.append(st["momentum_buffer"])
         extras, adapt = self._adaptation(group, params)
         flat_extras = [t for ts in extras or () for t in ts]
-        fingerprint = (_fingerprint([*params, *grads, *bufs, *flat_extras]) if self.cuda_graph and params[0].is_cuda
-                       else None)
+        graph = self.cuda_graph and not self._staging  # staged state moves from step to step: no graphs
+        fingerprint = _fingerprint([*params, *grads, *bufs, *flat_extras]) if graph and params[0].is_cuda else None
         if fingerprint is not None and self._replay_again(group, params, grads, fingerprint, skip, flat_extras):
             return
         buckets, copies = momentum_buckets(params, grads, bufs, extras)
@@ -193,10 +207,36 @@ class Muon(MatrixOptimizer):
                     scale=lambda m, n: update_scale(group["scaling"], m, n), weight_decay=group["weight_decay"],
                     decay_mode=group["weight_decay_mode"], sign=self._pack_sign(group))
         grad_scale = self._step_grad_scale
-        if not (self.cuda_graph and fusable and self._graph_step(group, params, grads, buckets, lr, skip, grad_scale,
+        if not (graph and fusable and self._graph_step(group, params, grads, buckets, lr, skip, grad_scale,
                                                                  dict(step, adapt=adapt), fingerprint, flat_extras)):
             orthogonalized_momentum_step(buckets, copies, lr=lr, skip=skip, grad_scale=grad_scale, adapt=adapt,
                                          **step)
+
+    def _state_chunks(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[list[int]]:
+        """As the base class's, for a matrix group: parameters whose pieces share a Newton–Schulz batch (a bucket
+        of :func:`~matrixopt.optim.layout.momentum_buckets`) stay in one chunk, so each bucket is the whole
+        step's."""
+        if not group[self.matrix_flag]:
+            return super()._state_chunks(group, params, grads)
+        parent = list(range(len(params)))
+
+        def root(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        owner: dict[tuple, int] = {}
+        for i, (p, g) in enumerate(zip(params, grads)):
+            for piece in matrix_pieces(p, p):
+                m, n = piece.shape[-2:]
+                key = (min(m, n), max(m, n), g.dtype, p.dtype, p.device)
+                j = owner.setdefault(key, i)
+                parent[root(i)] = root(j)
+        units: dict[int, list[int]] = {}
+        for i in range(len(params)):
+            units.setdefault(root(i), []).append(i)
+        return _pack(list(units.values()), [p.numel() for p in params])
 
     def _adaptation(self, group: dict[str, Any],
                     params: list[Tensor]) -> tuple[list[list[Tensor]] | None, Callable[..., Tensor] | None]:
@@ -280,13 +320,14 @@ class MOP(Muon):
                  nesterov: bool = True, weight_decay: float = 0.01, scaling: str = "match_adamw", *,
                  adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.999),
                  adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None,
-                 skip_nonfinite: bool = False, weight_decay_mode: str = "decoupled") -> None:
+                 skip_nonfinite: bool = False, weight_decay_mode: str = "decoupled", state_dtype: Any = None,
+                 offload: str | Offload | None = None) -> None:
         matrix_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                weight_decay_mode=weight_decay_mode, scaling=scaling)
         adamw_defaults = adamw_group_defaults(lr, weight_decay, weight_decay_mode, adamw_lr, adamw_betas,
                                               adamw_eps, adamw_weight_decay)
         MatrixOptimizer.__init__(self, params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
-                                 clip_in_step=True)
+                                 clip_in_step=True, state_dtype=state_dtype, offload=offload)
 
     def _validate_orthogonalizer(self, group: dict[str, Any]) -> None:
         pass

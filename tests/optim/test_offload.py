@@ -1,0 +1,156 @@
+"""Offloaded optimizer state (``offload="cpu"``) on a CPU-only machine: the offload path runs with the CPU as the
+"device" and a counted copy standing in for the host-to-device transfer. Bit-identical to the step without
+offload over 50 steps, checkpoints independent of where state lived, and all-or-nothing steps."""
+
+import pytest
+import torch
+from torch import nn
+
+import matrixopt
+from matrixopt.optim import base
+from matrixopt.optim.offload import Offload
+
+
+class FakeDeviceCopy:
+    """The host-to-device copy of a machine without a GPU: a new tensor with the same values, counted."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        self.calls += 1
+        return t.to(device, copy=True)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(40, 16), nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 16),
+                          nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 48), nn.LayerNorm(48))
+    matrixopt.mark_split(model[6].weight, 3)  # pieces (16, 48) share a batch with the (48, 16) and (16, 48) weights
+    return model
+
+
+def _batch(g: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 40, (4, 8), generator=g)
+
+
+def _train(opt: torch.optim.Optimizer, model: nn.Module, steps: int, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = _batch(g)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+def _state_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
+    for st, st2 in zip(a.state.values(), b.state.values()):
+        assert st.keys() == st2.keys()
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                assert v.dtype == st2[k].dtype and torch.equal(v, st2[k]), k
+
+
+@pytest.mark.parametrize("name", ["muon", "normuon", "adamuon"])
+def test_offloaded_steps_are_bit_identical(name, monkeypatch):
+    copy = FakeDeviceCopy()
+    ref, model = _model(), _model()
+    opt_ref = matrixopt.build_optimizer(ref, name, lr=1e-2, weight_decay=0.1)
+    opt = matrixopt.build_optimizer(model, name, lr=1e-2, weight_decay=0.1, offload=Offload(device_copy=copy))
+    monkeypatch.setattr(base, "CHUNK_NUMEL", 1000)  # several chunks per group
+    _train(opt_ref, ref, 50)
+    _train(opt, model, 50)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    _state_equal(opt_ref, opt)
+    assert copy.calls > 0  # the state went through the device copy
+
+
+def test_offload_with_compact_state_matches_compact_state():
+    ref, model = _model(), _model()
+    opt_ref = matrixopt.build_optimizer(ref, "muon", lr=1e-2, state_dtype="bf16")
+    opt = matrixopt.build_optimizer(model, "muon", lr=1e-2, state_dtype="bf16",
+                                    offload=Offload(device_copy=FakeDeviceCopy()))
+    _train(opt_ref, ref, 10)
+    _train(opt, model, 10)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    _state_equal(opt_ref, opt)
+
+
+@pytest.mark.parametrize("save_offloaded", [True, False])
+def test_checkpoint_is_independent_of_where_state_lived(save_offloaded):
+    def build(model, offloaded):
+        return matrixopt.build_optimizer(model, "adamuon", lr=1e-2,
+                                         offload=Offload(device_copy=FakeDeviceCopy()) if offloaded else None)
+
+    ref, model = _model(), _model()
+    opt_ref = build(ref, save_offloaded)
+    _train(opt_ref, ref, 5)
+    model.load_state_dict(ref.state_dict())
+    opt = build(model, not save_offloaded)
+    opt.load_state_dict(opt_ref.state_dict())
+    _state_equal(opt_ref, opt)
+    _train(opt_ref, ref, 5, seed=2)
+    _train(opt, model, 5, seed=2)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_exception_mid_step_leaves_the_step_before(error, monkeypatch):
+    ref, model = _model(), _model()
+    opt_ref = matrixopt.build_optimizer(ref, "muon", lr=1e-2)
+    opt = matrixopt.build_optimizer(model, "muon", lr=1e-2, offload=Offload(device_copy=FakeDeviceCopy()))
+    monkeypatch.setattr(base, "CHUNK_NUMEL", 1000)
+    _train(opt_ref, ref, 3)
+    _train(opt, model, 3)
+    x = _batch(torch.Generator().manual_seed(3))
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    # the AdamW groups run after every matrix chunk has been updated: fail there
+    monkeypatch.setattr(opt, "_adamw_update", lambda *args: (_ for _ in ()).throw(error("injected")))
+    with pytest.raises(error, match="injected"):
+        opt.step()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    _state_equal(opt_ref, opt)
+    monkeypatch.undo()
+    opt_ref.zero_grad()
+    ref(x).pow(2).mean().backward()
+    opt_ref.step()
+    opt.step()  # the same step again succeeds, and is the reference's
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_out_of_host_memory_names_the_size(monkeypatch):
+    model = _model()
+    offload = Offload(device_copy=FakeDeviceCopy())
+    opt = matrixopt.build_optimizer(model, "muon", lr=1e-2, offload=offload)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def no_memory(shape, dtype):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(offload, "_allocate", no_memory)
+    model(_batch(torch.Generator().manual_seed(0))).pow(2).mean().backward()
+    with pytest.raises(MemoryError, match=r"could not allocate [0-9.]+ MiB of CPU memory .*offload"):
+        opt.step()
+    for a, b in zip(before, model.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("value", ["gpu", "nvme", True])
+def test_unknown_offload_lists_choices(value):
+    with pytest.raises(ValueError, match=r"offload.*'cpu'"):
+        matrixopt.Muon([nn.Parameter(torch.randn(8, 8))], offload=value)
+
+
+def test_offload_keeps_state_in_host_memory():
+    model = _model()
+    opt = matrixopt.build_optimizer(model, "muon", lr=1e-2, offload="cpu")
+    _train(opt, model, 2)
+    assert opt.offload.pin_memory == torch.cuda.is_available()
+    assert all(v.device.type == "cpu" for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+    assert opt.offload.host_bytes > 0
