@@ -99,8 +99,7 @@ class Offload:
             return self.device_copy(host, device)
         if self._overlapped(device):
             h2d, _ = self._cuda_streams(device)
-            h2d.wait_stream(torch.cuda.current_stream(device))  # the device allocation is free once main is
-            with torch.cuda.stream(h2d):
+            with torch.cuda.stream(h2d):  # from host memory into a new tensor: nothing on the main stream to wait for
                 return host.to(device, non_blocking=True)
         return host.to(device, copy=True)
 

@@ -17,14 +17,16 @@ import typing
 from dataclasses import dataclass, field
 
 from matrixopt.distributed.parallelism import parallelism_class
+from matrixopt.optim.offload import OFFLOAD_CHOICES
 from matrixopt.optim.registry import OPTIMIZERS, accepted
+from matrixopt.optim.state import check_state_dtype
 from matrixopt.train.data import DataConfig
 from matrixopt.train.model import PRESETS, GPTConfig, GPTOptions
 from matrixopt.train.schedule import ScheduleConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp32")
-SHAPE = ("n_layer", "n_head", "n_embd", "block_size")
+SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "n_expert", "topk", "expert_ffn")
 
 
 @dataclass(kw_only=True)
@@ -32,12 +34,17 @@ class ModelConfig(GPTOptions):
     """A preset plus optional overrides of its shape, and the GPT's options; the vocab comes from the data."""
 
     preset: str = "tiny-cpu"
-    """One of PRESETS: tiny-cpu, shakespeare-char, gpt2-small, gpt2-medium, 1.3b."""
+    """One of PRESETS: tiny-cpu, shakespeare-char, gpt2-small, gpt2-medium, 1.3b, moe-tiny, moe-small,
+    qwen3-30b-a3b."""
     n_layer: int | None = None
     n_head: int | None = None
     n_embd: int | None = None
     block_size: int | None = None
-    """Overrides of the preset's shape (None keeps the preset's value)."""
+    n_expert: int | None = None
+    topk: int | None = None
+    expert_ffn: int | None = None
+    """Overrides of the preset's shape (None keeps the preset's value); n_expert > 0 makes every MLP a mixture of
+    n_expert experts of width expert_ffn, topk per token."""
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -63,6 +70,12 @@ class OptimConfig:
     """AdamW betas (also used for the AdamW-routed parameters of a matrix optimizer)."""
     hparams: dict[str, typing.Any] = field(default_factory=dict)
     """Further keyword arguments for the optimizer, e.g. {"momentum": 0.95, "ns_steps": 5}."""
+    state_dtype: str | None = None
+    """How the momentum and Adam's moments are stored: None (float32), "bf16" or "int8" (stochastically rounded,
+    computed in float32; matrixopt.optim.state). Muon, MOP, NorMuon and AdaMuon."""
+    offload: str | None = None
+    """None, or "cpu": the optimizer state lives in CPU memory and is brought to the GPU chunk by chunk, overlapped
+    with the update (matrixopt.optim.offload). Muon, MOP, NorMuon and AdaMuon."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -72,6 +85,16 @@ class OptimConfig:
         self.betas = tuple(self.betas)
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        check_state_dtype(self.state_dtype)
+        if self.offload is not None and self.offload not in OFFLOAD_CHOICES:
+            raise ValueError(f"offload must be None or one of {OFFLOAD_CHOICES}, got {self.offload!r}")
+        memory = self._memory_options()
+        if memory and self.name in OPTIMIZERS and accepted(self.name, **memory) != memory:
+            raise ValueError(f"optimizer {self.name!r} does not take {', '.join(memory)}; use muon, mop, normuon "
+                             f"or adamuon")
+
+    def _memory_options(self) -> dict[str, typing.Any]:
+        return {k: v for k, v in (("state_dtype", self.state_dtype), ("offload", self.offload)) if v is not None}
 
     def optimizer_kwargs(self) -> dict[str, typing.Any]:
         """The keyword arguments for the registered optimizer. ``betas`` go to its AdamW: as ``betas`` where it
@@ -83,7 +106,8 @@ class OptimConfig:
             raise ValueError(f"unknown optimizer {self.name!r}; choose from {', '.join(sorted(OPTIMIZERS))}")
         betas_key = "adamw_betas" if accepted(self.name, adamw_betas=None) else "betas"
         deferred = {} if self.hparams.get("skip_nonfinite") else accepted(self.name, deferred_nonfinite=True)
-        return {"lr": self.lr, "weight_decay": self.weight_decay, betas_key: self.betas} | deferred | self.hparams
+        return ({"lr": self.lr, "weight_decay": self.weight_decay, betas_key: self.betas} | deferred
+                | self._memory_options() | self.hparams)
 
 
 @dataclass(kw_only=True)
@@ -136,6 +160,11 @@ class TrainConfig:
     tp_mode: str = "auto"
     """Muon's tensor-parallel Newton–Schulz under tp > 1: 'auto' (by a measured cost model), 'duplicated',
     'distributed' or 'blockwise' (matrixopt.distributed.tp). Other optimizers ignore it."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE layer's experts are split over groups of ep consecutive ranks, which send
+    tokens to the experts' ranks and back (matrixopt.distributed.ep); data parallelism over the world / ep
+    replicas of each expert. ep > 1 needs parallel 'ddp' and a mixture-of-experts model whose n_expert it
+    divides. A checkpoint resumes at any ep (it holds the single-process layout)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_iters", "log_every"):
@@ -150,8 +179,13 @@ class TrainConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        parallelism_class(self.parallel, tp=self.tp, tp_mode=self.tp_mode)  # checks parallel, tp and tp_mode
-        n_head = self.model.gpt_config(vocab_size=1).n_head
+        parallelism_class(self.parallel, tp=self.tp, tp_mode=self.tp_mode, ep=self.ep)  # checks parallel, tp, ep
+        gpt = self.model.gpt_config(vocab_size=1)
+        n_head = gpt.n_head
+        if self.ep > 1 and (not gpt.n_expert or gpt.n_expert % self.ep):
+            raise ValueError(f"ep={self.ep} must divide the model's n_expert={gpt.n_expert} (each rank holds "
+                             f"n_expert / ep whole experts); pick an --ep that divides it, or a mixture-of-experts "
+                             f"model (--model moe-tiny, --experts E)")
         if n_head % self.tp:
             raise ValueError(f"tp={self.tp} must divide the model's n_head={n_head} (each TP rank computes whole "
                              f"heads); pick a --tp that divides {n_head}")

@@ -134,7 +134,7 @@ def test_bf16_second_moment_keeps_small_increments():
     opt = matrixopt.Muon([{"params": [b], "use_muon": False}], lr=0.0, adamw_betas=(0.9, 0.999),
                          state_dtype="bf16")
     b.grad = torch.ones(2000)
-    steps = 1000
+    steps = 500
     for _ in range(steps):
         opt.step()
     v = decode(opt.state[b], "exp_avg_sq")
@@ -147,7 +147,7 @@ def test_bf16_second_moment_keeps_small_increments():
 def test_compact_state_round_trips_exactly(state_dtype):
     model, twin = _model(), _model()
     opt = matrixopt.build_optimizer(model, "normuon", lr=1e-2, state_dtype=state_dtype)
-    _train(opt, model, 3)
+    _train(opt, model, 2)
     sd = opt.state_dict()
     twin.load_state_dict(model.state_dict())
     opt2 = matrixopt.build_optimizer(twin, "normuon", lr=1e-2, state_dtype=state_dtype)
@@ -157,8 +157,8 @@ def test_compact_state_round_trips_exactly(state_dtype):
         for k in st:
             if torch.is_tensor(st[k]):
                 assert st2[k].dtype == st[k].dtype and torch.equal(st2[k], st[k]), k
-    _train(opt, model, 3, seed=5)  # same rounding draws after the resume: the same training
-    _train(opt2, twin, 3, seed=5)
+    _train(opt, model, 2, seed=5)  # same rounding draws after the resume: the same training
+    _train(opt2, twin, 2, seed=5)
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
 

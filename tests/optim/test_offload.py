@@ -51,15 +51,15 @@ def _state_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
                 assert v.dtype == st2[k].dtype and torch.equal(v, st2[k]), k
 
 
-@pytest.mark.parametrize("name", ["muon", "normuon", "adamuon"])
-def test_offloaded_steps_are_bit_identical(name, monkeypatch):
+@pytest.mark.parametrize("name, steps", [("muon", 50), ("normuon", 10), ("adamuon", 10)])
+def test_offloaded_steps_are_bit_identical(name, steps, monkeypatch):
     copy = FakeDeviceCopy()
     ref, model = _model(), _model()
     opt_ref = matrixopt.build_optimizer(ref, name, lr=1e-2, weight_decay=0.1)
     opt = matrixopt.build_optimizer(model, name, lr=1e-2, weight_decay=0.1, offload=Offload(device_copy=copy))
     monkeypatch.setattr(base, "CHUNK_NUMEL", 1000)  # several chunks per group
-    _train(opt_ref, ref, 50)
-    _train(opt, model, 50)
+    _train(opt_ref, ref, steps)
+    _train(opt, model, steps)
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a, b)
     _state_equal(opt_ref, opt)
