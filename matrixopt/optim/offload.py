@@ -201,7 +201,7 @@ class StagedStep:
         """Store the updated state of ``params`` (encoded; offload: into the shadows, swapped in by commit) and put
         the stored state back into ``state``."""
         for p in params:
-            work, stored = self.state[p], self._stored.pop(p)
+            work, stored = self.state[p], self._stored[p]  # still restorable by rollback() until stored back
             new = {}
             for k, v in work.items():
                 new |= compact.encode(v, k, self.state_dtype, self.generator(p.device)) if isinstance(v, Tensor) \
@@ -221,6 +221,7 @@ class StagedStep:
                     else:
                         stored[k] = v
             self.state[p] = stored
+            del self._stored[p]
 
     def commit(self) -> None:
         """Make the new state current: every chunk's host copies finished, the shadows swapped in."""

@@ -124,14 +124,20 @@ def test_exception_mid_step_leaves_the_step_before(error, monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_out_of_host_memory_names_the_size(monkeypatch):
+@pytest.mark.parametrize("fail_at", [1, 5])  # the first parameter backup; the first state buffer (4 matrices)
+def test_out_of_host_memory_names_the_size(fail_at, monkeypatch):
     model = _model()
     offload = Offload(device_copy=FakeDeviceCopy())
     opt = matrixopt.build_optimizer(model, "muon", lr=1e-2, offload=offload)
     before = [p.detach().clone() for p in model.parameters()]
+    calls = []
+    allocate = offload._allocate
 
     def no_memory(shape, dtype):
-        raise RuntimeError("CUDA error: out of memory")
+        calls.append(shape)
+        if len(calls) >= fail_at:
+            raise RuntimeError("CUDA error: out of memory")
+        return allocate(shape, dtype)
 
     monkeypatch.setattr(offload, "_allocate", no_memory)
     model(_batch(torch.Generator().manual_seed(0))).pow(2).mean().backward()
@@ -139,6 +145,7 @@ def test_out_of_host_memory_names_the_size(monkeypatch):
         opt.step()
     for a, b in zip(before, model.parameters()):
         assert torch.equal(a, b)
+    assert not any(opt.state.values())  # no state of the failed first step
 
 
 @pytest.mark.parametrize("value", ["gpu", "nvme", True])
