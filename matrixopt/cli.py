@@ -23,11 +23,17 @@ from pathlib import Path
 
 # (flag, config path, type, help). Flags default to "not given", so the config file or defaults apply.
 RUN_FLAGS = [
-    ("--model", "model.preset", str, "preset: tiny-cpu, shakespeare-char, gpt2-small, gpt2-medium, 1.3b"),
+    ("--model", "model.preset", str, "preset: tiny-cpu, shakespeare-char, gpt2-small, gpt2-medium, 1.3b, moe-tiny, "
+                                     "moe-small, qwen3-30b-a3b"),
     ("--n-layer", "model.n_layer", int, "override the preset's layer count"),
     ("--n-head", "model.n_head", int, "override the preset's head count"),
     ("--n-embd", "model.n_embd", int, "override the preset's width"),
     ("--block-size", "model.block_size", int, "override the preset's context length"),
+    ("--experts", "model.n_expert", int, "experts per MoE layer (0: dense MLP)"),
+    ("--topk", "model.topk", int, "experts per token of an MoE"),
+    ("--expert-ffn", "model.expert_ffn", int, "hidden width of each expert"),
+    ("--aux-loss", "model.aux_loss_coef", float, "MoE load-balancing loss coefficient (default 0.01, 0 off)"),
+    ("--router-bias-rate", "model.router_bias_rate", float, "MoE auxiliary-loss-free balancing step (default 0: off)"),
     ("--dropout", "model.dropout", float, "dropout probability (default 0)"),
     ("--norm", "model.norm", str, "layernorm (default) or rmsnorm"),
     ("--data", "data.data", str, "'shakespeare' (built in), a text file or folder, or a .bin/.npy/.u16.xz token file"),
@@ -59,12 +65,15 @@ RUN_FLAGS = [
     ("--tp", "tp", int, "tensor-parallel degree (default 1): with --parallel fsdp, shard each block over groups of "
                         "TP ranks (Megatron layout) and FSDP over world/TP; must divide n_head and the world size"),
     ("--tp-mode", "tp_mode", str, "Muon's TP Newton-Schulz: auto (default), duplicated, distributed or blockwise"),
+    ("--ep", "ep", int, "expert-parallel degree (default 1): with --parallel ddp, split each MoE layer's experts over "
+                        "groups of EP ranks; must divide the expert count and the world size"),
 ]
 SWITCHES = [
     ("--bias", "model.bias", "biases in Linear layers and norms"),
     ("--rope", "model.rope", "rotary position embeddings"),
     ("--untied", "model.tie_embeddings", "separate lm_head weight (sets tie_embeddings false)"),
     ("--compile", "compile", "torch.compile the model"),
+    ("--shared-expert", "model.shared_expert", "MoE: a shared expert every token goes through"),
 ]
 
 

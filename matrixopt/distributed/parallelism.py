@@ -27,6 +27,9 @@ One subclass per mode, built by :func:`make_parallelism`, the one place a mode's
   as their sharded forms (:class:`~matrixopt.distributed.sharded.ShardedNorMuon`, ``ShardedAdaMuon``), without
   tensor parallelism.
 
+Expert parallelism composes into DDP (``ep > 1``: each mixture-of-experts layer's experts split over groups of
+ep ranks, :mod:`matrixopt.distributed.ep`).
+
 The multi-process modes run one process per rank, as torchrun starts them: constructing one joins the default
 process group (created from torchrun's environment unless the caller already did: NCCL on CUDA, gloo on CPU)
 and leaves it to the caller. Every rank draws the same global batch and takes its rows (:meth:`batch_rows`), so
@@ -53,6 +56,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from matrixopt.device import resolve_device
 from matrixopt.distributed import checkpoint, comm
+from matrixopt.distributed import ep as ep_lib
 from matrixopt.distributed.fsdp import apply_fsdp
 from matrixopt.distributed.layerwise import LayerwiseOptimizer
 from matrixopt.distributed.sharded import ShardedAdaMuon, ShardedMuon, ShardedNorMuon
@@ -96,18 +100,25 @@ class Parallelism:
     name: ClassVar[str]
     checkpoint_name: ClassVar[str] = "ckpt.pt"
     tensor_parallel: ClassVar[bool] = False  # whether tp > 1 composes into this mode
+    expert_parallel: ClassVar[bool] = False  # whether ep > 1 composes into this mode
 
     def __init__(self, device: str | torch.device = "auto", *, bf16: bool = False) -> None:
         self.device = resolve_device(device) if isinstance(device, str) else device
         self.bf16 = bf16
-        self.rank, self.world, self.tp = 0, 1, 1
+        self.rank, self.world, self.tp, self.ep = 0, 1, 1, 1
         self.model: nn.Module | None = None
         self.module: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
 
     @classmethod
-    def check(cls, *, tp: int = 1, tp_mode: str = "auto") -> None:
+    def check(cls, *, tp: int = 1, tp_mode: str = "auto", ep: int = 1) -> None:
         """Raise ValueError naming a setting this mode does not take."""
+        if ep < 1:
+            raise ValueError(f"ep must be a positive integer (1: no expert parallelism), got {ep}")
+        if ep > 1 and not cls.expert_parallel:
+            modes = ", ".join(n for n, c in PARALLELISMS.items() if c.expert_parallel)
+            raise ValueError(f"ep={ep} needs --parallel {modes} (expert parallelism shards the experts over groups "
+                             f"of ep ranks, data parallel over the rest), got --parallel {cls.name}")
         if tp < 1:
             raise ValueError(f"tp must be a positive integer (1: no tensor parallelism), got {tp}")
         if tp > 1 and not cls.tensor_parallel:
@@ -156,6 +167,10 @@ class Parallelism:
         return build_optimizer(model, name, splits=splits, **hparams)
 
     # ------------------------------------------------------------------------------------------------- the step
+
+    def sync_grads(self) -> None:
+        """Finish the gradients after the last micro-batch's backward, where the wrapper does not (expert
+        gradients under expert parallelism). Collective."""
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Context for the forward and backward of every micro-batch but the last: accumulate local gradients
@@ -220,7 +235,8 @@ class Parallelism:
 
     def describe(self) -> dict[str, Any]:
         """The facts run.json records."""
-        return {"parallel": self.name, "world_size": self.world, "tp": self.tp}
+        return {"parallel": self.name, "world_size": self.world, "tp": self.tp} | (
+            {"ep": self.ep} if self.ep > 1 else {})
 
 
 class SingleProcess(Parallelism):
@@ -291,16 +307,88 @@ class MultiProcess(Parallelism):
 
 class DDP(MultiProcess):
     """DistributedDataParallel: every rank holds the whole model and optimizer; checkpoints are one file, written
-    by rank 0 and read by every rank."""
+    by rank 0 and read by every rank.
+
+    With ``ep > 1``, expert parallelism (:mod:`matrixopt.distributed.ep`): each mixture-of-experts layer's
+    experts are split over groups of ``ep`` consecutive ranks, which exchange tokens with all-to-alls; DDP
+    reduces the dense gradients over every rank and :meth:`sync_grads` the expert gradients over each shard's
+    ``world / ep`` replicas. Each rank's optimizer steps its own dense copy and expert shard (a matrix optimizer
+    orthogonalizes each local expert's matrix). Checkpoints hold the whole expert stacks (the single-process
+    layout), so they resume at any ep and in one process."""
 
     name = "ddp"
+    expert_parallel = True
+
+    def __init__(self, device: str | torch.device = "auto", *, bf16: bool = False, ep: int = 1) -> None:
+        super().__init__(device, bf16=bf16)
+        self.ep = ep
+        self.expert_params: list[nn.Parameter] = []
+        if ep > 1:
+            self.ep_group, self.replica_group = ep_lib.expert_groups(self.world, ep)
+            self.ep_rank = dist.get_rank(self.ep_group)
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
+        if self.ep > 1:
+            ep_lib.shard_experts(model, self.ep_group)
+            self.expert_names = ep_lib.expert_param_names(model)
+            if not self.expert_names:
+                raise ValueError(f"ep={self.ep} but the model has no expert stacks; use a mixture-of-experts model")
+            named = dict(model.named_parameters())
+            self.expert_params = [named[n] for n in self.expert_names]
+            nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, self.expert_names)
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.module.no_sync()
+
+    def sync_grads(self) -> None:
+        if self.ep > 1:
+            ep_lib.reduce_expert_grads(self.expert_params, self.replica_group, self.world)
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        if self.ep == 1:
+            return super().clip_grad_norm_(max_norm)
+        experts = {id(p) for p in self.expert_params}
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        dense = nn.utils.get_total_norm([p.grad for p in params if id(p) not in experts])
+        sq = nn.utils.get_total_norm([p.grad for p in self.expert_params]).square()
+        dist.all_reduce(sq, group=self.ep_group)  # the shards' squares: every expert once
+        total = (dense.square() + sq).sqrt()
+        nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def save(self, path: Path, extra: dict) -> None:
+        if self.ep == 1:
+            return super().save(path, extra)
+        model_sd, optim_sd = self.model.state_dict(), self.optimizer.state_dict()
+        self._map_experts(model_sd, optim_sd, lambda t: ep_lib.gather_experts(t, self.ep_group))
+        if self.rank == 0:
+            checkpoint.save_checkpoint(path, extra | {"model": model_sd, "optimizer": optim_sd})
+        self.barrier()
+
+    def load(self, path: Path) -> dict:
+        if self.ep == 1:
+            return super().load(path)
+        ck = checkpoint.load_checkpoint(path)
+        model_sd, optim_sd = ck.pop("model"), ck.pop("optimizer")
+        self._map_experts(model_sd, optim_sd, lambda t: ep_lib.local_experts(t, self.ep, self.ep_rank).clone(),
+                          whole=True)
+        self.model.load_state_dict(model_sd)
+        self.optimizer.load_state_dict(optim_sd)
+        return ck
+
+    def _map_experts(self, model_sd: dict, optim_sd: dict, fn: Callable[[Tensor], Tensor], whole: bool = False):
+        """Apply ``fn`` in place to the expert stacks of the state dicts and to their optimizer state tensors
+        that stack per expert (dim 0 of the local stack's size, or the whole stack's when ``whole``)."""
+        index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        for name, p in zip(self.expert_names, self.expert_params):
+            model_sd[name] = fn(model_sd[name])
+            n = p.shape[0] * (self.ep if whole else 1)
+            i = index[id(p)]
+            if i in optim_sd["state"]:  # a new dict: state_dict() shares the live optimizer's per-parameter dicts
+                optim_sd["state"][i] = {k: fn(v) if torch.is_tensor(v) and v.ndim and v.shape[0] == n else v
+                                        for k, v in optim_sd["state"][i].items()}
 
 
 class Layerwise(MultiProcess):
@@ -463,23 +551,26 @@ PARALLELISMS: dict[str, type[Parallelism]] = {"none": SingleProcess, "ddp": DDP,
                                              "fsdp": FSDP}
 
 
-def parallelism_class(mode: str, *, tp: int = 1, tp_mode: str = "auto") -> type[Parallelism]:
+def parallelism_class(mode: str, *, tp: int = 1, tp_mode: str = "auto", ep: int = 1) -> type[Parallelism]:
     """The class of parallel ``mode``, after checking the settings it is given (no process group needed: configs
     call it to validate themselves). ValueError names a bad one."""
     if mode not in PARALLELISMS:
         raise ValueError(f"parallel must be one of {', '.join(PARALLELISMS)}, got {mode!r}")
     cls = PARALLELISMS[mode]
-    cls.check(tp=tp, tp_mode=tp_mode)
+    cls.check(tp=tp, tp_mode=tp_mode, ep=ep)
     return cls
 
 
 def make_parallelism(mode: str, *, device: str | torch.device = "auto", tp: int = 1, tp_mode: str = "auto",
-                     bf16: bool = False, tp_plan: TPPlan | None = None) -> Parallelism:
+                     bf16: bool = False, tp_plan: TPPlan | None = None, ep: int = 1) -> Parallelism:
     """The :class:`Parallelism` of ``mode`` ("none", "ddp", "layerwise" or "fsdp"), joined to the process group
     where it has several ranks. ``device``: "auto" (CUDA when available), "cpu", "cuda" or a torch.device.
     ``bf16``: the run computes in bf16 (autocast, or FSDP2's mixed precision). ``tp``, ``tp_mode``, ``tp_plan``:
-    tensor parallelism under "fsdp" (see :class:`FSDP`)."""
-    cls = parallelism_class(mode, tp=tp, tp_mode=tp_mode)
+    tensor parallelism under "fsdp" (see :class:`FSDP`). ``ep``: expert parallelism under "ddp" (see
+    :class:`DDP`); ValueError unless it divides the number of ranks."""
+    cls = parallelism_class(mode, tp=tp, tp_mode=tp_mode, ep=ep)
     if cls.tensor_parallel:
         return cls(device, bf16=bf16, tp=tp, tp_mode=tp_mode, tp_plan=tp_plan)
+    if cls.expert_parallel:
+        return cls(device, bf16=bf16, ep=ep)
     return cls(device, bf16=bf16)

@@ -12,6 +12,7 @@ head, norms and biases to AdamW. References: nanoGPT ``model.py`` (https://githu
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from matrixopt.distributed.qk_clip import max_logits_per_head
+from matrixopt.optim.layout import mark_experts
 
 NORMS = ("layernorm", "rmsnorm")
 
@@ -38,12 +40,22 @@ class GPTOptions:
     """Rotary position embeddings on q and k instead of a learned position table."""
     tie_embeddings: bool = True
     """Share the token embedding with lm_head."""
+    shared_expert: bool = False
+    """MoE: add a shared expert (a dense MLP of width expert_ffn that every token goes through)."""
+    aux_loss_coef: float = 0.01
+    """MoE: weight of the load-balancing loss added to the training loss (0 turns it off)."""
+    router_bias_rate: float = 0.0
+    """MoE: step size u of auxiliary-loss-free balancing (DeepSeek-V3): after each optimizer step every expert's
+    selection bias moves by u towards balance (0 turns it off)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model dropout must be in [0, 1), got {self.dropout}")
         if self.norm not in NORMS:
             raise ValueError(f"model norm must be one of {', '.join(NORMS)}, got {self.norm!r}")
+        for name in ("aux_loss_coef", "router_bias_rate"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"model {name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
 
 
 @dataclass(kw_only=True)
@@ -60,11 +72,23 @@ class GPTConfig(GPTOptions):
     """Attention heads per block; must divide n_embd."""
     n_embd: int = 384
     """Model width d."""
+    n_expert: int = 0
+    """Experts per block: 0 for the dense MLP, else a mixture of experts (:class:`MoE`) in every block."""
+    topk: int = 2
+    """MoE: experts per token, 1 <= topk <= n_expert."""
+    expert_ffn: int = 0
+    """MoE: hidden width of each expert (0: 4 * n_embd / topk)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model {name} must be a positive integer, got {getattr(self, name)}")
+        for name in ("n_expert", "expert_ffn"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model {name} must be >= 0, got {getattr(self, name)}")
+        if self.n_expert and not 1 <= self.topk <= self.n_expert:
+            raise ValueError(f"model topk={self.topk} must be between 1 and n_expert={self.n_expert} (each token "
+                             f"goes to topk distinct experts); pass --topk <= {self.n_expert}")
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"model n_embd={self.n_embd} is not divisible by n_head={self.n_head}; pick a width that is a "
@@ -83,6 +107,13 @@ PRESETS: dict[str, dict] = {
     "gpt2-small": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),
     "1.3b": dict(n_layer=24, n_head=16, n_embd=2048, block_size=2048),
+    # Mixtures of experts. "qwen3-30b-a3b" has Qwen3-30B-A3B's depth, width and experts (48 x 2048, 128 experts of
+    # width 768, top-8); its attention is approximated: Qwen3 has 32 query and 4 KV heads of 128 (GQA, q width
+    # 4096), this GPT 16 heads of 128 with q = k = v width 2048. Pass --n-layer to run it at reduced depth.
+    "moe-tiny": dict(n_layer=2, n_head=2, n_embd=32, block_size=16, n_expert=4, topk=2, expert_ffn=32),
+    "moe-small": dict(n_layer=8, n_head=8, n_embd=512, block_size=1024, n_expert=16, topk=2, expert_ffn=1024),
+    "qwen3-30b-a3b": dict(n_layer=48, n_head=16, n_embd=2048, block_size=4096, n_expert=128, topk=8,
+                          expert_ffn=768),
 }
 # The fused (3d, d) QKV weight, orthogonalized as Q, K and V (the ``splits`` of matrixopt.build_optimizer).
 QKV_SPLITS = {r"attn\.c_attn\.weight$": 3}
@@ -163,14 +194,150 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, hidden: int | None = None):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        hidden = hidden or 4 * config.n_embd
+        self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+def expert_ffn(config: GPTConfig) -> int:
+    """Hidden width of one expert: ``config.expert_ffn``, or 4 d / topk (the dense MLP's active width)."""
+    return config.expert_ffn or max(1, 4 * config.n_embd // config.topk)
+
+
+def grouped_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """Row blocks of ``x`` times their group's matrix: ``x`` ``(M, in)`` with rows sorted by group, ``w``
+    ``(G, out, in)`` (stored as nn.Linear weights), ``counts`` ``(G,)`` int64 rows per group (summing to M).
+    Returns ``(M, out)``: rows ``counts[:g].sum()`` onwards of block g are ``x_block @ w[g].T``.
+
+    On CUDA under bf16 a grouped GEMM (``torch._grouped_mm``, one kernel for every group, each group's rows
+    padded to a multiple of ``GROUP_ALIGN``), else on CUDA a padded batched matmul (``(G, max count, in)``); on
+    CPU (the reference) one matmul per group, empty groups included, so every expert's weight is in the graph and
+    gets a (zero) gradient."""
+    if x.is_cuda:
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+        if dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+            return _grouped_mm_aligned(x.to(dtype), w.to(dtype), counts)
+        return _padded_mm(x, w, counts)
+    blocks = x.split(counts.tolist())  # G blocks (n_g, in)
+    return torch.cat([b @ w[g].T for g, b in enumerate(blocks)])  # (M, out)
+
+
+GROUP_ALIGN = 16  # rows: torch._grouped_mm wants group offsets aligned to 16 for bf16 (as torchtitan pads them)
+
+
+def _grouped_mm_aligned(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """:func:`grouped_mm` by ``torch._grouped_mm`` on rows copied into groups padded to ``GROUP_ALIGN`` rows, in a
+    buffer of ``M + G (GROUP_ALIGN - 1)`` rows (its size known without reading ``counts`` on the host)."""
+    G, M, A = counts.numel(), x.size(0), GROUP_ALIGN
+    padded = (counts + A - 1) // A * A  # (G,)
+    ends = torch.cumsum(padded, 0)
+    group = torch.repeat_interleave(torch.arange(G, device=x.device), counts, output_size=M)  # (M,)
+    dest = (ends - padded)[group] + torch.arange(M, device=x.device) - (torch.cumsum(counts, 0) - counts)[group]
+    xp = x.new_zeros(M + G * (A - 1), x.size(1)).index_copy(0, dest, x)  # (M', in)
+    y = torch._grouped_mm(xp, w.transpose(-2, -1), offs=ends.to(torch.int32))  # (M', out)
+    return y[dest]  # (M, out)
+
+
+def _padded_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """:func:`grouped_mm` as one batched matmul over groups padded to the largest count."""
+    G, M = counts.numel(), x.size(0)
+    starts = torch.cumsum(counts, 0) - counts  # (G,) first row of each group
+    group = torch.repeat_interleave(torch.arange(G, device=x.device), counts, output_size=M)  # (M,)
+    slot = torch.arange(M, device=x.device) - starts[group]  # (M,) row within its group
+    cap = int(counts.max()) if M else 0
+    padded = x.new_zeros(G, cap, x.size(1)).index_put((group, slot), x)  # (G, cap, in)
+    y = torch.bmm(padded, w.to(padded.dtype).transpose(-2, -1))  # (G, cap, out)
+    return y[group, slot]  # (M, out)
+
+
+class Experts(nn.Module):
+    """E expert MLPs, ``y = W2_e gelu(W1_e x)``, stored as stacks: ``c_fc`` ``(E, H, d)`` and ``c_proj``
+    ``(E, d, H)``, each marked with :func:`matrixopt.mark_experts` so a matrix optimizer orthogonalizes every
+    expert's matrix on its own (one batched call per stack).
+
+    ``forward(x, counts)`` takes the routed copies of tokens ``x`` ``(M, d)`` sorted by expert and ``counts``
+    ``(n_expert,)`` int64 copies per expert, and returns the expert outputs ``(M, d)`` in the same order. By
+    default this module computes them itself; ``dispatch`` (set by expert parallelism,
+    :func:`matrixopt.distributed.ep.shard_experts`) is a callable ``dispatch(compute, x, counts)`` that sends
+    the rows to the ranks holding their experts and calls ``compute`` on the rows of this rank's stacks."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        E, H, C = config.n_expert, expert_ffn(config), config.n_embd
+        self.n_expert = E  # over all ranks; the stacks hold E // ep under expert parallelism
+        self.c_fc = mark_experts(nn.Parameter(torch.empty(E, H, C)))
+        self.c_proj = mark_experts(nn.Parameter(torch.empty(E, C, H)))
+        self.dispatch: Callable[..., Tensor] | None = None
+
+    def compute(self, x: Tensor, counts: Tensor) -> Tensor:
+        """The local stacks on rows ``x`` ``(M, d)`` sorted by local expert, ``counts`` ``(E_local,)``."""
+        return grouped_mm(F.gelu(grouped_mm(x, self.c_fc, counts)), self.c_proj, counts)  # (M, d)
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        if self.dispatch is None:
+            return self.compute(x, counts)
+        return self.dispatch(self.compute, x, counts)
+
+
+class MoE(nn.Module):
+    """A mixture of experts in place of the MLP (Qwen3-MoE / DeepSeek style): a softmax router over E experts,
+    each token to its top-k, their outputs weighted by the router probabilities renormalized over the k; every
+    token is computed (no capacity, nothing dropped); optionally a shared expert every token also goes through.
+
+    Balancing: :attr:`aux_loss`, the load-balancing loss of the last training forward, ``E sum_e f_e P_e``
+    (Switch Transformer, Fedus et al. 2021, https://arxiv.org/abs/2101.03961, eq. 4; f_e the share of the k T
+    routed copies of a sequence that go to expert e, P_e the mean router probability of e over the sequence),
+    averaged over the sequences of the batch, so it does not depend on how the batch is split over ranks; 1 when
+    balanced. With ``router_bias_rate`` > 0, a per-expert bias is added to the probabilities for choosing the
+    top k only (auxiliary-loss-free balancing, DeepSeek-V3, https://arxiv.org/abs/2412.19437, sec. 2.1.2), moved
+    by :meth:`GPT.update_router_bias`. :attr:`counts` sums the routed copies per expert over training forwards
+    (``(E,)`` fp32, no gradient) until :meth:`GPT.pop_moe_stats`."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.topk = config.topk
+        self.router = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.experts = Experts(config)
+        self.shared = MLP(config, hidden=expert_ffn(config)) if config.shared_expert else None
+        self.dropout = nn.Dropout(config.dropout)
+        self.biased = config.router_bias_rate > 0
+        self.register_buffer("router_bias", torch.zeros(config.n_expert))  # (E,) fp32, selection only
+        self.aux_loss: Tensor | None = None
+        self.counts = torch.zeros(config.n_expert)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.size()
+        E, k = self.router.out_features, self.topk
+        xf = x.reshape(B * T, C)  # (N, C), N = B T
+        logits = self.router(xf)  # (N, E)
+        probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)  # (N, E), fp32 or fp64
+        scores = probs + self.router_bias if self.biased else probs
+        idx = scores.topk(k, dim=-1).indices  # (N, k)
+        gate = probs.gather(-1, idx)
+        gate = gate / gate.sum(dim=-1, keepdim=True)  # (N, k) renormalized over the chosen k
+        flat = idx.flatten()  # (N k,) expert of each routed copy, token-major
+        order = flat.argsort(stable=True)  # copies sorted by expert
+        token = order // k  # (N k,) token of each sorted copy
+        counts = torch.bincount(flat, minlength=E)  # (E,) int64
+        y = self.experts(xf[token], counts)  # (N k, C)
+        y = y * gate.flatten()[order, None].to(y.dtype)
+        out = torch.zeros_like(xf).index_add_(0, token, y.to(xf.dtype))  # (N, C): sum over each token's k
+        if self.shared is not None:
+            out = out + self.shared(xf)
+        if self.training:
+            per_seq = torch.zeros(B, E, device=x.device).scatter_add_(
+                1, idx.view(B, T * k), torch.ones(B, T * k, device=x.device))  # (B, E) copies per expert
+            f = per_seq / (T * k)  # (B, E)
+            P = probs.view(B, T, E).mean(dim=1)  # (B, E)
+            self.aux_loss = E * (f * P).sum(dim=-1).mean()
+            self.counts = self.counts.to(x.device) + per_seq.sum(dim=0)
+        return self.dropout(out.view(B, T, C))
 
 
 class Block(nn.Module):
@@ -179,7 +346,7 @@ class Block(nn.Module):
         self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = make_norm(config)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.n_expert else MLP(config)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
         x = x + self.attn(self.ln_1(x), rope)
@@ -210,7 +377,9 @@ class GPT(nn.Module):
         # nanoGPT's init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer) (GPT-2 paper).
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
+            if name.endswith("experts.c_fc"):
+                nn.init.normal_(p, mean=0.0, std=0.02)
+            if name.endswith(("c_proj.weight", "experts.c_proj")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
@@ -243,7 +412,39 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+            if self.training and self.config.n_expert and self.config.aux_loss_coef > 0:
+                loss = loss + self.config.aux_loss_coef * self.aux_loss()
         return logits, loss
+
+    # ------------------------------------------------------------------------------------------ mixture of experts
+
+    def moe_layers(self) -> list[MoE]:
+        """The blocks' :class:`MoE` layers (empty for a dense GPT)."""
+        return [block.mlp for block in self.transformer.h if isinstance(block.mlp, MoE)]
+
+    def aux_loss(self) -> Tensor:
+        """The load-balancing loss of the last training forward, averaged over the MoE layers (fp32 scalar with
+        gradient; 1 when every layer is balanced). In training mode the forward adds ``aux_loss_coef`` times it to
+        the loss it returns."""
+        return torch.stack([m.aux_loss for m in self.moe_layers()]).mean()
+
+    def pop_moe_stats(self) -> Tensor:
+        """``(n_layer, n_expert)`` fp32: routed token copies per expert of each MoE layer over the training
+        forwards since the last call (this process's tokens), and reset them."""
+        counts = torch.stack([m.counts for m in self.moe_layers()])
+        for m in self.moe_layers():
+            m.counts = torch.zeros_like(m.counts)
+        return counts
+
+    @torch.no_grad()
+    def update_router_bias(self, counts: Tensor) -> None:
+        """Auxiliary-loss-free balancing: ``b_e += u sign(mean_e' c_e' - c_e)`` with u = router_bias_rate for
+        every layer, from ``counts`` ``(n_layer, n_expert)`` (e.g. :meth:`pop_moe_stats` summed or averaged over
+        the data-parallel ranks, so that every rank moves the same way). No-op when the rate is 0."""
+        u = self.config.router_bias_rate
+        if u > 0:
+            for m, c in zip(self.moe_layers(), counts):
+                m.router_bias += u * torch.sign(c.mean() - c).to(m.router_bias)
 
     def track_max_logits(self, on: bool = True) -> None:
         """Turn the max-logit trackers of every attention on (or off) and reset them. While on, each forward in
@@ -271,7 +472,12 @@ class GPT(nn.Module):
             block.attn.max_logits = None
 
     def estimate_flops_per_token(self) -> float:
-        """Training FLOPs per token: 6 N + 12 L T d for attention (PaLM, Chowdhery et al. 2022, app. B)."""
+        """Training FLOPs per token: 6 N + 12 L T d for attention (PaLM, Chowdhery et al. 2022, app. B), N the
+        parameters a token uses (for a mixture of experts: topk of the n_expert experts and the router)."""
         c = self.config
-        return 6 * self.num_params() + 12 * c.n_layer * c.block_size * c.n_embd
+        n = self.num_params()
+        if c.n_expert:  # the stacks held here (a shard under expert parallelism) out, the active experts in
+            n -= sum(p.numel() for m in self.moe_layers() for p in m.experts.parameters())
+            n += c.n_layer * c.topk * 2 * expert_ffn(c) * c.n_embd
+        return 6 * n + 12 * c.n_layer * c.block_size * c.n_embd
 

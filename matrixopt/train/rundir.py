@@ -14,9 +14,10 @@ from pathlib import Path
 from matrixopt.distributed.checkpoint import recover_folder
 from matrixopt.train.config import TrainConfig, from_dict
 
-# Config fields a run may change between resumes: no effect on results (tp: as the number of ranks, the same
-# losses within fp32 reduction order; checkpoints hold the fused QKV rows in single-process order).
-FREE_TO_CHANGE = ("ckpt_every", "threads", "tp")
+# Config fields a run may change between resumes: no effect on results (tp, ep: as the number of ranks, the same
+# losses within fp32 reduction order; checkpoints hold the fused QKV rows and whole expert stacks in
+# single-process order).
+FREE_TO_CHANGE = ("ckpt_every", "threads", "tp", "ep")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -10,7 +10,9 @@
   communication it leaves running on other streams is not counted), ``peak_mem_mb``, ``val_loss`` on
   evaluation steps (step 0, every ``eval_every`` steps, and the last step), and with ``qk_clip`` the logged
   step's ``qk_clipped_heads`` (heads QK-clip scaled, over all layers) and ``max_logit`` (the largest pre-softmax
-  logit of any head in that step, before clipping);
+  logit of any head in that step, before clipping), and for a mixture of experts ``expert_load`` (each expert's
+  share of the routed tokens), ``expert_max_load`` (busiest expert over mean, worst layer) and ``aux_loss``
+  (:class:`MoEStats`; the logged ``loss`` of a mixture of experts includes ``aux_loss_coef`` times it);
 * ``out/run.json``: facts about the run (parameters, optimizer state size, device, versions) and its result;
 * the checkpoint (``out/ckpt.pt``, or the folder ``out/ckpt/`` where the ranks shard the state): model,
   optimizer, step, timers and RNG state, written atomically at ``ckpt_every``, at the end and on Ctrl-C.
@@ -134,7 +136,7 @@ def train(
     gpt_config = cfg.model.gpt_config(ds.vocab_size)
     check_lengths(ds, gpt_config.block_size, cfg.data.data)
     par = make_parallelism(cfg.parallel, device=cfg.device, tp=cfg.tp, tp_mode=cfg.tp_mode,
-                           bf16=uses_bf16(cfg.dtype, cfg.device), tp_plan=GPT_TP)
+                           bf16=uses_bf16(cfg.dtype, cfg.device), tp_plan=GPT_TP, ep=cfg.ep)
     rows = par.batch_rows(cfg.batch_size)  # this rank's rows of every global micro-batch
     prepare_device(par.device, cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -142,6 +144,7 @@ def train(
     module = par.wrap(model)  # before resuming: bad settings fail fast
     optimizer = par.build_optimizer(model, cfg.optim.name, splits=QKV_SPLITS, **cfg.optim.optimizer_kwargs())
     qk_clip = GPTQKClip(model, par, cfg.qk_clip) if cfg.qk_clip is not None else None
+    moe = MoEStats(model, par) if gpt_config.n_expert else None
     schedule = LRSchedule(optimizer, cfg.steps, cfg.schedule)
     ckpt_path, metrics_path = out / par.checkpoint_name, out / "metrics.jsonl"
     resuming = par.from_rank_zero(
@@ -181,6 +184,8 @@ def train(
             t0 = time.perf_counter()
             pending += train_step(fwd, par, optimizer, functools.partial(batches, tally.step), cfg.grad_accum,
                                   cfg.grad_clip, opt_timer, qk_clip)
+            if moe is not None:
+                moe.step()
             schedule.step()
             stopping = par.any(stop.requested)
             step = tally.step = tally.step + 1
@@ -204,6 +209,7 @@ def train(
                     tokens_per_s=tokens_per_step * (step - window_step) / max(now - window_t0, 1e-9),
                     elapsed_s=tally.elapsed_s, opt_s=opt_timer.total(), peak_mem_mb=round(peak_mem_mb(par.device), 1),
                     **(qk_clip.metrics() if qk_clip is not None else {}),
+                    **(moe.metrics() if moe is not None else {}),
                 )  # fmt: skip
                 tally.loss_sum, tally.loss_count = 0.0, 0
                 if is_eval:
@@ -285,6 +291,7 @@ def train_step(model: nn.Module, par: Parallelism, optimizer: torch.optim.Optimi
                 _, loss = model(x.to(par.device, non_blocking=True), y.to(par.device, non_blocking=True))
             (loss / grad_accum).backward()
         step_loss += loss.detach() / grad_accum
+    par.sync_grads()
     if grad_clip > 0:
         par.clip_grad_norm_(grad_clip)
     opt_timer.start()
@@ -310,6 +317,41 @@ def evaluate(model: nn.Module, par: Parallelism, tokens: np.ndarray, offsets: np
         losses.append(loss.item())
     model.train()
     return par.mean(torch.tensor(np.mean(losses), device=par.device)).item()
+
+
+class MoEStats:
+    """Routing statistics of a mixture-of-experts GPT and its auxiliary-loss-free balancing: after every
+    optimizer step, :meth:`step` averages the step's routed copies per expert over the data-parallel ranks (one
+    small all-reduce), moves the router biases by them (when the model's ``router_bias_rate`` > 0) and adds them
+    up, with the load-balancing loss, for :meth:`metrics`."""
+
+    def __init__(self, model: GPT, par: Parallelism):
+        self.model, self.par = model, par
+        self.counts = torch.zeros(len(model.moe_layers()), model.config.n_expert, device=par.device)
+        self.aux = torch.zeros((), device=par.device)
+        self.steps = 0
+
+    def step(self) -> None:
+        counts = self.par.mean(self.model.pop_moe_stats())  # (L, E), every rank alike
+        self.model.update_router_bias(counts)
+        self.counts += counts
+        self.aux += self.model.aux_loss().detach()
+        self.steps += 1
+
+    def metrics(self) -> dict:
+        """Since the last call: ``expert_load`` (each expert's share of the routed copies, averaged over layers),
+        ``expert_max_load`` (the largest over layers of the busiest expert's load over the mean load; 1 is
+        balanced) and ``aux_loss`` (the load-balancing loss averaged over layers, steps and ranks; its last
+        micro-batch per step). No token is dropped."""
+        load = self.counts / self.counts.sum(dim=-1, keepdim=True).clamp_min(1)  # (L, E)
+        worst = (self.counts.max(dim=-1).values / self.counts.mean(dim=-1).clamp_min(1e-9)).max()
+        aux = self.par.mean(self.aux / max(self.steps, 1))
+        record = dict(expert_load=[round(v, 5) for v in load.mean(dim=0).tolist()],
+                      expert_max_load=round(worst.item(), 4), aux_loss=aux.item())
+        self.counts.zero_()
+        self.aux.zero_()
+        self.steps = 0
+        return record
 
 
 def save_checkpoint(par: Parallelism, path: Path, tally: Tally, opt_timer: StreamTimer,
