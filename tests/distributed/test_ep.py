@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -70,17 +71,12 @@ def _ep_runs(rank: int, world: int, tmp: Path) -> None:
     for name in RTOL:
         trainer.train(from_dict(TrainConfig, config(name, parallel="ddp", ep=2)), tmp / f"{name}-ep2-w{world}",
                       progress=False)
+    if world == 2:  # the other 2-rank checks share the processes
+        _resume_runs(rank, tmp)
+        _no_tokens(rank, tmp)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ep_matches_single_process(tmp_path, world):
-    run(_ep_runs, world, tmp_path, timeout=120)
-    for name, rtol in RTOL.items():
-        trainer.train(from_dict(TrainConfig, config(name)), tmp_path / name, progress=False)
-        assert_same(metrics(tmp_path / f"{name}-ep2-w{world}"), metrics(tmp_path / name), rtol)
-
-
-def _resume_runs(rank: int, world: int, tmp: Path) -> None:
+def _resume_runs(rank: int, tmp: Path) -> None:
     copy_checkpoint_at(4, "ckpt4.pt")
     copy_checkpoint_at(6, "ckpt6.pt")
     run_cfg = from_dict(TrainConfig, config("muon", parallel="ddp", ep=2, ckpt_every=2))
@@ -94,14 +90,9 @@ def _resume_runs(rank: int, world: int, tmp: Path) -> None:
     trainer.train(run_cfg, tmp / "ep2-again", resume=True, progress=False)  # 1 -> 2 at step 6
 
 
-def test_resume_across_ep_degrees(tmp_path):
-    run(_resume_runs, 2, tmp_path, timeout=120)
-    want = metrics(tmp_path / "ep2")
-    assert_same(metrics(tmp_path / "ep1"), want, RTOL["muon"])
-    assert_same(metrics(tmp_path / "ep2-again"), want, RTOL["muon"])
-
-
-def _no_tokens(rank: int, world: int) -> None:
+def _no_tokens(rank: int, tmp: Path) -> None:
+    """One step of Muon where no token reaches rank 1's experts; records, per expert stack, the largest gradient
+    entry and the largest distance from weight decay alone."""
     par = make_parallelism("ddp", device="cpu", ep=2)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, **(PRESETS["moe-tiny"] | dict(topk=1, router_bias_rate=1.0))))
@@ -119,16 +110,47 @@ def _no_tokens(rank: int, world: int) -> None:
     par.sync_grads()
     par.clip_grad_norm_(1.0)
     opt.step()
-    for p, b in zip(stacks, before):
-        if rank == 1:
-            assert p.grad.abs().sum() == 0
-            torch.testing.assert_close(p.detach(), b * (1 - lr * wd), rtol=1e-6, atol=0)
-        else:
-            assert p.grad.abs().sum() > 0 and not torch.allclose(p.detach(), b * (1 - lr * wd))
+    record = [dict(grad=p.grad.abs().max().item(), off_decay=(p.detach() - b * (1 - lr * wd)).abs().max().item(),
+                   scale=b.abs().max().item()) for p, b in zip(stacks, before)]
+    (tmp / f"no-tokens-{rank}.json").write_text(json.dumps(record))
 
 
-def test_experts_without_tokens_still_step():
-    run(_no_tokens, 2, timeout=60)
+@pytest.fixture(scope="module")
+def ep_runs(tmp_path_factory) -> Callable[[int], Path]:
+    """The folder of :func:`_ep_runs` on ``world`` ranks, spawned once per world size for the module."""
+    done: dict[int, Path] = {}
+
+    def get(world: int) -> Path:
+        if world not in done:
+            done[world] = tmp_path_factory.mktemp(f"ep-w{world}")
+            run(_ep_runs, world, done[world], timeout=180)
+        return done[world]
+
+    return get
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_matches_single_process(ep_runs, tmp_path, world):
+    out = ep_runs(world)
+    for name, rtol in RTOL.items():
+        trainer.train(from_dict(TrainConfig, config(name)), tmp_path / name, progress=False)
+        assert_same(metrics(out / f"{name}-ep2-w{world}"), metrics(tmp_path / name), rtol)
+
+
+def test_resume_across_ep_degrees(ep_runs):
+    out = ep_runs(2)
+    want = metrics(out / "ep2")
+    assert_same(metrics(out / "ep1"), want, RTOL["muon"])
+    assert_same(metrics(out / "ep2-again"), want, RTOL["muon"])
+
+
+def test_experts_without_tokens_still_step(ep_runs):
+    out = ep_runs(2)
+    idle, busy = (json.loads((out / f"no-tokens-{r}.json").read_text()) for r in (1, 0))
+    for stack in idle:  # zero gradient: weight decay only (fp32 rounding of one multiply)
+        assert stack["grad"] == 0 and stack["off_decay"] <= 1e-7 * stack["scale"]
+    for stack in busy:
+        assert stack["grad"] > 0 and stack["off_decay"] > 1e-4 * stack["scale"]
 
 
 def test_ep_must_divide_the_world():
