@@ -4,7 +4,8 @@ carry the optimizer's flag (``use_muon=True`` for Muon), AdamW inside for every 
 Subclasses implement ``_matrix_update(group, params, grads)``; this class owns group defaults and validation,
 the step's use of the non-finite gradient policy and of the clip (:mod:`matrixopt.optim.nonfinite`), the AdamW
 update, and a ``state_dict`` that keeps float32 state for low-precision parameters and refuses state from another
-optimizer or model.
+optimizer or model. With ``state_dtype`` (compact state, :mod:`matrixopt.optim.state`) or ``offload`` (state in CPU
+memory, :mod:`matrixopt.optim.offload`) the same updates run chunk by chunk on float32 state staged for them.
 """
 
 from __future__ import annotations
@@ -346,6 +347,12 @@ class MatrixOptimizer(Optimizer):
         decoded to float32 on the parameters' device, updated by the usual update and stored back
         (:class:`matrixopt.optim.offload.StagedStep`; the next chunk's state is fetched while this one computes).
         Offloaded, the step is all or nothing: on an exception the parameters and state are the step's before."""
+        for group, _, _ in work:
+            for i, p in enumerate(group["params"]):
+                if type(p.data) is not Tensor:
+                    raise NotImplementedError(
+                        f"state_dtype and offload handle plain tensors; {param_label(group, i, p)} is a "
+                        f"{type(p.data).__name__} (sharded parameters: FSDP2, tensor parallelism). Turn them off.")
         if skip is not None:  # a deferred check, read on the host now: the state is moved and encoded anyway
             if self.nonfinite.on_host(skip):
                 return

@@ -161,3 +161,15 @@ def test_offload_keeps_state_in_host_memory():
     assert opt.offload.pin_memory == torch.cuda.is_available()
     assert all(v.device.type == "cpu" for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
     assert opt.offload.host_bytes > 0
+
+
+def test_trainer_config_passes_the_options():
+    from matrixopt.train.config import OptimConfig
+
+    kwargs = OptimConfig(name="muon", offload="cpu", state_dtype="bf16").optimizer_kwargs()
+    assert kwargs["offload"] == "cpu" and kwargs["state_dtype"] == "bf16"
+    assert "offload" not in OptimConfig(name="muon").optimizer_kwargs()
+    with pytest.raises(ValueError, match="does not take offload"):
+        OptimConfig(name="adamw", offload="cpu")
+    with pytest.raises(ValueError, match="offload"):
+        OptimConfig(name="muon", offload="disk")
