@@ -153,8 +153,10 @@ def reduce_expert_grads(params: list[Tensor], replica_group: dist.ProcessGroup, 
     """Finish the gradients of this rank's expert stacks: sum over the replica group and divide by ``world``,
     which makes them the gradient of the mean of every rank's loss (each rank's stacks receive the rows of its
     whole EP group). A stack that received no rows (no gradient) gets zeros, so it still steps. Collective."""
+    replicas = dist.get_world_size(replica_group)
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=replica_group)
+        if replicas > 1:
+            dist.all_reduce(p.grad, group=replica_group)
         p.grad.div_(world)
