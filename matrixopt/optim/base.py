@@ -525,14 +525,16 @@ class MatrixOptimizer(Optimizer):
                     raise ValueError(f"state '{k}' has shape {tuple(v.shape)} but the parameter has shape "
                                      f"{tuple(p.shape)}: the state dict comes from a different model")
         super().load_state_dict(state_dict)
-        generator = torch.Generator().manual_seed(0x5EED)
+        generators: dict[torch.device, torch.Generator] = {}
         for pid, st in state_dict["state"].items():
             p = id_map[pid]
-            st = compact.converted(st, self.state_dtype, generator) if any(
-                isinstance(v, Tensor) and not compact.in_format(st, k, self.state_dtype)
-                for k, v in st.items() if not compact.is_scale(k, st)) else st
-            self.state[p] = {k: (v.to(device=p.device, copy=True) if isinstance(v, Tensor) else v)
-                             for k, v in st.items()}
+            st = {k: (v.to(device=p.device, copy=True) if isinstance(v, Tensor) else v) for k, v in st.items()}
+            if any(isinstance(v, Tensor) and not compact.in_format(st, k, self.state_dtype)
+                   for k, v in st.items() if not compact.is_scale(k, st)):
+                if p.device not in generators:
+                    generators[p.device] = torch.Generator(p.device).manual_seed(0x5EED)
+                st = compact.converted(st, self.state_dtype, generators[p.device])
+            self.state[p] = st
             if self.offload is not None:
                 self.state[p] = {k: self.offload.to_host(v) for k, v in self.state[p].items()}
         self._rounding_step = int(state_dict.get("rounding_step", self._rounding_step))
