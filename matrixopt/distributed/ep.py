@@ -59,7 +59,8 @@ class ExpertDispatch:
     """The ``dispatch`` of an :class:`~matrixopt.train.model.Experts`-like module under expert parallelism:
     ``dispatch(compute, x, counts)`` with ``x`` ``(M, d)`` rows sorted by global expert and ``counts`` ``(E,)``
     int64 rows per global expert; ``compute(rows, local_counts)`` runs this rank's ``E/ep`` experts on rows sorted
-    by local expert. Returns ``(M, d)``, the expert outputs in the order of ``x``. Collective over ``group``."""
+    by local expert. Returns ``(M, d)``, the expert outputs in the order of ``x``. Under autocast the rows travel
+    in the autocast dtype (bf16), which the experts would cast them to anyway. Collective over ``group``."""
 
     def __init__(self, group: dist.ProcessGroup, n_expert: int):
         self.group, self.ep = group, dist.get_world_size(group)
@@ -67,6 +68,8 @@ class ExpertDispatch:
 
     def __call__(self, compute: Callable[[Tensor, Tensor], Tensor], x: Tensor, counts: Tensor) -> Tensor:
         ep, El = self.ep, self.n_local
+        if torch.is_autocast_enabled(x.device.type):  # the experts compute in the autocast dtype: send that
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.group)  # (ep E/ep,): [source rank, local expert]
         host = torch.stack([counts.view(ep, El).sum(1), recv_counts.view(ep, El).sum(1)]).tolist()

@@ -426,7 +426,11 @@ class GPT(nn.Module):
         """The load-balancing loss of the last training forward, averaged over the MoE layers (fp32 scalar with
         gradient; 1 when every layer is balanced). In training mode the forward adds ``aux_loss_coef`` times it to
         the loss it returns."""
-        return torch.stack([m.aux_loss for m in self.moe_layers()]).mean()
+        losses = [m.aux_loss for m in self.moe_layers()]
+        if not losses or any(a is None for a in losses):
+            raise RuntimeError("no load-balancing loss recorded: the model needs MoE layers (n_expert > 0) and a "
+                               "forward in training mode (model.train()) first")
+        return torch.stack(losses).mean()
 
     def pop_moe_stats(self) -> Tensor:
         """``(n_layer, n_expert)`` fp32: routed token copies per expert of each MoE layer over the training
