@@ -286,9 +286,10 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """A mixture of experts in place of the MLP (Qwen3-MoE / DeepSeek style): a softmax router over E experts,
-    each token to its top-k, their outputs weighted by the router probabilities renormalized over the k; every
-    token is computed (no capacity, nothing dropped); optionally a shared expert every token also goes through.
+    """A mixture of experts in place of the MLP (Qwen3-MoE / DeepSeek style): a softmax router over E experts
+    (computed in fp32, also under autocast), each token to its top-k, their outputs weighted by the router
+    probabilities renormalized over the k; every token is computed (no capacity, nothing dropped); optionally a
+    shared expert every token also goes through.
 
     Balancing: :attr:`aux_loss`, the load-balancing loss of the last training forward, ``E sum_e f_e P_e``
     (Switch Transformer, Fedus et al. 2021, https://arxiv.org/abs/2101.03961, eq. 4; f_e the share of the k T
@@ -315,8 +316,10 @@ class MoE(nn.Module):
         B, T, C = x.size()
         E, k = self.router.out_features, self.topk
         xf = x.reshape(B * T, C)  # (N, C), N = B T
-        logits = self.router(xf)  # (N, E)
-        probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)  # (N, E), fp32 or fp64
+        dt = torch.promote_types(xf.dtype, torch.float32)  # routing in fp32 (fp64 for a float64 model)
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(xf.to(dt), self.router.weight.to(dt))  # (N, E)
+        probs = logits.softmax(dim=-1)  # (N, E)
         scores = probs + self.router_bias if self.biased else probs
         idx = scores.topk(k, dim=-1).indices  # (N, k)
         gate = probs.gather(-1, idx)
