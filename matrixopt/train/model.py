@@ -3,7 +3,9 @@
 One file holds the whole model: fused-QKV causal self-attention through ``scaled_dot_product_attention``,
 a GELU MLP, pre-norm blocks (LayerNorm or RMSNorm), learned or rotary positions, and a tied or untied
 ``lm_head``; opt-in, each attention also tracks its heads' largest pre-softmax logit, for QK-clip
-(:meth:`GPT.track_max_logits`). Parameter names follow nanoGPT (``transformer.h.0.attn.c_attn.weight``,
+(:meth:`GPT.track_max_logits`). With ``n_expert > 0`` every MLP is a mixture of experts (:class:`MoE`: a top-k
+softmax router and ``(E, out, in)`` expert stacks, each expert's matrix orthogonalized on its own by a matrix
+optimizer). Parameter names follow nanoGPT (``transformer.h.0.attn.c_attn.weight``,
 ``lm_head.weight``), so the optimizer router sends hidden 2-D weights to the matrix optimizer and embeddings,
 head, norms and biases to AdamW. References: nanoGPT ``model.py`` (https://github.com/karpathy/nanoGPT), RoPE
 (Su et al. 2021, https://arxiv.org/abs/2104.09864).
