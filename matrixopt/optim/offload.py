@@ -1,12 +1,14 @@
 """Optimizer state kept off the compute device (``offload="cpu"``) or compact (``state_dtype``), and the step that
 moves it: :class:`StagedStep` runs an optimizer's usual float32 update chunk by chunk, with each chunk's state
-brought to the parameters' device in float32 first and stored back after.
+brought to the parameters' device (as stored: compact state moves compact) and decoded to float32 there, then
+encoded and stored back. Compact state on the device is written back in place chunk by chunk.
 
 With ``offload="cpu"`` the state lives in CPU memory (pinned where CUDA is available, so copies are asynchronous).
 Per chunk (a set of parameters whose matrices share Newton–Schulz batches, up to :data:`CHUNK_NUMEL` values)::
 
-    copy stream   : H2D state of chunk i+1 ......... D2H new state of chunk i-1
-    compute stream:          update of chunk i (decode, momentum, Newton–Schulz, apply, encode)
+    H2D stream    : state of chunk i+1
+    compute stream: update of chunk i (decode, momentum, Newton–Schulz, apply, encode)
+    D2H stream    : new state of chunk i-1
 
 so transfers overlap the next chunk's compute. The step is all or nothing: new state is written into a second host
 buffer (a *shadow*) and swapped in only once every chunk has succeeded, and each chunk's parameters are copied to
