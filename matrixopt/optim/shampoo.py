@@ -67,6 +67,7 @@ from matrixopt.optim.base import (
     check_lr,
 )
 from matrixopt.optim.layout import matrix_pieces
+from matrixopt.optim.offload import Offload
 
 GRAFTINGS = ("adam", "none")
 FACTOR_DTYPES = (torch.float32, torch.bfloat16)
@@ -154,17 +155,26 @@ class KroneckerOptimizer(MatrixOptimizer):
     matrix_flag = "use_shampoo"
 
     def __init__(self, params: Iterable[Any], matrix_defaults: dict[str, Any], adamw_defaults: dict[str, Any],
-                 *, skip_nonfinite: bool = False) -> None:
+                 *, skip_nonfinite: bool = False, state_dtype: Any = None,
+                 offload: str | Offload | None = None) -> None:
         self.root_fallbacks = 0  # roots or eigenbases that needed the float64 fallback
         self.root_failures = 0  # roots or eigenbases that could not be computed (the previous one was kept)
         self._plans: dict[int, list[Block]] = {}
         self._layouts: dict[tuple[int, ...], Layout] = {}
         self._pending: dict[int, Any] = {}  # group index -> side-stream refresh in flight
         self._side_streams: dict[torch.device, Any] = {}
-        super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite)
+        super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
+                         state_dtype=state_dtype, offload=offload)
 
     def __getstate__(self) -> dict[str, Any]:
         return super().__getstate__() | {"root_fallbacks": self.root_fallbacks, "root_failures": self.root_failures}
+
+    def _state_chunks(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[list[int]]:
+        """A matrix group's compact or offloaded state moves as one chunk: its refreshes are scheduled per group
+        step and its factor updates and roots batched over the whole group, which a split step would change."""
+        if group[self.matrix_flag]:
+            return [list(range(len(params)))]
+        return super()._state_chunks(group, params, grads)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Caches keyed by parameter identity, streams and refreshes in flight do not survive a pickle."""
@@ -360,6 +370,9 @@ class Shampoo(KroneckerOptimizer):
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults of the AdamW groups (lr and weight decay
             default to ``lr`` and ``weight_decay``).
         skip_nonfinite: skip (and count) the update of a parameter whose gradient is NaN/Inf instead of raising.
+        state_dtype, offload: compact state and CPU offload, as in :class:`matrixopt.Muon` (the momentum and Adam
+            moments compact; the factors and roots keep ``factor_dtype``; offload moves all of it, a matrix group's
+            state to the device at once, since its refreshes and batches span the group).
 
     State per parameter: ``step`` (int), ``momentum_buffer`` and ``exp_avg_sq`` (float32, the parameter's shape;
     ``exp_avg_sq`` only with Adam grafting), and per block k ``left{k}``, ``right{k}`` (factors) and
@@ -375,7 +388,8 @@ class Shampoo(KroneckerOptimizer):
                  side_stream: bool = False, *, adamw_lr: float | None = None,
                  adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None, skip_nonfinite: bool = False,
-                 weight_decay_mode: str = "decoupled") -> None:
+                 weight_decay_mode: str = "decoupled", state_dtype: Any = None,
+                 offload: str | Offload | None = None) -> None:
         matrix_defaults = dict(
             lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
             weight_decay_mode=weight_decay_mode, nesterov=nesterov, precondition_frequency=precondition_frequency,
@@ -390,7 +404,8 @@ class Shampoo(KroneckerOptimizer):
         matrix_defaults.update(root_max_iters=root_config.max_iters, root_tolerance=root_config.tolerance)
         adamw_defaults = adamw_group_defaults(lr, weight_decay, weight_decay_mode, adamw_lr, adamw_betas, adamw_eps,
                                               adamw_weight_decay)
-        super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite)
+        super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
+                         state_dtype=state_dtype, offload=offload)
 
     def _validate_matrix_group(self, group: dict[str, Any]) -> None:
         super()._validate_matrix_group(group)

@@ -54,6 +54,7 @@ from torch import Tensor
 from matrixopt.linalg.roots import eigenbasis, refresh_eigenbasis
 from matrixopt.optim.adam import adam_direction, adam_moments_
 from matrixopt.optim.base import adamw_group_defaults
+from matrixopt.optim.offload import Offload
 from matrixopt.optim.shampoo import Block, KroneckerOptimizer, Layout, accumulate, block_views
 
 FACTOR_UPDATES = ("shampoo", "kl")
@@ -89,7 +90,8 @@ class SOAP(KroneckerOptimizer):
         one_sided_ratio: rotate only the short side of matrices longer than this ratio (default None).
         factor_dtype: storage of factors and eigenbases, torch.float32 (default) or torch.bfloat16.
         side_stream: on CUDA, refresh eigenbases on a side stream, used one refresh later (default False).
-        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, skip_nonfinite: as in :class:`matrixopt.Shampoo`.
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, skip_nonfinite, state_dtype, offload: as in
+            :class:`matrixopt.Shampoo`.
 
     State per parameter: ``step`` (int), ``exp_avg`` and ``exp_avg_sq`` (float32, the parameter's shape, each
     block in its eigen-coordinates), and per block k ``left{k}``, ``right{k}`` (factors), ``left_basis{k}``,
@@ -106,7 +108,8 @@ class SOAP(KroneckerOptimizer):
                  factor_dtype: torch.dtype = torch.float32, side_stream: bool = False, *,
                  adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.999),
                  adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None,
-                 skip_nonfinite: bool = False, weight_decay_mode: str = "decoupled") -> None:
+                 skip_nonfinite: bool = False, weight_decay_mode: str = "decoupled", state_dtype: Any = None,
+                 offload: str | Offload | None = None) -> None:
         matrix_defaults = dict(
             lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
             weight_decay_mode=weight_decay_mode, precondition_frequency=precondition_frequency,
@@ -115,7 +118,8 @@ class SOAP(KroneckerOptimizer):
             factor_dtype=factor_dtype, side_stream=side_stream)
         adamw_defaults = adamw_group_defaults(lr, weight_decay, weight_decay_mode, adamw_lr, adamw_betas, adamw_eps,
                                               adamw_weight_decay)
-        super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite)
+        super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
+                         state_dtype=state_dtype, offload=offload)
 
     def _validate_matrix_group(self, group: dict[str, Any]) -> None:
         super()._validate_matrix_group(group)

@@ -72,10 +72,10 @@ class OptimConfig:
     """Further keyword arguments for the optimizer, e.g. {"momentum": 0.95, "ns_steps": 5}."""
     state_dtype: str | None = None
     """How the momentum and Adam's moments are stored: None (float32), "bf16" or "int8" (stochastically rounded,
-    computed in float32; matrixopt.optim.state). Muon, MOP, NorMuon and AdaMuon."""
+    computed in float32; matrixopt.optim.state). Muon, MOP, NorMuon, AdaMuon, Shampoo and SOAP."""
     offload: str | None = None
     """None, or "cpu": the optimizer state lives in CPU memory and is brought to the GPU chunk by chunk, overlapped
-    with the update (matrixopt.optim.offload). Muon, MOP, NorMuon and AdaMuon."""
+    with the update (matrixopt.optim.offload). Muon, MOP, NorMuon, AdaMuon, Shampoo and SOAP."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:

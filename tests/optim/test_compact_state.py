@@ -193,11 +193,12 @@ def test_state_dict_converts_between_state_dtypes(saved, loaded):
     _train(opt2, model, 2)  # and it steps
 
 
-def test_bf16_state_trains_like_float32():
+@pytest.mark.parametrize("name", ["muon", "shampoo", "soap"])
+def test_bf16_state_trains_like_float32(name):
     losses = {}
     for state_dtype in (None, "bf16"):
         model = _model()
-        opt = matrixopt.build_optimizer(model, "muon", lr=1e-2, state_dtype=state_dtype)
+        opt = matrixopt.build_optimizer(model, name, lr=1e-2, state_dtype=state_dtype)
         _train(opt, model, 30)
         x = torch.randint(0, 40, (16, 8), generator=torch.Generator().manual_seed(7))
         losses[state_dtype] = model(x).pow(2).mean().item()

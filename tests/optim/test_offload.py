@@ -51,7 +51,8 @@ def _state_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
                 assert v.dtype == st2[k].dtype and torch.equal(v, st2[k]), k
 
 
-@pytest.mark.parametrize("name, steps", [("muon", 50), ("normuon", 10), ("adamuon", 10)])
+@pytest.mark.parametrize("name, steps", [("muon", 50), ("normuon", 10), ("adamuon", 10), ("shampoo", 10),
+                                         ("soap", 10)])
 def test_offloaded_steps_are_bit_identical(name, steps, monkeypatch):
     copy = FakeDeviceCopy()
     ref, model = _model(), _model()
