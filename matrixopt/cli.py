@@ -45,6 +45,10 @@ RUN_FLAGS = [
     ("--batch-size", "batch_size", int, "sequences per micro-batch (default 12)"),
     ("--grad-accum", "grad_accum", int, "micro-batches per step (default 1)"),
     ("--weight-decay", "optim.weight_decay", float, "weight decay (default 0.1)"),
+    ("--state-dtype", "optim.state_dtype", str, "optimizer state storage: bf16 or int8 (stochastically rounded; "
+                                                "default float32)"),
+    ("--offload", "optim.offload", str, "cpu: keep the optimizer state in CPU memory, streamed to the GPU for "
+                                        "each step (default: on the device)"),
     ("--schedule", "schedule.schedule", str, "cosine (default), wsd or constant"),
     ("--warmup", "schedule.warmup_steps", int, "warmup steps (default 100)"),
     ("--min-lr-ratio", "schedule.min_lr_ratio", float, "final lr / peak lr (default 0.1)"),

@@ -194,3 +194,38 @@ def test_offloaded_steps_are_bit_identical_on_cuda(name, monkeypatch):
         assert torch.equal(a, b)
     assert all(v.device.type == "cpu" and v.is_pinned() for st in opt.state.values() for v in st.values()
                if torch.is_tensor(v))
+
+
+def test_trainer_resumes_an_offloaded_run_without_offload(tmp_path, monkeypatch):
+    """--offload and --state-dtype on the command line; a run interrupted with its state offloaded resumes without
+    offload (where the state lives is free to change) and ends as the run that never offloaded."""
+    import json
+    import os
+    import signal
+
+    from matrixopt.cli import main
+    from matrixopt.train import trainer
+
+    tiny = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4",
+            "--steps", "6", "--eval-every", "3", "--eval-iters", "1", "--warmup", "1", "--log-every", "1",
+            "--threads", "1", "--no-progress", "--optimizer", "muon", "--lr", "0.01"]
+
+    def losses(out):
+        return [(m["step"], m["loss"]) for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                if "loss" in m]
+
+    assert main(["train", "--out", str(tmp_path / "plain"), *tiny]) == 0
+    real_batch = trainer.train_batch
+
+    def batch_then_ctrl_c(tokens, batch_size, block_size, seed, step, micro):
+        if step == 3 and micro == 0:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C during step 4: the checkpoint holds 3 steps
+        return real_batch(tokens, batch_size, block_size, seed, step, micro)
+
+    monkeypatch.setattr(trainer, "train_batch", batch_then_ctrl_c)
+    assert main(["train", "--out", str(tmp_path / "off"), "--offload", "cpu", *tiny]) != 0  # interrupted, saved
+    monkeypatch.setattr(trainer, "train_batch", real_batch)
+    assert main(["train", "--out", str(tmp_path / "off"), "--resume", *tiny]) == 0
+    assert losses(tmp_path / "off") == losses(tmp_path / "plain")
+    assert main(["train", "--out", str(tmp_path / "bf16"), "--state-dtype", "bf16", *tiny]) == 0
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["optim"]["state_dtype"] == "bf16"
