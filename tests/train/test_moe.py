@@ -97,10 +97,10 @@ def test_moe_cuda_grouped_gemm_matches_cpu_reference():
     torch._grouped_mm) against the fp32 CPU path: outputs and gradients within bf16 rounding (relative norm)."""
     torch.manual_seed(0)
     moe = GPT(tiny(n_embd=64, expert_ffn=128)).moe_layers()[0]
+    moe_gpu = copy.deepcopy(moe).cuda()  # before the forward, which leaves its routing statistics on the module
     x = torch.randn(4, 16, 64, requires_grad=True)
     y = moe(x)
     grads = torch.autograd.grad(y.square().sum(), [x, *moe.parameters()])
-    moe_gpu = copy.deepcopy(moe).cuda()
     x_gpu = x.detach().cuda().requires_grad_(True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y_gpu = moe_gpu(x_gpu)
