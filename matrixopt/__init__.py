@@ -18,6 +18,10 @@ Public API:
     SplitQK(q_weight=, k_weight=, n_head=, ...)                       an attention with separate W_q, W_k
     FusedQKV(weight=, n_head=, n_kv_head=, row_order=, ...)           an attention with one fused W_qkv
     QKClipStats                                                       what one QKClip.step did (clipped, max_logit, ...)
+    Offload(pin_memory=None, device_copy=None)                        where offloaded optimizer state lives
+
+Every matrix optimizer takes ``state_dtype`` (None, ``torch.bfloat16``/"bf16", "int8": compact, stochastically
+rounded state) and ``offload`` (None, "cpu", or an :class:`Offload`: state in CPU memory, streamed for the step).
 """
 
 from matrixopt.distributed.qk_clip import FusedQKV, QKClip, QKClipStats, SplitQK
@@ -26,6 +30,7 @@ from matrixopt.optim.adaptive import AdaMuon, NorMuon
 from matrixopt.optim.layout import mark_experts, mark_split
 from matrixopt.optim.muon import MOP, Muon
 from matrixopt.optim.nonfinite import NonFiniteGradientError
+from matrixopt.optim.offload import Offload
 from matrixopt.optim.registry import OPTIMIZERS, build_optimizer, register_optimizer
 from matrixopt.optim.routing import param_groups, routing_summary
 from matrixopt.optim.shampoo import Shampoo
@@ -42,6 +47,7 @@ __all__ = [
     "Muon",
     "NewtonSchulzConfig",
     "NonFiniteGradientError",
+    "Offload",
     "QKClip",
     "QKClipStats",
     "Shampoo",
