@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from matrixopt.optim.layout import _EXPERTS
+
 PEER_MUON_LR = 0.02
 EMERGING = "emerging_optimizers Muon"
 EMERGING_SYRK = "emerging_optimizers Muon, SYRK"
@@ -37,11 +39,34 @@ class Stepper:
 
 
 def split_hidden(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(hidden matrices, the rest) of a GPT: the 2-D parameters of the blocks (``.h.`` in the name) go to Muon;
-    embeddings, head, norms and biases to AdamW (Muon's authors keep the embedding and the head on AdamW)."""
-    hidden = [p for name, p in model.named_parameters() if p.ndim == 2 and ".h." in f".{name}"]
-    ids = {id(p) for p in hidden}
+    """(hidden matrices, the rest) of a GPT: the 2-D parameters of the blocks (``.h.`` in the name) but a MoE
+    router go to Muon; embeddings, head, router, norms and biases to AdamW (Muon's authors keep the embedding and the
+    head on AdamW). An expert stack (``(E, out, in)``, marked with :func:`matrixopt.mark_experts`) enters as E 2-D
+    copies with their gradients, made once and kept on the model: the peers take 2-D leaf tensors and loop over
+    them, doing the stack's work on copies."""
+    hidden, stacks = [], set()
+    for name, p in model.named_parameters():
+        if ".h." not in f".{name}" or name.endswith("router.weight"):
+            continue
+        if getattr(p, _EXPERTS, False):
+            stacks.add(id(p))
+            hidden += _per_expert(model, name, p)
+        elif p.ndim == 2:
+            hidden.append(p)
+    ids = {id(p) for p in hidden} | stacks
     return hidden, [p for p in model.parameters() if id(p) not in ids]
+
+
+def _per_expert(model: nn.Module, name: str, stack: nn.Parameter) -> list[nn.Parameter]:
+    """E leaf copies of ``stack``'s matrices, with copies of its gradient's, cached on ``model``."""
+    cache = model.__dict__.setdefault("_per_expert", {})
+    if name not in cache:
+        copies = [nn.Parameter(w.detach().clone()) for w in stack.unbind(0)]
+        if stack.grad is not None:
+            for c, g in zip(copies, stack.grad.unbind(0)):
+                c.grad = g.clone()
+        cache[name] = copies
+    return cache[name]
 
 
 def emerging_optimizers() -> Any:

@@ -1,8 +1,10 @@
 """``matrixopt bench step``: how long is one optimizer step for a model's parameter set?
 
 The parameter set of a GPT (vocab 50304, untied head, fused QKV, MLP (d, 4d) and (4d, d), biases and LayerNorms
-as in GPT-2) is built as plain parameters with random fp32 gradients, no model forward. Every hidden matrix goes
-to the matrix optimizer, the embeddings, head, norms and biases to AdamW. Compared on the same parameters:
+as in GPT-2), or of one mixture-of-experts layer (``qwen3-30b-a3b``: grouped-query attention and 128 experts of
+(768, 2048) and (2048, 768) as two expert stacks), is built as plain parameters with random fp32 gradients, no model
+forward. Every hidden matrix (each expert's two) goes to the matrix optimizer, the embeddings, head, router, norms and
+biases to AdamW. Compared on the same parameters:
 
 - ``adamw (fused)``: ``torch.optim.AdamW(fused=True)`` on everything (foreach on the CPU);
 - the peers of :mod:`matrixopt.bench.peers`: ``torch.optim.Muon``, and ``emerging_optimizers Muon`` with and
@@ -29,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -41,14 +43,33 @@ from matrixopt.device import resolve_device, time_ms
 from matrixopt.kernels.muon_elementwise import elementwise_backend
 from matrixopt.kernels.ns_step import ns_backend
 from matrixopt.linalg.ortho import newton_schulz_flops
+from matrixopt.optim.layout import mark_experts
 from matrixopt.optim.registry import OPTIMIZERS, accepted, build_optimizer
 
-# (n_layer, n_embd, block_size, vocab): GPT-2 small and medium, a 1.3B GPT; "toy" keeps the CPU test fast.
-MODELS: dict[str, tuple[int, int, int, int]] = {
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One decoder layer of a mixture-of-experts model: grouped-query attention (``n_head`` query and ``n_kv_head``
+    key/value heads of ``head_dim``) and ``experts`` experts of two matrices each, ``(expert_ffn, d)`` and
+    ``(d, expert_ffn)``, stored as two ``(E, out, in)`` stacks, with a ``(E, d)`` router."""
+
+    d: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    experts: int
+    expert_ffn: int
+
+
+# GPTs as (n_layer, n_embd, block_size, vocab): GPT-2 small and medium, a 1.3B GPT; "toy" keeps the CPU test fast.
+# One layer of Qwen3-30B-A3B (its published shapes: width 2048, 32 / 4 heads of 128, 128 experts of 768).
+MODELS: dict[str, tuple[int, int, int, int] | MoELayer] = {
     "gpt2-small": (12, 768, 1024, 50304),
     "gpt2-medium": (24, 1024, 1024, 50304),
     "1.3b": (24, 2048, 2048, 50304),
     "toy": (2, 64, 32, 512),
+    "qwen3-30b-a3b": MoELayer(d=2048, n_head=32, n_kv_head=4, head_dim=128, experts=128, expert_ffn=768),
+    "toy-moe": MoELayer(d=64, n_head=4, n_kv_head=2, head_dim=16, experts=4, expert_ffn=32),
 }
 NS_STEPS = 5
 LR = 1e-3
@@ -75,11 +96,36 @@ class ParamSet(nn.Module):
         self.lm_head = nn.Linear(d, vocab, bias=False)  # untied
 
 
-def param_set(model: str, device: torch.device) -> ParamSet:
-    """The parameter set with random gradients (scaled like real ones, ~1e-3)."""
+class _MoE(nn.Module):
+    def __init__(self, spec: MoELayer):
+        super().__init__()
+        self.router = nn.Linear(spec.d, spec.experts, bias=False)
+        self.experts = nn.Module()
+        shapes = dict(w_in=(spec.experts, spec.expert_ffn, spec.d), w_out=(spec.experts, spec.d, spec.expert_ffn))
+        for name, shape in shapes.items():
+            self.experts.register_parameter(name, mark_experts(nn.Parameter(torch.randn(shape) * 0.02)))
+
+
+class MoELayerSet(nn.Module):
+    """One :class:`MoELayer`'s parameters by name (no forward): ``transformer.h.0.attn.{q,k,v,o}_proj``,
+    ``.mlp.router``, ``.mlp.experts.{w_in,w_out}`` (marked with :func:`matrixopt.mark_experts`), two norms."""
+
+    def __init__(self, spec: MoELayer):
+        super().__init__()
+        q, kv = spec.n_head * spec.head_dim, spec.n_kv_head * spec.head_dim
+        attn = nn.ModuleDict(dict(q_proj=nn.Linear(spec.d, q, bias=False), k_proj=nn.Linear(spec.d, kv, bias=False),
+                                  v_proj=nn.Linear(spec.d, kv, bias=False), o_proj=nn.Linear(q, spec.d, bias=False)))
+        layer = nn.ModuleDict(dict(ln_1=nn.LayerNorm(spec.d), attn=attn, ln_2=nn.LayerNorm(spec.d), mlp=_MoE(spec)))
+        self.transformer = nn.ModuleDict(dict(h=nn.ModuleList([layer])))
+
+
+def param_set(model: str, device: torch.device) -> nn.Module:
+    """The parameter set with random gradients (scaled like real ones, ~1e-3): a :class:`ParamSet` or a
+    :class:`MoELayerSet`."""
     torch.manual_seed(0)
+    spec = MODELS[model]
     with torch.device(device):
-        ps = ParamSet(*MODELS[model])
+        ps = MoELayerSet(spec) if isinstance(spec, MoELayer) else ParamSet(*spec)
     for p in ps.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     return ps
@@ -193,8 +239,10 @@ def run(model: str = "gpt2-small", *, device: torch.device | None = None, reps: 
         med = r["ms"]["median"]
         r["vs_adamw"] = med / adamw_ms if adamw_ms else None
         r["of_limit"] = (limit["adamw_limit_ms"] if name.startswith("adamw") else limit["muon_limit_ms"]) / med
-    return {"benchmark": "step", "model": model, "shape": dict(zip(("n_layer", "n_embd", "block_size", "vocab"),
-                                                                     MODELS[model])),
+    spec = MODELS[model]
+    shape = (asdict(spec) if isinstance(spec, MoELayer)
+             else dict(zip(("n_layer", "n_embd", "block_size", "vocab"), spec)))
+    return {"benchmark": "step", "model": model, "shape": shape,
             "params": sum(p.numel() for p in ps.parameters()), "ns_steps": NS_STEPS, "env": environment(device),
             "limit": limit, "results": results, **kernel_choices()}
 

@@ -145,3 +145,29 @@ def test_step_amortizes_shampoo_and_soap_over_their_refresh(tmp_path):
     assert res["matrixopt shampoo, frequency 1"]["steps_per_block"] == 5  # the default inner block
     for name in rows[1:]:  # one block is one whole refresh period: every median block holds one refresh
         assert res[name]["steps_per_block"] == 10 and res[name]["ms"]["median"] > 0
+
+
+def test_step_on_a_moe_layer(tmp_path):
+    """One mixture-of-experts layer: our Muon routes each expert's two matrices to Newton–Schulz (batched) and the
+    router to AdamW; torch.optim.Muon gets one 2-D copy per expert; the limit counts every expert's matrices."""
+    import torch
+
+    from matrixopt.bench.step import MODELS, hidden_matrices, param_set
+    from matrixopt.optim.routing import route
+
+    spec = MODELS["toy-moe"]
+    ps = param_set("toy-moe", torch.device("cpu"))
+    routes = {name: r for name, _, r in route(ps)}
+    assert routes["transformer.h.0.mlp.router.weight"] == "adamw"
+    assert routes["transformer.h.0.mlp.experts.w_in"] == routes["transformer.h.0.attn.q_proj.weight"] == "matrix"
+    hidden = hidden_matrices(ps)
+    assert len(hidden) == 4 + 2 * spec.experts and all(p.ndim == 2 and p.grad is not None for p in hidden)
+    assert hidden_matrices(ps)[-1] is hidden[-1]  # the per-expert copies are made once
+    path = tmp_path / "step.json"
+    assert run_cli(["step", "--device", "cpu", "--model", "toy-moe", "--reps", "2", "--json", str(path),
+                    "--only", "adamw (fused)", "torch.optim.Muon", "matrixopt muon"]) == 0
+    rec = json.loads(path.read_text())
+    assert all(r["status"] == "ok" for r in rec["results"].values()), rec["results"]
+    q, kv = spec.n_head * spec.head_dim, spec.n_kv_head * spec.head_dim
+    assert rec["limit"]["muon_params"] == 2 * q * spec.d + 2 * kv * spec.d + 2 * spec.experts * spec.expert_ffn * spec.d
+    assert rec["shape"]["experts"] == spec.experts
