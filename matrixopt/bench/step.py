@@ -1,10 +1,10 @@
 """``matrixopt bench step``: how long is one optimizer step for a model's parameter set?
 
 The parameter set of a GPT (vocab 50304, untied head, fused QKV, MLP (d, 4d) and (4d, d), biases and LayerNorms
-as in GPT-2), or of one mixture-of-experts layer (``qwen3-30b-a3b``: grouped-query attention and 128 experts of
-(768, 2048) and (2048, 768) as two expert stacks), is built as plain parameters with random fp32 gradients, no model
-forward. Every hidden matrix (each expert's two) goes to the matrix optimizer, the embeddings, head, router, norms and
-biases to AdamW. Compared on the same parameters:
+as in GPT-2), or of one mixture-of-experts layer (``qwen3-30b-a3b``: grouped-query attention and 128 SwiGLU
+experts, gate and up (768, 2048) and down (2048, 768), as three expert stacks), is built as plain parameters with
+random fp32 gradients, no model forward. Every hidden matrix (each expert's own) goes to the matrix optimizer, the
+embeddings, head, router, norms and biases to AdamW. Compared on the same parameters:
 
 - ``adamw (fused)``: ``torch.optim.AdamW(fused=True)`` on everything (foreach on the CPU);
 - the peers of :mod:`matrixopt.bench.peers`: ``torch.optim.Muon``, and ``emerging_optimizers Muon`` with and
@@ -45,13 +45,16 @@ from matrixopt.kernels.ns_step import ns_backend
 from matrixopt.linalg.ortho import newton_schulz_flops
 from matrixopt.optim.layout import mark_experts
 from matrixopt.optim.registry import OPTIMIZERS, accepted, build_optimizer
+from matrixopt.plan.models import PRESETS as ARCHITECTURES
+from matrixopt.plan.models import Architecture
 
 
 @dataclass(frozen=True)
 class MoELayer:
     """One decoder layer of a mixture-of-experts model: grouped-query attention (``n_head`` query and ``n_kv_head``
-    key/value heads of ``head_dim``) and ``experts`` experts of two matrices each, ``(expert_ffn, d)`` and
-    ``(d, expert_ffn)``, stored as two ``(E, out, in)`` stacks, with a ``(E, d)`` router."""
+    key/value heads of ``head_dim``) and ``experts`` experts, each a SwiGLU (``gated``: gate and up ``(expert_ffn,
+    d)`` and down ``(d, expert_ffn)``) or a GELU MLP (up and down), stored as ``(E, out, in)`` stacks, with a
+    ``(E, d)`` router."""
 
     d: int
     n_head: int
@@ -59,17 +62,24 @@ class MoELayer:
     head_dim: int
     experts: int
     expert_ffn: int
+    gated: bool
+
+    @classmethod
+    def of(cls, arch: Architecture) -> MoELayer:
+        """One MoE layer of the planner's architecture ``arch`` (:mod:`matrixopt.plan.models`)."""
+        return cls(d=arch.d_model, n_head=arch.n_head, n_kv_head=arch.kv_heads, head_dim=arch.hd,
+                   experts=arch.n_experts, expert_ffn=arch.expert_ffn, gated=arch.gated)
 
 
 # GPTs as (n_layer, n_embd, block_size, vocab): GPT-2 small and medium, a 1.3B GPT; "toy" keeps the CPU test fast.
-# One layer of Qwen3-30B-A3B (its published shapes: width 2048, 32 / 4 heads of 128, 128 experts of 768).
+# One layer of Qwen3-30B-A3B (its published shapes, from the planner's preset).
 MODELS: dict[str, tuple[int, int, int, int] | MoELayer] = {
     "gpt2-small": (12, 768, 1024, 50304),
     "gpt2-medium": (24, 1024, 1024, 50304),
     "1.3b": (24, 2048, 2048, 50304),
     "toy": (2, 64, 32, 512),
-    "qwen3-30b-a3b": MoELayer(d=2048, n_head=32, n_kv_head=4, head_dim=128, experts=128, expert_ffn=768),
-    "toy-moe": MoELayer(d=64, n_head=4, n_kv_head=2, head_dim=16, experts=4, expert_ffn=32),
+    "qwen3-30b-a3b": MoELayer.of(ARCHITECTURES["qwen3-30b-a3b"]),
+    "toy-moe": MoELayer(d=64, n_head=4, n_kv_head=2, head_dim=16, experts=4, expert_ffn=32, gated=True),
 }
 NS_STEPS = 5
 LR = 1e-3
@@ -101,14 +111,16 @@ class _MoE(nn.Module):
         super().__init__()
         self.router = nn.Linear(spec.d, spec.experts, bias=False)
         self.experts = nn.Module()
-        shapes = dict(w_in=(spec.experts, spec.expert_ffn, spec.d), w_out=(spec.experts, spec.d, spec.expert_ffn))
+        shapes = dict(up=(spec.experts, spec.expert_ffn, spec.d), down=(spec.experts, spec.d, spec.expert_ffn))
+        if spec.gated:
+            shapes["gate"] = shapes["up"]
         for name, shape in shapes.items():
             self.experts.register_parameter(name, mark_experts(nn.Parameter(torch.randn(shape) * 0.02)))
 
 
 class MoELayerSet(nn.Module):
     """One :class:`MoELayer`'s parameters by name (no forward): ``transformer.h.0.attn.{q,k,v,o}_proj``,
-    ``.mlp.router``, ``.mlp.experts.{w_in,w_out}`` (marked with :func:`matrixopt.mark_experts`), two norms."""
+    ``.mlp.router``, ``.mlp.experts.{up,down,gate}`` (marked with :func:`matrixopt.mark_experts`), two norms."""
 
     def __init__(self, spec: MoELayer):
         super().__init__()

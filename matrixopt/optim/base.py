@@ -322,18 +322,14 @@ class MatrixOptimizer(Optimizer):
         # matrix groups first: after the check's host sync the GPU is idle, and their long kernels (Newton–Schulz)
         # then run while the host issues the rest
         for group, params, grads in sorted(work, key=lambda w: not w[0][self.matrix_flag]):
-            if group[self.matrix_flag]:
-                if skip is None:
-                    self._matrix_update(group, params, grads)
-                else:  # only optimizers that take deferred_nonfinite defer, or are wrapped by a deferred check
-                    self._matrix_update(group, params, grads, skip)
-            else:
-                self._adamw_update(group, params, grads, skip)
+            self._group_update(group, params, grads, skip)
         if side is not None:
             main.wait_stream(side)
 
     def _group_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                       skip: Tensor | None) -> None:
+        """One group's update: AdamW's, or the matrix algorithm's (given ``skip`` only where there is one: only
+        optimizers that take ``deferred_nonfinite`` defer, or are wrapped by a deferred check)."""
         if not group[self.matrix_flag]:
             self._adamw_update(group, params, grads, skip)
         elif skip is None:

@@ -95,6 +95,13 @@ class Bucket:
         return bool(self.params[i].shape[-2] > self.params[i].shape[-1])  # a plain bool also under torch.compile
 
 
+def bucket_key(param: Tensor, grad: Tensor, piece: Tensor) -> tuple:
+    """The Newton–Schulz batch a matrix piece of ``param`` (``(m, n)`` or ``(E, m, n)``) joins:
+    ``(min(m, n), max(m, n))``, the gradient's and the parameter's dtype, the device."""
+    m, n = piece.shape[-2:]
+    return min(m, n), max(m, n), grad.dtype, param.dtype, param.device
+
+
 def momentum_buckets(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor],
                      extras: list[list[Tensor]] | None = None) -> tuple[list[Bucket], list[tuple[Tensor, Tensor]]]:
     """Every ``(m, n)`` matrix piece of every parameter, grouped by ``(s, l) = (min(m, n), max(m, n))``, gradient
@@ -115,8 +122,7 @@ def momentum_buckets(params: list[Tensor], grads: list[Tensor], bufs: list[Tenso
         pieces = matrix_pieces(p, targets[0])
         extra = extras[j] if extras is not None else [None] * len(pieces)
         for pp, gp, bp, xp in zip(pieces, matrix_pieces(p, g), matrix_pieces(p, targets[1]), extra):
-            m, n = pp.shape[-2:]
-            key = (min(m, n), max(m, n), g.dtype, p.dtype, p.device)
+            key = bucket_key(p, g, pp)
             if key not in buckets:
                 buckets[key] = Bucket(key[0], key[1], p.device)
             bucket = buckets[key]

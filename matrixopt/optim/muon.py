@@ -32,7 +32,13 @@ from matrixopt.kernels import muon_elementwise
 from matrixopt.linalg.ortho import DEFAULT_SCHEDULE, NewtonSchulzConfig, newton_schulz_short_side, polar
 from matrixopt.optim.base import MatrixOptimizer, _check_finite, _pack, adamw_group_defaults, check_decay, check_lr
 from matrixopt.optim.graphed import CapturedMuonStep
-from matrixopt.optim.layout import Bucket, matrix_pieces, momentum_buckets, orthogonalized_momentum_step
+from matrixopt.optim.layout import (
+    Bucket,
+    bucket_key,
+    matrix_pieces,
+    momentum_buckets,
+    orthogonalized_momentum_step,
+)
 from matrixopt.optim.offload import Offload
 
 SCALINGS = ("match_adamw", "original", "spectral")
@@ -229,9 +235,7 @@ class Muon(MatrixOptimizer):
         owner: dict[tuple, int] = {}
         for i, (p, g) in enumerate(zip(params, grads)):
             for piece in matrix_pieces(p, p):
-                m, n = piece.shape[-2:]
-                key = (min(m, n), max(m, n), g.dtype, p.dtype, p.device)
-                j = owner.setdefault(key, i)
+                j = owner.setdefault(bucket_key(p, g, piece), i)
                 parent[root(i)] = root(j)
         units: dict[int, list[int]] = {}
         for i in range(len(params)):

@@ -148,7 +148,7 @@ def test_step_amortizes_shampoo_and_soap_over_their_refresh(tmp_path):
 
 
 def test_step_on_a_moe_layer(tmp_path):
-    """One mixture-of-experts layer: our Muon routes each expert's two matrices to Newton–Schulz (batched) and the
+    """One mixture-of-experts layer: our Muon routes each expert's three matrices to Newton–Schulz (batched) and the
     router to AdamW; torch.optim.Muon gets one 2-D copy per expert; the limit counts every expert's matrices."""
     import torch
 
@@ -159,9 +159,9 @@ def test_step_on_a_moe_layer(tmp_path):
     ps = param_set("toy-moe", torch.device("cpu"))
     routes = {name: r for name, _, r in route(ps)}
     assert routes["transformer.h.0.mlp.router.weight"] == "adamw"
-    assert routes["transformer.h.0.mlp.experts.w_in"] == routes["transformer.h.0.attn.q_proj.weight"] == "matrix"
+    assert routes["transformer.h.0.mlp.experts.up"] == routes["transformer.h.0.attn.q_proj.weight"] == "matrix"
     hidden = hidden_matrices(ps)
-    assert len(hidden) == 4 + 2 * spec.experts and all(p.ndim == 2 and p.grad is not None for p in hidden)
+    assert len(hidden) == 4 + 3 * spec.experts and all(p.ndim == 2 and p.grad is not None for p in hidden)
     assert hidden_matrices(ps)[-1] is hidden[-1]  # the per-expert copies are made once
     path = tmp_path / "step.json"
     assert run_cli(["step", "--device", "cpu", "--model", "toy-moe", "--reps", "2", "--json", str(path),
@@ -169,5 +169,8 @@ def test_step_on_a_moe_layer(tmp_path):
     rec = json.loads(path.read_text())
     assert all(r["status"] == "ok" for r in rec["results"].values()), rec["results"]
     q, kv = spec.n_head * spec.head_dim, spec.n_kv_head * spec.head_dim
-    assert rec["limit"]["muon_params"] == 2 * q * spec.d + 2 * kv * spec.d + 2 * spec.experts * spec.expert_ffn * spec.d
+    assert rec["limit"]["muon_params"] == 2 * q * spec.d + 2 * kv * spec.d + 3 * spec.experts * spec.expert_ffn * spec.d
     assert rec["shape"]["experts"] == spec.experts
+    qwen = MODELS["qwen3-30b-a3b"]  # the published shapes, from the planner's preset
+    assert (qwen.d, qwen.n_head, qwen.n_kv_head, qwen.head_dim, qwen.experts, qwen.expert_ffn, qwen.gated) == (
+        2048, 32, 4, 128, 128, 768, True)
