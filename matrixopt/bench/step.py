@@ -41,7 +41,7 @@ from matrixopt.bench.common import COPY_TBPS, PEAK_BF16_TFLOPS, environment, ker
 from matrixopt.bench.peers import peer_muons, split_hidden
 from matrixopt.device import resolve_device, time_ms
 from matrixopt.kernels.muon_elementwise import elementwise_backend
-from matrixopt.kernels.ns_step import ns_backend
+from matrixopt.kernels.ns_step import ns_backend, triton_available
 from matrixopt.linalg.ortho import newton_schulz_flops
 from matrixopt.optim.layout import mark_experts
 from matrixopt.optim.registry import OPTIMIZERS, accepted, build_optimizer
@@ -193,7 +193,8 @@ def candidates(ps: ParamSet, device: torch.device) -> dict[str, Candidate | str]
         return Candidate(lambda: build_optimizer(ps, "muon", lr=LR, **options), context)
 
     out["matrixopt muon, cuBLAS only"] = muon(lambda: ns_backend("torch"))
-    out["matrixopt muon, Triton only"] = muon(lambda: ns_backend("triton"))
+    out["matrixopt muon, Triton only"] = (muon(lambda: ns_backend("triton")) if fused and triton_available()
+                                          else "skipped: the Triton kernels need a CUDA device with Triton")
     out["matrixopt muon, CUDA graph"] = muon(cuda_graph=True)
     out["matrixopt muon, deferred check"] = muon(deferred_nonfinite=True)
     out["matrixopt muon, deferred check, CUDA graph"] = muon(deferred_nonfinite=True, cuda_graph=True)

@@ -34,7 +34,7 @@ class ModelConfig(GPTOptions):
     """A preset plus optional overrides of its shape, and the GPT's options; the vocab comes from the data."""
 
     preset: str = "tiny-cpu"
-    """One of PRESETS: tiny-cpu, shakespeare-char, gpt2-small, gpt2-medium, 1.3b, moe-tiny, moe-small,
+    """One of PRESETS: tiny-cpu, shakespeare-char, gpt2-small, gpt2-medium, 1.3b, 2.7b, 6.7b, moe-tiny, moe-small,
     qwen3-30b-a3b."""
     n_layer: int | None = None
     n_head: int | None = None

@@ -102,13 +102,16 @@ class GPTConfig(GPTOptions):
 
 
 # Presets: shapes only; vocab_size comes from the data. "shakespeare-char" is nanoGPT's
-# config/train_shakespeare_char.py; "gpt2-*" are GPT-2's shapes; "1.3b" is GPT-3 XL's 24 x 2048.
+# config/train_shakespeare_char.py; "gpt2-*" are GPT-2's shapes; "1.3b", "2.7b" and "6.7b" are GPT-3's XL, 2.7B and
+# 6.7B shapes (24 x 2048, 32 x 2560, 32 x 4096).
 PRESETS: dict[str, dict] = {
     "tiny-cpu": dict(n_layer=4, n_head=4, n_embd=128, block_size=64),
     "shakespeare-char": dict(n_layer=6, n_head=6, n_embd=384, block_size=256),
     "gpt2-small": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),
     "1.3b": dict(n_layer=24, n_head=16, n_embd=2048, block_size=2048),
+    "2.7b": dict(n_layer=32, n_head=32, n_embd=2560, block_size=2048),
+    "6.7b": dict(n_layer=32, n_head=32, n_embd=4096, block_size=2048),
     # Mixtures of experts. "qwen3-30b-a3b" has Qwen3-30B-A3B's depth, width and experts (48 x 2048, 128 experts of
     # width 768, top-8); its attention is approximated: Qwen3 has 32 query and 4 KV heads of 128 (GQA, q width
     # 4096), this GPT 16 heads of 128 with q = k = v width 2048. Pass --n-layer to run it at reduced depth.
