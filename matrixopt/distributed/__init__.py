@@ -5,9 +5,11 @@
 ``layerwise`` gives each data-parallel rank whole parameters to optimize (balanced by the optimizer's cost),
 reduces gradients to owners during backward and broadcasts updated parameters overlapped with the next forward.
 A trainer picks its parallel mode by name through :func:`make_parallelism`, one :class:`Parallelism` per mode
-(one process, DDP, layer-wise, FSDP2 with tensor parallelism). :func:`batch_slice` and :func:`mean_over_ranks`
-split a global batch and average a logged value. Checkpoints: :mod:`matrixopt.distributed.checkpoint`
-(``save`` on N ranks, ``load`` on M, ``export`` to one file).
+(one process, DDP, layer-wise, FSDP2 with tensor parallelism). Under FSDP2 the matrix optimizers run on the
+DTensor shards: :class:`ShardedMuon`, :class:`ShardedNorMuon`, :class:`ShardedAdaMuon`, and :class:`ShardedShampoo`,
+:class:`ShardedSOAP` (each matrix preconditioned whole on an owner rank). :func:`batch_slice` and
+:func:`mean_over_ranks` split a global batch and average a logged value. Checkpoints:
+:mod:`matrixopt.distributed.checkpoint` (``save`` on N ranks, ``load`` on M, ``export`` to one file).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from matrixopt.distributed.parallelism import (
     make_parallelism,
     mean_over_ranks,
 )
+from matrixopt.distributed.sharded import ShardedAdaMuon, ShardedMuon, ShardedNorMuon
+from matrixopt.distributed.sharded_precond import ShardedShampoo, ShardedSOAP
 
 
 def layerwise(model: nn.Module, optimizer: str, *, process_group: dist.ProcessGroup | None = None,
@@ -40,5 +44,6 @@ def layerwise(model: nn.Module, optimizer: str, *, process_group: dist.ProcessGr
     return model, LayerwiseOptimizer(model, optimizer, process_group=process_group, **kwargs)
 
 
-__all__ = ["DDP", "FSDP", "PARALLELISMS", "Layerwise", "LayerwiseOptimizer", "Parallelism", "SingleProcess",
-           "TPPlan", "any_rank", "batch_slice", "layerwise", "make_parallelism", "mean_over_ranks"]
+__all__ = ["DDP", "FSDP", "PARALLELISMS", "Layerwise", "LayerwiseOptimizer", "Parallelism", "ShardedAdaMuon",
+           "ShardedMuon", "ShardedNorMuon", "ShardedSOAP", "ShardedShampoo", "SingleProcess", "TPPlan", "any_rank",
+           "batch_slice", "layerwise", "make_parallelism", "mean_over_ranks"]

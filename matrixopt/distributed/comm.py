@@ -209,6 +209,72 @@ def scatter_from_owners(owned: Tensor, counts: Sequence[int], sizes: Sequence[in
 
 
 # ----------------------------------------------------------------------------------------------------------
+# whole matrices of any shapes to owners and back
+#
+# Sharded Shampoo and SOAP precondition each matrix whole on one owner rank. The rows of b matrices of any shapes,
+# each split over the ranks as ``fully_shard`` splits dim 0 (``sizes[i]``: every rank's rows of matrix i, uneven
+# and empty allowed), go to their owners in one all-to-all, and the owners' results come back in another:
+#
+#     whole = gather_rows(rows, owners, sizes, group)           # [(sizes[i][rank], n_i)] -> [(m_i, n_i)] owned here
+#     rows = scatter_rows(whole, owners, sizes, widths, group)  # the inverse
+#
+# Each rank's send buffer holds its rows of rank 0's matrices, then of rank 1's, ... (matrix order within each).
+
+
+def gather_rows(rows: Sequence[Tensor], owners: Sequence[int], sizes: Sequence[Sequence[int]],
+                group: Group | None) -> list[Tensor]:
+    """Whole matrices to their owners (blocking).
+
+    rows[i]: this rank's rows of matrix i, ``(sizes[i][rank], n_i)``, all of one dtype and device. owners[i]: the
+    group rank that owns matrix i. Returns the matrices this rank owns, in matrix order, each
+    ``(sum(sizes[i]), n_i)`` and contiguous."""
+    world, me = world_size(group), rank(group)
+    if (len(owners) != len(rows) or len(sizes) != len(rows) or any(len(s) != world for s in sizes)
+            or any(r.ndim != 2 or r.size(0) != s[me] for r, s in zip(rows, sizes))):
+        raise ValueError(f"gather_rows: row blocks {[tuple(r.shape) for r in rows]} do not match owners "
+                         f"{list(owners)} and row sizes {[list(s) for s in sizes]} on rank {me}")
+    mine = [i for i, o in enumerate(owners) if o == me]
+    widths = [r.size(1) for r in rows]
+    send = torch.cat([rows[i].reshape(-1) for r in range(world) for i in range(len(rows)) if owners[i] == r])
+    send_splits = [sum(rows[i].numel() for i in range(len(rows)) if owners[i] == r) for r in range(world)]
+    recv_splits = [sum(sizes[i][s] * widths[i] for i in mine) for s in range(world)]
+    recv, work = all_to_all_async(send, send_splits, recv_splits, group)
+    work.wait()
+    pieces: list[list[Tensor]] = [[] for _ in mine]
+    for s, chunk in enumerate(recv.split(recv_splits)):  # rank s's rows of each matrix owned here
+        for j, (i, part) in enumerate(zip(mine, chunk.split([sizes[i][s] * widths[i] for i in mine]))):
+            pieces[j].append(part.view(sizes[i][s], widths[i]))
+    return [torch.cat(p) for p in pieces]
+
+
+def scatter_rows(whole: Sequence[Tensor], owners: Sequence[int], sizes: Sequence[Sequence[int]],
+                 widths: Sequence[int], group: Group | None, dtype: torch.dtype = torch.float32) -> list[Tensor]:
+    """The inverse of :func:`gather_rows` (blocking): whole ``(sum(sizes[i]), n_i)`` in ``dtype`` for the matrices
+    this rank owns, in matrix order -> this rank's rows ``(sizes[i][rank], n_i)`` of every matrix i,
+    ``n_i = widths[i]``."""
+    world, me = world_size(group), rank(group)
+    mine = [i for i, o in enumerate(owners) if o == me]
+    if (len(whole) != len(mine) or len(sizes) != len(owners) or len(widths) != len(owners)
+            or any(w.shape != (sum(sizes[i]), widths[i]) or w.dtype != dtype for w, i in zip(whole, mine))):
+        raise ValueError(f"scatter_rows: owned matrices {[(tuple(w.shape), w.dtype) for w in whole]} do not match "
+                         f"owners {list(owners)}, row sizes {[list(s) for s in sizes]}, widths {list(widths)} and "
+                         f"dtype {dtype} on rank {me}")
+    blocks = [w.split(list(sizes[i])) for w, i in zip(whole, mine)]  # [matrix][rank]
+    send = torch.cat([b[r].reshape(-1) for r in range(world) for b in blocks]) if whole else \
+        torch.zeros(0, dtype=dtype, device=object_device(group))  # owns nothing: receives only
+    send_splits = [sum(b[r].numel() for b in blocks) for r in range(world)]
+    recv_splits = [sum(sizes[i][me] * widths[i] for i in range(len(owners)) if owners[i] == s) for s in range(world)]
+    recv, work = all_to_all_async(send, send_splits, recv_splits, group)
+    work.wait()
+    out: list[Tensor | None] = [None] * len(owners)
+    for s, chunk in enumerate(recv.split(recv_splits)):  # this rank's rows of each matrix rank s owns
+        theirs = [i for i in range(len(owners)) if owners[i] == s]
+        for i, part in zip(theirs, chunk.split([sizes[i][me] * widths[i] for i in theirs])):
+            out[i] = part.view(sizes[i][me], widths[i])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
 # process lifetime
 
 

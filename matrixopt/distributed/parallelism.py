@@ -25,7 +25,8 @@ One subclass per mode, built by :func:`make_parallelism`, the one place a mode's
   composes into it (``tp > 1``: a ``("dp", "tp")`` mesh, the model's :class:`TPPlan` applied first, then FSDP2
   over "dp"); another parallel dim (experts) would add a mesh dim and a plan the same way. NorMuon and AdaMuon run
   as their sharded forms (:class:`~matrixopt.distributed.sharded.ShardedNorMuon`, ``ShardedAdaMuon``), without
-  tensor parallelism.
+  tensor parallelism; so do Shampoo and SOAP (:class:`~matrixopt.distributed.sharded_precond.ShardedShampoo`,
+  ``ShardedSOAP``: each matrix preconditioned whole on an owner rank).
 
 Expert parallelism composes into DDP (``ep > 1``: each mixture-of-experts layer's experts split over groups of
 ep ranks, :mod:`matrixopt.distributed.ep`).
@@ -60,13 +61,16 @@ from matrixopt.distributed import ep as ep_lib
 from matrixopt.distributed.fsdp import apply_fsdp
 from matrixopt.distributed.layerwise import LayerwiseOptimizer
 from matrixopt.distributed.sharded import ShardedAdaMuon, ShardedMuon, ShardedNorMuon
+from matrixopt.distributed.sharded_precond import ShardedShampoo, ShardedSOAP
 from matrixopt.distributed.tp import MODES as TP_MODES
 from matrixopt.optim.base import MatrixOptimizer
 from matrixopt.optim.registry import OPTIMIZERS, accepted, build_optimizer
 from matrixopt.optim.routing import param_groups
 
 T = TypeVar("T")
-SHARDED = {"muon": ShardedMuon, "normuon": ShardedNorMuon, "adamuon": ShardedAdaMuon}  # matrix optimizers on DTensors
+# matrix optimizers on DTensors
+SHARDED = {"muon": ShardedMuon, "normuon": ShardedNorMuon, "adamuon": ShardedAdaMuon, "shampoo": ShardedShampoo,
+           "soap": ShardedSOAP}
 Splits = Mapping[str, int | Sequence[int]]
 
 
@@ -426,13 +430,14 @@ class FSDP(MultiProcess):
     block is sharded over "tp" by ``tp_plan``, then FSDP2 shards over "dp"; the ranks of one TP group take the
     same batch rows. Under ``bf16`` the parameters compute in bf16 and gradients reduce in fp32 (FSDP2's mixed
     precision policy, so :meth:`autocast` does nothing). Muon runs as ShardedMuon (TP Newton–Schulz in
-    ``tp_mode``), AdamW as torch AdamW. Checkpoints are a torch.distributed.checkpoint folder holding the
-    single-process layout, resumable at any tp."""
+    ``tp_mode``), Shampoo and SOAP as ShardedShampoo and ShardedSOAP (``tp=1``), AdamW as torch AdamW.
+    Checkpoints are a torch.distributed.checkpoint folder holding the single-process layout, resumable at any tp
+    (Shampoo's and SOAP's state: each matrix's once, from its owner, resumable at any number of ranks)."""
 
     name = "fsdp"
     checkpoint_name = "ckpt"
     tensor_parallel = True
-    optimizers: ClassVar[tuple[str, ...]] = ("muon", "normuon", "adamuon", "adamw")
+    optimizers: ClassVar[tuple[str, ...]] = ("muon", "normuon", "adamuon", "shampoo", "soap", "adamw")
 
     def __init__(self, device: str | torch.device = "auto", *, bf16: bool = False, tp: int = 1,
                  tp_mode: str = "auto", tp_plan: TPPlan | None = None) -> None:
@@ -465,7 +470,9 @@ class FSDP(MultiProcess):
             raise ValueError(f"--parallel fsdp supports the optimizers {', '.join(self.optimizers)}, not "
                              f"{name!r}; use --parallel layerwise for {name}")
         if name in SHARDED:
-            return SHARDED[name](param_groups(model, splits=splits), tp_mode=self.tp_mode, **hparams)
+            cls = SHARDED[name]
+            tp = {"tp_mode": self.tp_mode} if issubclass(cls, ShardedMuon) else {}  # Muon's TP Newton–Schulz
+            return cls(param_groups(model, matrix_flag=cls.matrix_flag, splits=splits), **tp, **hparams)
         groups = []  # DTensor foreach kernels take one mesh per call: one group per (routing group, mesh)
         for g in param_groups(model, matrix_flag=None, splits=splits):
             g.pop("names")

@@ -83,6 +83,13 @@ class _Flight:
     exchange: InFlight | None
 
 
+def agreed_nonfinite_flags(grads: list[Tensor]) -> Tensor:
+    """``(len(grads),)`` float32: 1 where a gradient holds NaN/Inf on any rank (DTensors checked on their local
+    shards), agreed over all ranks so that every rank skips or stops the same parameters. Collective."""
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    return comm.all_reduce_max(nonfinite_flags(local, local[0].device), None)
+
+
 class ShardedMuon(Muon):
     """Muon over DTensor parameters (FSDP2, TP, FSDP x TP, HSDP). Takes Muon's arguments plus:
 
@@ -115,8 +122,7 @@ class ShardedMuon(Muon):
         whole matrix everywhere)."""
         if not any(isinstance(g, DTensor) for g in grads):
             return super()._nonfinite_flags(grads)
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        return comm.all_reduce_max(nonfinite_flags(local, local[0].device), None)
+        return agreed_nonfinite_flags(grads)
 
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                        skip: Tensor | None = None) -> None:

@@ -212,10 +212,14 @@ class KroneckerOptimizer(MatrixOptimizer):
             raise ValueError(f"Invalid side_stream: {group['side_stream']!r} (must be True or False)")
 
     # ----------------------------------------------------------------------------------- blocks and state
+    def _block_plan(self, group: dict[str, Any], p: Tensor) -> list[Block]:
+        """The blocks of ``p`` under the group's ``max_preconditioner_dim`` and ``one_sided_ratio`` (not cached)."""
+        return block_plan(p, group["max_preconditioner_dim"], group["one_sided_ratio"])
+
     def _plan(self, group: dict[str, Any], p: Tensor) -> list[Block]:
         plan = self._plans.get(id(p))
         if plan is None:
-            plan = self._plans[id(p)] = block_plan(p, group["max_preconditioner_dim"], group["one_sided_ratio"])
+            plan = self._plans[id(p)] = self._block_plan(group, p)
         return plan
 
     def _layout(self, group: dict[str, Any], params: list[Tensor]) -> Layout:
@@ -307,19 +311,40 @@ class KroneckerOptimizer(MatrixOptimizer):
         mine = [(g, p) for g in self.param_groups for p in g["params"]]
         for pid, (g, p) in zip(saved, mine):
             st = state_dict["state"].get(pid)
-            if not st or not g[self.matrix_flag]:
-                continue
-            for k, b in enumerate(block_plan(p, g["max_preconditioner_dim"], g["one_sided_ratio"])):
-                m, n = b.key[:2]
-                for side, d in (("left", m), ("right", n)):
-                    f = st.get(f"{side}{k}")
-                    if (f is None) == getattr(b, side) or (f is not None and tuple(f.shape) != (d, d)):
-                        raise ValueError(f"state dict factors of a parameter of shape {tuple(p.shape)} do not match "
-                                         f"its blocks (block {k}: {side} factor {None if f is None else tuple(f.shape)}"
-                                         f", expected {(d, d) if getattr(b, side) else None}); it was saved with "
-                                         f"another max_preconditioner_dim, one_sided_ratio or model")
+            if st and g[self.matrix_flag]:
+                self._check_factors(g, p, st)
         super().load_state_dict(state_dict)
         self._pending.clear()
+
+    def _check_factors(self, group: dict[str, Any], p: Tensor, st: dict[str, Any]) -> None:
+        """Raise ValueError unless the factors of the saved state ``st`` of ``p`` match its blocks."""
+        for k, b in enumerate(self._block_plan(group, p)):
+            m, n = b.key[:2]
+            for side, d in (("left", m), ("right", n)):
+                f = st.get(f"{side}{k}")
+                if (f is None) == getattr(b, side) or (f is not None and tuple(f.shape) != (d, d)):
+                    raise ValueError(f"state dict factors of a parameter of shape {tuple(p.shape)} do not match "
+                                     f"its blocks (block {k}: {side} factor {None if f is None else tuple(f.shape)}"
+                                     f", expected {(d, d) if getattr(b, side) else None}); it was saved with "
+                                     f"another max_preconditioner_dim, one_sided_ratio or model")
+
+    # ----------------------------------------------------------------------------------- the update
+    first_step_moves = True  # whether a parameter's first step moves it (SOAP's only builds its factors)
+
+    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+        updates = self._matrix_updates(group, params, grads)
+        moved = [i for i, u in enumerate(updates) if u is not None]
+        if moved:
+            self._apply(group, [params[i] for i in moved], [updates[i] for i in moved])
+
+    def _matrix_updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[Tensor | None]:
+        """Step the state of ``params`` on ``grads`` and return the update U of each parameter, float32 and shaped
+        as it, or None where this step does not move it (not even by weight decay; see ``first_step_moves``).
+
+        A parameter serves as the key of its state and for its shape, device and matrix layout; its values are
+        never read, so a sharded optimizer can pass its DTensor parameters with whole gradients. ``grads``: shaped
+        as the parameters (whole), any float dtype."""
+        raise NotImplementedError
 
     # ----------------------------------------------------------------------------------- helpers
     @staticmethod
@@ -430,7 +455,7 @@ class Shampoo(KroneckerOptimizer):
             st["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         self._init_factors(group, st, p, "root")
 
-    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+    def _matrix_updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
         beta1 = group["betas"][0]
         graft = group["grafting"] == "adam"
         states = [self._state(group, p) for p in params]
@@ -481,7 +506,7 @@ class Shampoo(KroneckerOptimizer):
                     S = S * torch.where(nS > 0, nF / nS, 0.0)
                 S = torch.where(torch.isfinite(S).all(dim=(-2, -1), keepdim=True), S, F)
                 torch._foreach_copy_([uviews[i][k] for i, k, _ in ents], list(S.unbind(0)))
-        self._apply(group, params, updates)
+        return updates
 
     # ----------------------------------------------------------------------------------- roots
     def _launch_roots(self, group: dict[str, Any], items: list[tuple[list[Block], dict[str, Any]]],

@@ -137,12 +137,17 @@ class SOAP(KroneckerOptimizer):
     def _sides(b: Block) -> tuple[str, ...]:
         return ("left", "right")[0 if b.left else 1:2 if b.right else 1]
 
-    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+    first_step_moves = False  # the first step builds the factors and their eigenbases only
+
+    def _matrix_updates(self, group: dict[str, Any], params: list[Tensor],
+                        grads: list[Tensor]) -> list[Tensor | None]:
         kl = group["factor_update"] == "kl"
         states = [self._state(group, p) for p in params]
         for st in states:
             st["step"] += 1
+        out: list[Tensor | None] = [None] * len(params)
         first = [i for i, st in enumerate(states) if st["step"] == 1]
+        rest = [i for i in range(len(params)) if states[i]["step"] > 1]
         if first:  # factors from this gradient and their eigenbases; no update (see the module docstring)
             params1, grads1 = [params[i] for i in first], [grads[i].float() for i in first]
             plans1, states1 = [self._plan(group, p) for p in params1], [states[i] for i in first]
@@ -153,10 +158,9 @@ class SOAP(KroneckerOptimizer):
             else:
                 self._update_factors(group, layout1, states1, gviews1)
             self._first_bases(group, list(zip(params1, plans1, states1)))
-            keep = [i for i in range(len(params)) if i not in set(first)]
-            params, grads, states = [params[i] for i in keep], [grads[i] for i in keep], [states[i] for i in keep]
+            params, grads, states = [params[i] for i in rest], [grads[i] for i in rest], [states[i] for i in rest]
             if not params:
-                return
+                return out
         layout = self._layout(group, params)
         plans = [self._plan(group, p) for p in params]
         steps = [st["step"] - 1 for st in states]  # Adam steps: the first call only initializes
@@ -183,7 +187,6 @@ class SOAP(KroneckerOptimizer):
             ents = [layout.entries[j] for j in idx]
             U = self._rotate(states, ents, torch.stack([nviews[i][k] for i, k, _ in ents]), key, to_eigen=False)
             torch._foreach_copy_([uviews[i][k] for i, k, _ in ents], list(U.unbind(0)))
-        self._apply(group, params, updates)
 
         # factors after the step, so the projection never uses the current gradient
         if kl:
@@ -197,6 +200,9 @@ class SOAP(KroneckerOptimizer):
             items = [(params[i], plans[i], states[i]) for i in due]
             self._refresh(gi, group, lambda sync: self._launch_bases(items),
                           lambda handle: self._install_bases(group, handle))
+        for i, u in zip(rest, updates):
+            out[i] = u
+        return out
 
     # ----------------------------------------------------------------------------------- rotations
     @staticmethod
