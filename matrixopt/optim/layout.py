@@ -102,14 +102,43 @@ def bucket_key(param: Tensor, grad: Tensor, piece: Tensor) -> tuple:
     return min(m, n), max(m, n), grad.dtype, param.dtype, param.device
 
 
+BUCKET_NUMEL = 1 << 27
+"""The most values one Newton–Schulz batch holds. Pieces with one :func:`bucket_key` beyond that are split, in
+parameter order, into batches of up to this many (a larger piece alone): 128M values keep every batch large
+enough to fill a GPU while bounding the step's workspace (the bf16 stack and its Gram matrices) and the state an
+offloaded or compact step (:mod:`matrixopt.optim.offload`) holds on the device at once."""
+
+
+def bucket_keys(params: list[Tensor], grads: list[Tensor]) -> list[list[tuple]]:
+    """Per parameter, per matrix piece in :func:`matrix_pieces` order, the Newton–Schulz batch the piece joins:
+    its :func:`bucket_key` plus the batch's index among that key's, filled in order up to :data:`BUCKET_NUMEL`
+    values."""
+    fill: dict[tuple, tuple[int, int]] = {}  # bucket_key -> (index of its open batch, values in it)
+    out = []
+    for p, g in zip(params, grads):
+        keys = []
+        for piece in matrix_pieces(p, p):
+            base = bucket_key(p, g, piece)
+            index, total = fill.get(base, (0, 0))
+            if total and total + piece.numel() > BUCKET_NUMEL:
+                index, total = index + 1, 0
+            fill[base] = (index, total + piece.numel())
+            keys.append((*base, index))
+        out.append(keys)
+    return out
+
+
 def momentum_buckets(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor],
-                     extras: list[list[Tensor]] | None = None) -> tuple[list[Bucket], list[tuple[Tensor, Tensor]]]:
+                     extras: list[list[Tensor]] | None = None,
+                     keys: list[list[tuple]] | None = None) -> tuple[list[Bucket], list[tuple[Tensor, Tensor]]]:
     """Every ``(m, n)`` matrix piece of every parameter, grouped by ``(s, l) = (min(m, n), max(m, n))``, gradient
-    dtype, parameter dtype and device. Also returns ``(tensor, contiguous copy)`` pairs for parameters or momentum
-    buffers without an aliasing matrix view (e.g. a channels_last conv kernel): the pieces view the copies, which
-    the caller writes back after the step. ``extras``: per parameter, views of further state, one per matrix
-    piece in :func:`matrix_pieces` order (a stacked-experts piece carries E in front), which the buckets carry in
-    ``extra``."""
+    dtype, parameter dtype and device, in batches of up to :data:`BUCKET_NUMEL` values (``keys``: each piece's
+    batch, :func:`bucket_keys` of these parameters by default). Also returns ``(tensor, contiguous copy)`` pairs
+    for parameters or momentum buffers without an aliasing matrix view (e.g. a channels_last conv kernel): the
+    pieces view the copies, which the caller writes back after the step. ``extras``: per parameter, views of
+    further state, one per matrix piece in :func:`matrix_pieces` order (a stacked-experts piece carries E in
+    front), which the buckets carry in ``extra``."""
+    keys = bucket_keys(params, grads) if keys is None else keys
     buckets: dict[tuple, Bucket] = {}
     copies = []
     for j, (p, g, b) in enumerate(zip(params, grads, bufs)):
@@ -121,8 +150,7 @@ def momentum_buckets(params: list[Tensor], grads: list[Tensor], bufs: list[Tenso
             targets.append(t)
         pieces = matrix_pieces(p, targets[0])
         extra = extras[j] if extras is not None else [None] * len(pieces)
-        for pp, gp, bp, xp in zip(pieces, matrix_pieces(p, g), matrix_pieces(p, targets[1]), extra):
-            key = bucket_key(p, g, pp)
+        for pp, gp, bp, xp, key in zip(pieces, matrix_pieces(p, g), matrix_pieces(p, targets[1]), extra, keys[j]):
             if key not in buckets:
                 buckets[key] = Bucket(key[0], key[1], p.device)
             bucket = buckets[key]

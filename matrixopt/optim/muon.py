@@ -34,8 +34,7 @@ from matrixopt.optim.base import MatrixOptimizer, _check_finite, _pack, adamw_gr
 from matrixopt.optim.graphed import CapturedMuonStep
 from matrixopt.optim.layout import (
     Bucket,
-    bucket_key,
-    matrix_pieces,
+    bucket_keys,
     momentum_buckets,
     orthogonalized_momentum_step,
 )
@@ -199,7 +198,8 @@ class Muon(MatrixOptimizer):
         fingerprint = _fingerprint([*params, *grads, *bufs, *flat_extras]) if graph and params[0].is_cuda else None
         if fingerprint is not None and self._replay_again(group, params, grads, fingerprint, skip, flat_extras):
             return
-        buckets, copies = momentum_buckets(params, grads, bufs, extras)
+        keys = [self._staged_keys[p] for p in params] if self._staging else None  # the whole step's batches
+        buckets, copies = momentum_buckets(params, grads, bufs, extras, keys)
         # whether every bucket suits the fused kernels, judged once per step (the graph and the skip both ask)
         fusable = not copies and all(muon_elementwise.fusable(bk.params, bk.grads, bk.bufs) for bk in buckets)
         if skip is not None and not (fusable and all(muon_elementwise.skips_on_device(bk.params) for bk in buckets)):
@@ -220,10 +220,12 @@ class Muon(MatrixOptimizer):
 
     def _state_chunks(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[list[int]]:
         """As the base class's, for a matrix group: parameters whose pieces share a Newton–Schulz batch (a bucket
-        of :func:`~matrixopt.optim.layout.momentum_buckets`) stay in one chunk, so each bucket is the whole
-        step's."""
+        of :func:`~matrixopt.optim.layout.momentum_buckets`) stay in one chunk, and each chunk's update batches
+        its pieces as the whole step does (the batches are kept in ``_staged_keys`` for it)."""
         if not group[self.matrix_flag]:
             return super()._state_chunks(group, params, grads)
+        keys = bucket_keys(params, grads)
+        self.__dict__.setdefault("_staged_keys", {}).update(zip(params, keys))
         parent = list(range(len(params)))
 
         def root(i: int) -> int:
@@ -233,9 +235,9 @@ class Muon(MatrixOptimizer):
             return i
 
         owner: dict[tuple, int] = {}
-        for i, (p, g) in enumerate(zip(params, grads)):
-            for piece in matrix_pieces(p, p):
-                j = owner.setdefault(bucket_key(p, g, piece), i)
+        for i, piece_keys in enumerate(keys):
+            for key in piece_keys:
+                j = owner.setdefault(key, i)
                 parent[root(i)] = root(j)
         units: dict[int, list[int]] = {}
         for i in range(len(params)):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import matrixopt
-from matrixopt.optim import base
+from matrixopt.optim import base, layout
 from matrixopt.optim.offload import Offload
 
 
@@ -65,6 +65,50 @@ def test_offloaded_steps_are_bit_identical(name, steps, monkeypatch):
         assert torch.equal(a, b)
     _state_equal(opt_ref, opt)
     assert copy.calls > 0  # the state went through the device copy
+
+
+class _MixedBatches(nn.Module):
+    """Pieces of one shape, (16, 48) or (48, 16), in Newton–Schulz batches of mixed sizes: two single matrices
+    and a stack of three experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(40, 16)
+        self.up = nn.Linear(16, 48, bias=False)
+        self.experts = nn.Parameter(torch.randn(3, 16, 48) / 7)
+        matrixopt.mark_experts(self.experts)
+        self.down = nn.Linear(48, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(self.emb(x))
+        return self.down(h) + sum(h @ e.T for e in self.experts)
+
+
+def test_large_batches_are_split_and_offloaded_chunks_batch_as_the_whole_step(monkeypatch):
+    """Newton–Schulz batches stop at BUCKET_NUMEL values (a larger piece alone), which bounds what a chunk of an
+    offloaded step holds on the device; the chunked step batches exactly as the whole step."""
+    monkeypatch.setattr(layout, "BUCKET_NUMEL", 1600)
+    model = _MixedBatches()
+    params = [model.up.weight, model.experts, model.down.weight]
+    keys = layout.bucket_keys(params, params)
+    assert [k[-1] for ks in keys for k in ks] == [0, 1, 2]  # 768, then 2304 alone, then 768
+    bufs = [torch.zeros_like(p) for p in params]
+    buckets, _ = layout.momentum_buckets(params, params, bufs)
+    assert [len(b.params) for b in buckets] == [1, 3, 1]
+    monkeypatch.setattr(layout, "BUCKET_NUMEL", 3100)
+    assert [len(b.params) for b in layout.momentum_buckets(params, params, bufs)[0]] == [4, 1]  # 768 + 2304, 768
+
+    ref, offloaded = _MixedBatches(), _MixedBatches()
+    opt_ref = matrixopt.build_optimizer(ref, "muon", lr=1e-2, weight_decay=0.1)
+    opt = matrixopt.build_optimizer(offloaded, "muon", lr=1e-2, weight_decay=0.1,
+                                    offload=Offload(device_copy=FakeDeviceCopy()))
+    monkeypatch.setattr(base, "CHUNK_NUMEL", 1000)  # one batch per chunk
+    _train(opt_ref, ref, 10)
+    _train(opt, offloaded, 10)
+    for a, b in zip(ref.parameters(), offloaded.parameters()):
+        assert torch.equal(a, b)
+    _state_equal(opt_ref, opt)
 
 
 def test_offload_with_compact_state_matches_compact_state():
