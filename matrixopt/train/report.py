@@ -10,6 +10,9 @@ config.json, metrics.jsonl and run.json). ``write_report(DIR)`` writes
   ``opt_share`` (share of training time inside ``optimizer.step()``), ``state_mb``;
 * ``loss_vs_steps.png`` and ``loss_vs_seconds.png``: train loss (thin) and val loss (markers) per optimizer,
   the target dashed;
+* for mixtures of experts, ``expert_load.png``: per optimizer, the busiest expert's load over the mean
+  (``expert_max_load``, worst layer; 1 is balanced) against steps, and each expert's share of the routed tokens
+  over the whole run;
 * ``report.md`` and ``report.html``: the table and the plots.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import html
 import json
 from pathlib import Path
+from typing import Any
 
 from matrixopt.train.rundir import read_metrics
 
@@ -117,7 +121,35 @@ def plot(root: Path, summary: dict) -> list[str]:
         fig.tight_layout()
         fig.savefig(root / fname)
         plt.close(fig)
-    return list(PLOTS)
+    return list(PLOTS) + _plot_expert_load(root, summary, plt)
+
+
+def _plot_expert_load(root: Path, summary: dict, plt: Any) -> list[str]:
+    """``expert_load.png`` when the runs logged routing statistics (a mixture of experts), else nothing."""
+    loads = {name: [m for m in read_metrics(root / name / "metrics.jsonl") if "expert_max_load" in m]
+             for name in summary["optimizers"]}
+    if not any(loads.values()):
+        return []
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=120)
+    width = 0.8 / len(loads)
+    for i, (name, lines) in enumerate(loads.items()):
+        if not lines:
+            continue
+        ax.plot([m["step"] for m in lines], [m["expert_max_load"] for m in lines], color=f"C{i}", label=name)
+        share = [sum(col) / len(lines) for col in zip(*(m["expert_load"] for m in lines))]
+        bx.bar([e + i * width for e in range(len(share))], share, width=width, color=f"C{i}", label=name)
+        bx.axhline(1 / len(share), color="gray", linestyle="--", linewidth=1)
+    ax.axhline(1, color="gray", linestyle="--", linewidth=1)
+    ax.set(xlabel="optimizer steps", ylabel="busiest expert / mean load (worst layer)", title="load balance")
+    bx.set(xlabel="expert", ylabel="share of routed tokens (mean over layers and logs)",
+           title="expert load over the run (dashed: even)")
+    for a in (ax, bx):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(root / "expert_load.png")
+    plt.close(fig)
+    return ["expert_load.png"]
 
 
 def table(summary: dict) -> tuple[list[str], list[list[str]]]:

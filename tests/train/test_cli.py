@@ -79,6 +79,7 @@ def test_compare_writes_summary_report_and_plots(tmp_path, tiny, capsys):
     assert "<table>" in (out / "report.html").read_text()
     for png in ("loss_vs_steps.png", "loss_vs_seconds.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "expert_load.png").exists()  # a dense model logs no routing
     assert "report.md" in stdout
 
     # `report DIR` rebuilds everything from the metrics alone.
@@ -88,6 +89,16 @@ def test_compare_writes_summary_report_and_plots(tmp_path, tiny, capsys):
     assert code == 0
     assert json.loads((out / "summary.json").read_text()) == summary
     assert (out / "report.md").read_text() == report and (out / "loss_vs_steps.png").is_file()
+
+
+def test_compare_of_a_mixture_of_experts_plots_the_expert_load(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    code, _, err = run_cli(["compare", "--model", "moe-tiny", "--optimizers", "adamw,muon", "--steps", 4,
+                            "--batch-size", 4, "--eval-every", 2, "--eval-iters", 1, "--log-every", 1,
+                            "--threads", 1, "--no-progress", "--out", out], capsys)
+    assert code == 0, err
+    assert (out / "expert_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![expert_load.png](expert_load.png)" in (out / "report.md").read_text()
 
 
 def test_not_reached_is_reported(tmp_path, tiny, capsys):
