@@ -14,7 +14,7 @@ README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "guide").glob("*.md"))]
 BLOCKS = [(page.relative_to(ROOT).as_posix(), i, code) for page in PAGES
           for i, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S))]
-OPTIONAL = ("transformers", "accelerate", "lightning")  # blocks that use them skip where they are not installed
+OPTIONAL = ("transformers", "accelerate", "lightning", "torchtitan")  # blocks using them skip where not installed
 
 
 def test_readme_has_examples():

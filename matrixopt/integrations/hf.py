@@ -20,7 +20,8 @@ matrices to the matrix optimizer; embeddings, the head, norms and biases to Adam
 Non-finite gradients: by default a NaN/Inf gradient raises :class:`matrixopt.NonFiniteGradientError` at
 ``step()`` and stops the run, naming the parameter. Pass ``skip_nonfinite=True`` to skip that update instead (the
 step is counted in ``opt.skipped_updates``). Under FSDP2 (DTensor parameters) the sharded variant of the optimizer
-is used (:class:`matrixopt.distributed.sharded.ShardedMuon`, NorMuon, AdaMuon), whose update equals one process's.
+is used (:class:`matrixopt.distributed.sharded.ShardedMuon`, NorMuon, AdaMuon, Shampoo, SOAP), whose update
+equals one process's.
 
 ``transformers`` is imported by nothing here: this module works with whatever version the ``Trainer`` comes from
 (``optimizer_cls_and_kwargs`` with a factory needs transformers >= 5).
@@ -72,7 +73,8 @@ def _sharded(model: nn.Module, name: str, routing: dict[str, Any], hparams: dict
     from matrixopt.distributed.parallelism import SHARDED, by_mesh
 
     if name in SHARDED:
-        return SHARDED[name](param_groups(model, **routing), **hparams)
+        flag = getattr(SHARDED[name], "matrix_flag", "use_muon")  # use_shampoo, use_soap for Shampoo, SOAP
+        return SHARDED[name](param_groups(model, matrix_flag=flag, **routing), **hparams)
     if name != "adamw":
         raise ValueError(f"{name!r} does not run on FSDP2's sharded (DTensor) parameters; use one of "
                          f"{', '.join(sorted(SHARDED))} or adamw, or train without FSDP")

@@ -502,8 +502,10 @@ class MatrixOptimizer(Optimizer):
                                  f"has {len(g['params'])}: it comes from a different model")
             if bool(sg.get(self.matrix_flag, True)) != bool(g[self.matrix_flag]):
                 raise ValueError(f"param group {gi}: {self.matrix_flag} differs between state dict and optimizer")
-            # an option added after the state dict was saved keeps this optimizer's value
-            missing = [k for k in g if k not in sg and k not in ("params", "names") and k not in self._added_options]
+            # an option added after the state dict was saved keeps this optimizer's value; names (ours and torch's
+            # param_names) are labels, kept from this optimizer when the state dict has none
+            missing = [k for k in g if k not in sg and k not in ("params", "names", "param_names")
+                       and k not in self._added_options]
             if missing:
                 raise ValueError(f"param group {gi} of the state dict lacks {missing}: it was saved by a "
                                  f"different optimizer")

@@ -227,6 +227,20 @@ def test_load_state_dict_saved_before_an_option_existed():
         o2.load_state_dict(sd)
 
 
+def test_load_state_dict_keeps_param_names():
+    """torch's ``param_names`` (which torchtitan sets on every group, and leaves out of its flat checkpoints) are
+    labels, as our ``names``: a state dict without them loads, and the optimizer keeps its own."""
+    m = _tiny_model()
+    o = matrixopt.build_optimizer(m, "muon")
+    _train(m, o, 1)
+    sd = copy.deepcopy(o.state_dict())
+    o2 = matrixopt.build_optimizer(copy.deepcopy(m), "muon")
+    for g in o2.param_groups:
+        g["param_names"] = list(g["names"])
+    o2.load_state_dict(sd)
+    assert all(g["param_names"] == g["names"] for g in o2.param_groups)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(lr=-1.0), "learning rate"),
     (dict(lr=float("nan")), "learning rate"),
