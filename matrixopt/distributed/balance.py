@@ -27,6 +27,10 @@ ends at 0.501 and a matrix cost imbalance of 1.000 (``tests/distributed/test_lay
 enough (0.357, as LPT alone); 3% gives 0.278 at a cost imbalance of 1.021. A whole-owned embedding bounds its owner
 from below.
 
+Parameters owned within a smaller group (expert parallelism's blocks, owned among the ranks holding the same
+experts: :class:`~matrixopt.distributed.layerwise.Blocks`) are packed first, over that group; each rank's share
+then starts the packing of the others over every rank (``base_compute``, ``base_state``), so the totals even out.
+
 Ties are broken by parameter index and then by rank, so every rank computes the same assignment, and the same
 parameter list always gives the same assignment (stable across runs and restarts).
 """
@@ -138,32 +142,44 @@ def lpt(costs: Sequence[float], world_size: int, loads: Sequence[float] | None =
 
 def assign(params: Sequence[Tensor], is_matrix: Sequence[bool], world_size: int,
            cost: Callable[[int, int], float], state_bytes: Callable[[Tensor, bool], int],
-           cost_tolerance: float = COST_TOLERANCE) -> Assignment:
+           cost_tolerance: float = COST_TOLERANCE, base_compute: Sequence[float] | None = None,
+           base_state: Sequence[int] | None = None) -> Assignment:
     """Owner rank of each parameter: matrix parameters by LPT on ``cost`` of their pieces, then AdamW parameters
     by LPT on ``state_bytes(p, is_matrix)`` starting from the bytes each rank holds for its matrices, then
-    :func:`rebalance_state` with every rank's cost capped at ``(1 + cost_tolerance)`` times LPT's maximum."""
+    :func:`rebalance_state` with every rank's cost capped at ``(1 + cost_tolerance)`` times LPT's maximum.
+
+    ``base_compute``, ``base_state``: the cost and state bytes each rank already carries (e.g. expert stacks
+    owned within a smaller group), which the packing starts from; the returned loads include them."""
     if cost_tolerance < 0:
         raise ValueError(f"cost_tolerance must be >= 0, got {cost_tolerance}")
+    base_compute = list(base_compute) if base_compute is not None else [0.0] * world_size
+    base_state = list(base_state) if base_state is not None else [0] * world_size
+    if len(base_compute) != world_size or len(base_state) != world_size:
+        raise ValueError(f"base_compute and base_state need one entry per rank ({world_size}), got "
+                         f"{len(base_compute)} and {len(base_state)}")
     costs = [matrix_cost(p, cost) if m else 0.0 for p, m in zip(params, is_matrix)]
     sizes = [int(state_bytes(p, m)) for p, m in zip(params, is_matrix)]
     mat = [i for i, m in enumerate(is_matrix) if m]
     rest = [i for i, m in enumerate(is_matrix) if not m]
     owner = [0] * len(params)
-    mat_owner, compute = lpt([costs[i] for i in mat], world_size)
-    bytes_ = [0] * world_size
+    mat_owner, compute = lpt([costs[i] for i in mat], world_size, base_compute)
+    bytes_ = list(base_state)
     for i, r in zip(mat, mat_owner):
         owner[i] = r
         bytes_[r] += sizes[i]
     rest_owner, _ = lpt([float(sizes[i]) for i in rest], world_size, bytes_)
     for i, r in zip(rest, rest_owner):
         owner[i] = r
-    owner = rebalance_state(owner, costs, sizes, world_size, (1 + cost_tolerance) * max(compute))
-    return Assignment(tuple(owner), *_loads(owner, costs, sizes, world_size))
+    base = (base_compute, base_state)
+    owner = rebalance_state(owner, costs, sizes, world_size, (1 + cost_tolerance) * max(compute), *base)
+    return Assignment(tuple(owner), *_loads(owner, costs, sizes, world_size, *base))
 
 
-def _loads(owner: Sequence[int], costs: Sequence[float], sizes: Sequence[int],
-           world_size: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
-    compute, state = [0.0] * world_size, [0] * world_size
+def _loads(owner: Sequence[int], costs: Sequence[float], sizes: Sequence[int], world_size: int,
+           base_compute: Sequence[float] | None = None,
+           base_state: Sequence[int] | None = None) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    compute = list(base_compute) if base_compute is not None else [0.0] * world_size
+    state = list(base_state) if base_state is not None else [0] * world_size
     for r, c, s in zip(owner, costs, sizes):
         compute[r] += c
         state[r] += s
@@ -171,9 +187,11 @@ def _loads(owner: Sequence[int], costs: Sequence[float], sizes: Sequence[int],
 
 
 def rebalance_state(owner: Sequence[int], costs: Sequence[float], sizes: Sequence[int], world_size: int,
-                    cost_cap: float) -> list[int]:
+                    cost_cap: float, base_compute: Sequence[float] | None = None,
+                    base_state: Sequence[int] | None = None) -> list[int]:
     """Lower the largest per-rank state by moving or swapping items between ranks, keeping every rank's cost at
-    most ``cost_cap``. Returns the new owner of each item.
+    most ``cost_cap``. Returns the new owner of each item. ``base_compute``, ``base_state``: per-rank loads that
+    no item carries (they stay where they are).
 
     LPT packs the matrices by cost alone, so equal-cost matrices of different sizes (a fused QKV's three
     ``(d, d)`` pieces against one ``(4d, d)`` MLP matrix: same Muon cost, 3/4 of the state) fall on ranks by index,
@@ -190,7 +208,7 @@ def rebalance_state(owner: Sequence[int], costs: Sequence[float], sizes: Sequenc
     Everything is integer bytes and float costs summed in a fixed order: every rank computes the same owners.
     """
     owner = list(owner)
-    compute, state = map(list, _loads(owner, costs, sizes, world_size))
+    compute, state = map(list, _loads(owner, costs, sizes, world_size, base_compute, base_state))
     while True:
         a = max(range(world_size), key=lambda r: (state[r], -r))
         kinds: list[dict[tuple[float, int], int]] = [{} for _ in range(world_size)]  # (cost, bytes) -> lowest index

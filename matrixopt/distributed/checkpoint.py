@@ -16,7 +16,13 @@ depends on the number of ranks that wrote them::
     meta                 optimizer name, param-group hyperparameters, tied-weight aliases and ``extra``, from rank 0
 
 :func:`load` at any world size reads the ownership the new ranks computed: each rank reads the parameters and
-state it now owns, then the owners broadcast the parameters. From the start of a load until that broadcast has
+state it now owns, then the owners broadcast the parameters.
+
+Block parameters (expert parallelism's slices of the expert stacks, :class:`~.layerwise.Blocks`) are saved whole, as
+one process holds them: the owners of a tensor's blocks (one block group) write theirs as the shards of a DTensor,
+and so do its optimizer state tensors that stack per block row (dim 0 of the block's size); its other state comes
+from the first block's owner. Each owner loads back the rows of its new block, so a checkpoint resumes at any
+expert-parallel degree and in one process. From the start of a load until that broadcast has
 finished on every rank, ``opt.step()`` and the model's forward raise, so a run whose load was interrupted cannot
 train on stale parameters. DCP writes its metadata file last, so an interrupted save is not loadable either.
 
@@ -46,6 +52,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from matrixopt.distributed.layerwise import LayerwiseOptimizer
 
@@ -139,6 +147,48 @@ def _unpickled(value: Any) -> Any:
     return value if isinstance(value, torch.Tensor) else torch.load(io.BytesIO(value), weights_only=False)
 
 
+class _Whole:
+    """How the owned parameters and their state are written and read: as they are, or for a block parameter as
+    this rank's block of the whole tensor (a DTensor sharded over its block group, dim 0)."""
+
+    def __init__(self, opt: LayerwiseOptimizer) -> None:
+        self.opt = opt
+        blocks = opt.blocks
+        self.n = 1 if blocks is None else dist.get_world_size(blocks.block_group)
+        self.first = blocks is None or dist.get_rank(blocks.block_group) == 0
+        device = opt.params[0].device.type if opt.params else "cpu"
+        self.mesh = None if blocks is None else DeviceMesh.from_group(blocks.block_group, device)
+
+    def is_block(self, name: str) -> bool:
+        return id(self.opt.param_by_name(name)) in self.opt.local
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The whole shape of parameter ``name``, as the checkpoint holds it."""
+        shape = tuple(self.opt.param_by_name(name).shape)
+        return (shape[0] * self.n, *shape[1:]) if self.is_block(name) else shape
+
+    def stacks(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Whether a tensor of ``name`` (the parameter or its state) of whole ``shape`` is split into blocks."""
+        return self.is_block(name) and len(shape) > 0 and shape[0] == self.shape(name)[0]
+
+    def saved(self, name: str, t: Any) -> Any:
+        """What this rank writes for ``t`` (the parameter ``name``'s value or state): a block's DTensor shard, or
+        ``t``; None where the first block's owner writes it."""
+        if not self.is_block(name):
+            return t
+        if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == self.opt.param_by_name(name).shape[0]:
+            return DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False)
+        return t if self.first else None
+
+    def target(self, name: str, entry: TensorStorageMetadata, device: torch.device) -> torch.Tensor:
+        """The tensor DCP reads an entry of ``name`` into: this rank's rows of a block's, else the whole."""
+        size = tuple(entry.size)
+        if not self.stacks(name, size):
+            return torch.empty(size, dtype=entry.properties.dtype, device=device)
+        local = torch.empty((size[0] // self.n, *size[1:]), dtype=entry.properties.dtype, device=device)
+        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False)
+
+
 def save(path: str | os.PathLike, model: nn.Module, opt: LayerwiseOptimizer, extra: Any = None) -> None:
     """Write a checkpoint of ``model`` and ``opt`` to the directory ``path``. Collective: call on every rank.
     ``extra``: any picklable object (step count, scheduler and RNG state, ...) saved from rank 0."""
@@ -148,11 +198,12 @@ def save(path: str | os.PathLike, model: nn.Module, opt: LayerwiseOptimizer, ext
         sd["meta"] = _pickled({"optimizer": opt.name, "param_groups": opt.state_dict()["param_groups"],
                                "aliases": _aliases(model, opt), "world_size": opt.world_size, "extra": extra})
         sd.update({f"buffer/{k}": t.detach() for k, t in _buffers(model, opt).items()})
-    state = opt.state_dict()["state"]
+    state, whole = opt.state_dict()["state"], _Whole(opt)
     for name in opt.owned_names():
-        sd[f"model/{name}"] = opt._inner_param(opt.param_by_name(name)).detach()
+        sd[f"model/{name}"] = whole.saved(name, opt._inner_param(opt.param_by_name(name)).detach())
         for k, v in state.get(name, {}).items():
-            sd[f"optim/{name}/{k}"] = v if isinstance(v, torch.Tensor) else _pickled(v)
+            if (v := whole.saved(name, v)) is not None:
+                sd[f"optim/{name}/{k}"] = v if isinstance(v, torch.Tensor) else _pickled(v)
     dcp.save(sd, checkpoint_id=path, process_group=opt.group,
              planner=DefaultSavePlanner(flatten_state_dict=False))
 
@@ -165,32 +216,36 @@ def load(path: str | os.PathLike, model: nn.Module, opt: LayerwiseOptimizer) -> 
     except FileNotFoundError:
         raise FileNotFoundError(f"no complete checkpoint at {os.fspath(path)!r} (its .metadata file is missing: the "
                                 f"path is wrong or the save was interrupted); load an earlier checkpoint") from None
-    problems = []
+    problems, whole = [], _Whole(opt)
     for p in opt.params:
         name = opt.names[id(p)]
         entry = md.get(f"model/{name}")
         if not isinstance(entry, TensorStorageMetadata):
             problems.append(f"`{name}` is missing")
-        elif tuple(entry.size) != tuple(p.shape):
-            problems.append(f"`{name}` has shape {tuple(entry.size)}, the model's {tuple(p.shape)}")
+        elif tuple(entry.size) != whole.shape(name):
+            problems.append(f"`{name}` has shape {tuple(entry.size)}, the model's {whole.shape(name)}")
     if problems:
         raise ValueError(f"checkpoint {os.fspath(path)!r} does not match the model: {'; '.join(problems[:8])}. Build "
                          f"the model the checkpoint was saved from.")
 
     target: dict[str, Any] = {"meta": None}
     target.update({k: None for k in md if k.startswith("buffer/")})
+    owned = {}  # key -> the parameter it belongs to
     for name in opt.owned_names():
-        target[f"model/{name}"] = None
-        target.update({k: None for k in md if k.startswith(f"optim/{name}/")})
+        owned[f"model/{name}"] = name
+        owned.update({k: name for k in md if k.startswith(f"optim/{name}/")})
+    target.update(dict.fromkeys(owned))
     device = opt.params[0].device if opt.params else torch.device("cpu")
     for k in target:
         entry = md[k]
         if isinstance(entry, TensorStorageMetadata):
-            target[k] = torch.empty(entry.size, dtype=entry.properties.dtype, device=device)
+            target[k] = whole.target(owned[k], entry, device) if k in owned else \
+                torch.empty(entry.size, dtype=entry.properties.dtype, device=device)
 
     opt.mark_stale()
     dcp.load(target, checkpoint_id=path, process_group=opt.group,
              planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    target = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in target.items()}
     meta = _unpickled(target["meta"])
     state: dict[str, dict[str, Any]] = {}
     for k, v in target.items():

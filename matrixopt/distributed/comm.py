@@ -59,13 +59,25 @@ def chunk_sizes(n: int, parts: int) -> list[int]:
     return [max(0, min(step, n - i * step)) for i in range(parts)]
 
 
-def reduce_to_owner(buffer: Tensor, owner: int, group: Group) -> dist.Work:
-    """Sum ``buffer`` over ranks into ``owner``'s copy (asynchronous). Other ranks' copies are left undefined."""
+class Done:
+    """The handle of a collective over a group of one rank, which has nothing to send: ``wait()`` returns at once."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def reduce_to_owner(buffer: Tensor, owner: int, group: Group) -> dist.Work | Done:
+    """Sum ``buffer`` over ranks into ``owner``'s copy (asynchronous). Other ranks' copies are left undefined. On a
+    group of one rank nothing is sent."""
+    if world_size(group) == 1:
+        return Done()
     return dist.reduce(buffer, group_dst=owner, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
-def broadcast_from_owner(buffer: Tensor, owner: int, group: Group) -> dist.Work:
-    """Copy ``owner``'s ``buffer`` into every rank's (asynchronous)."""
+def broadcast_from_owner(buffer: Tensor, owner: int, group: Group) -> dist.Work | Done:
+    """Copy ``owner``'s ``buffer`` into every rank's (asynchronous). On a group of one rank nothing is sent."""
+    if world_size(group) == 1:
+        return Done()
     return dist.broadcast(buffer, group_src=owner, group=group, async_op=True)
 
 

@@ -26,6 +26,14 @@ master and the owner broadcasts its bf16 cast. Each rank holds the optimizer sta
 After the last step, call :meth:`LayerwiseOptimizer.wait_params` (a checkpoint save does) before reading the
 parameters outside a forward or destroying the process group: that step's broadcasts are still in flight.
 
+Expert parallelism (``blocks``, :class:`Blocks`): each rank holds its own block of every expert stack, under the
+same names and shapes everywhere. A block is owned among its replicas only (the ranks that hold the same block):
+its gradient is summed over them, divided by the world size like every other (each block saw the rows of every
+rank of its block group), stepped by its owner and broadcast back to them; with no replicas its rank owns it and
+nothing is sent. The blocks are balanced over the replica group first, and those per-rank loads start the dense
+parameters' packing over every rank, so each rank's total cost stays even. Clipping and the non-finite agreement
+span every rank, with each block counted once.
+
 Gradients: a rank keeps no ``.grad`` for parameters it does not own; ``step()`` consumes the reduced gradients.
 Clip with :meth:`LayerwiseOptimizer.clip_grad_norm_` (global norm over all ranks) and accumulate micro-batches
 inside :meth:`LayerwiseOptimizer.no_sync`.
@@ -71,7 +79,9 @@ class Bucket:
     and reduced in place, with no copy."""
 
     index: int
-    owner: int
+    owner: int  # a rank of ``group``
+    group: comm.Group
+    owned: bool  # whether this rank is the owner
     params: list[Tensor]
     offsets: list[int]
     numel: int
@@ -100,6 +110,23 @@ class Chunk:
     bucket_end: int
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """Parameters of which each rank holds one block along dim 0: expert parallelism's ``(E/ep, out, in)``
+    slices of the expert stacks (:mod:`matrixopt.distributed.ep`). They have the same names and shapes on every
+    rank; the whole tensor is the blocks of ``block_group`` stacked in its rank order, ``(n len(block_group),
+    ...)``, which is what checkpoints hold."""
+
+    names: tuple[str, ...]
+    """The block parameters, by name."""
+    replica_group: comm.Group
+    """The ranks holding the same blocks as this one (one rank: no replicas). Each block parameter is owned, and
+    its gradient reduced and its value broadcast, among these ranks only."""
+    block_group: comm.Group
+    """The ranks holding the other blocks, in block order. Its ranks must share their rank in their replica
+    groups (as expert parallelism's consecutive EP groups do), so the same ranks own every block of a tensor."""
+
+
 def _strip(groups: Sequence[dict[str, Any]], keep_names: bool) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if keep_names or k != "names"} for g in groups]
 
@@ -126,6 +153,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             autocast. Elsewhere the other ranks would compute with the rounded values.
         cost: ``cost(m, n)`` of one step on one matrix, for LPT; default ``balance.MATRIX_COSTS[name]``.
         adamw, matrix, splits, experts: routing, as in :func:`matrixopt.build_optimizer`.
+        blocks: parameters each rank holds a block of (expert parallelism), owned among their replicas only;
+            see :class:`Blocks` and the module docstring.
         hparams: the optimizer's hyperparameters (lr, weight_decay, ...).
 
     ``param_groups`` are the global groups (every parameter on every rank): LR schedulers work on them and
@@ -138,7 +167,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                  cost: Callable[[int, int], float] | None = None,
                  adamw: Sequence[str] = (), matrix: Sequence[str] = (),
                  splits: Mapping[str, int | Sequence[int]] | None = None, experts: Sequence[str] = (),
-                 verbose: bool = False, **hparams: Any) -> None:
+                 blocks: Blocks | None = None, verbose: bool = False, **hparams: Any) -> None:
         if name not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {name!r}; registered: {sorted(OPTIMIZERS)}")
         if bucket_cap_mb <= 0:
@@ -159,7 +188,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         order = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
         self.params = sorted((p for g in groups for p in g["params"]), key=lambda p: order[id(p)])
         self._position = {id(p): i for i, p in enumerate(self.params)}
-        self._check_same_everywhere(groups, name, hparams)
+        self.blocks = blocks
+        self.local = self._block_params(blocks)
+        self.replica_rank = comm.rank(blocks.replica_group) if blocks is not None else self.rank
+        everyone = self._check_same_everywhere(groups, name, hparams)
         devices = {p.device for p in self.params}
         if len(devices) > 1:
             raise ValueError(f"layerwise needs every trainable parameter on one device, found "
@@ -182,13 +214,13 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
         group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
         is_matrix = [bool(flag is not None and groups[group_of[id(p)]][flag]) for p in self.params]
-        cost = cost or MATRIX_COSTS.get(name, muon_cost)
-        self.assignment: Assignment = assign(self.params, is_matrix, self.world_size, cost, self._state_bytes)
-        self.owner = {id(p): r for p, r in zip(self.params, self.assignment.owner)}
-        self._owned_index = torch.tensor([i for i, p in enumerate(self.params) if self.owner[id(p)] == self.rank],
+        self._assign(is_matrix, cost or MATRIX_COSTS.get(name, muon_cost), [e["replica_rank"] for e in everyone])
+        self._owned_index = torch.tensor([i for i, p in enumerate(self.params) if self.owns(p)],
                                          dtype=torch.int64, device=comm.object_device(self.group))
         if verbose and self.rank == 0:
             print(self.assignment.summary())
+            if self.block_assignment is not None:
+                print(f"blocks: {self.block_assignment.summary()}")
 
         self._bucket_cap, self._reduce_dtype = int(bucket_cap_mb * 2**20), reduce_dtype
         self._wire = {id(p): broadcast_dtype for p, m in zip(self.params, is_matrix)
@@ -208,22 +240,37 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.sync_params()
 
         self.masters = {id(p): p.detach().float().clone() for p in self.params
-                        if self.owner[id(p)] == self.rank and p.dtype != torch.float32}
+                        if self.owns(p) and p.dtype != torch.float32}
         self.chunks = self._build_chunks()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self._hooks += [m.register_forward_pre_hook(self._pre_forward) for m in self._modules]
 
     # ------------------------------------------------------------------------------------------- construction
-    def _check_same_everywhere(self, groups: list[dict[str, Any]], name: str, hparams: dict[str, Any]) -> None:
-        """Every rank must route the same parameters with the same shapes and dtypes, and use the same
-        optimizer: otherwise the collectives would pair different tensors (or hang)."""
+    def _check_same_everywhere(self, groups: list[dict[str, Any]], name: str,
+                               hparams: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank must route the same parameters with the same shapes and dtypes, use the same optimizer and
+        hold the same block parameters in the same layout: otherwise the collectives would pair different tensors
+        (or hang). Returns every rank's description (its ``replica_rank`` places its blocks' loads)."""
+        blocks = self.blocks
         mine = {"params": [(self.names[id(p)], tuple(p.shape), str(p.dtype),
                             next(gi for gi, g in enumerate(groups) if any(q is p for q in g["params"])))
                            for p in self.params],
-                "optimizer": (name, repr(sorted(hparams.items())))}
+                "optimizer": (name, repr(sorted(hparams.items()))),
+                "blocks": None if blocks is None else (tuple(blocks.names), comm.world_size(blocks.replica_group),
+                                                       comm.world_size(blocks.block_group)),
+                "replica_rank": self.replica_rank,
+                "block_ranks": () if blocks is None else comm.group_ranks(blocks.block_group)}
         everyone = comm.all_gather_object(mine, self.group)
         ref = everyone[0]
         problems = []
+        for r, theirs in enumerate(everyone):
+            if theirs["blocks"] != ref["blocks"]:
+                problems.append(f"rank 0 holds blocks (names, replicas, blocks) {ref['blocks']}, rank {r} "
+                                f"{theirs['blocks']}")
+            elif any(everyone[q]["replica_rank"] != theirs["replica_rank"] for q in theirs["block_ranks"]):
+                problems.append(f"the block group of rank {r}, ranks {list(theirs['block_ranks'])}, mixes replica "
+                                f"ranks {[everyone[q]['replica_rank'] for q in theirs['block_ranks']]}; its ranks "
+                                f"must share their rank in their replica groups")
         for r, theirs in enumerate(everyone[1:], start=1):
             if theirs["optimizer"] != ref["optimizer"]:
                 problems.append(f"rank 0 builds {ref['optimizer'][0]!r} with {ref['optimizer'][1]}, rank {r} builds "
@@ -245,6 +292,49 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             raise ValueError(f"ranks disagree on the parameter set or optimizer: {shown}. Build the same model "
                              f"(same config, dtype and routing) and optimizer on every rank before "
                              f"matrixopt.distributed.layerwise.")
+        return everyone
+
+    def _block_params(self, blocks: Blocks | None) -> set[int]:
+        """The ids of the block parameters, checked against the trainable ones."""
+        if blocks is None:
+            return set()
+        by_name = {n: i for i, n in self.names.items()}
+        unknown = [n for n in blocks.names if n not in by_name]
+        if unknown or not blocks.names:
+            raise ValueError(f"blocks.names must name trainable parameters of this model, got {list(blocks.names)}"
+                             f"{f' ({unknown} are not)' if unknown else ''}; known: {sorted(by_name)[:6]} ...")
+        return {by_name[n] for n in blocks.names}
+
+    def _assign(self, is_matrix: list[bool], cost: Callable[[int, int], float], replica_ranks: list[int]) -> None:
+        """Owners: the block parameters over the replica group (the same on every replica group: same shapes),
+        then the others over every rank, starting from the block loads each rank took on. ``self.owner`` holds
+        each parameter's owner as a rank of its own group (:meth:`_group`)."""
+        local = [i for i, p in enumerate(self.params) if id(p) in self.local]
+        dense = [i for i, p in enumerate(self.params) if id(p) not in self.local]
+        owner = [0] * len(self.params)
+        base: dict[str, list] = {}
+        self.block_assignment: Assignment | None = None
+        if local:
+            a = assign([self.params[i] for i in local], [is_matrix[i] for i in local],
+                       comm.world_size(self.blocks.replica_group), cost, self._state_bytes)
+            for i, r in zip(local, a.owner):
+                owner[i] = r
+            base = dict(base_compute=[a.compute[j] for j in replica_ranks],
+                        base_state=[a.state_bytes[j] for j in replica_ranks])
+            self.block_assignment = a
+        self.assignment: Assignment = assign([self.params[i] for i in dense], [is_matrix[i] for i in dense],
+                                             self.world_size, cost, self._state_bytes, **base)
+        for i, r in zip(dense, self.assignment.owner):
+            owner[i] = r
+        self.owner = {id(p): r for p, r in zip(self.params, owner)}
+
+    def _group(self, p: Tensor) -> comm.Group:
+        """The group ``p`` is owned, reduced and broadcast in: its replicas for a block parameter, else all."""
+        return self.blocks.replica_group if id(p) in self.local else self.group
+
+    def owns(self, p: Tensor) -> bool:
+        """Whether this rank owns (steps, and holds the optimizer state of) parameter ``p``."""
+        return self.owner[id(p)] == (self.replica_rank if id(p) in self.local else self.rank)
 
     @staticmethod
     def _state_bytes(p: Tensor, is_matrix: bool) -> int:
@@ -266,14 +356,15 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             for m in self._modules}
 
     def _make_buckets(self, arrival: list[int]) -> list[Bucket]:
-        """Walk the parameters in the order their gradients arrive, filling one open bucket per (owner, dtype,
-        broadcast dtype), closed at the size cap; then number the buckets so that the last one is complete first:
-        by when their last gradient arrives, latest first. That is the order the next forward needs them in."""
+        """Walk the parameters in the order their gradients arrive, filling one open bucket per (group, owner,
+        dtype, broadcast dtype), closed at the size cap; then number the buckets so that the last one is complete
+        first: by when their last gradient arrives, latest first. That is the order the next forward needs them
+        in."""
         when = {id(self.params[i]): t for t, i in enumerate(arrival)}
-        open_: dict[tuple[int, torch.dtype, torch.dtype | None], list[Tensor]] = {}
+        open_: dict[tuple[bool, int, torch.dtype, torch.dtype | None], list[Tensor]] = {}
         closed: list[list[Tensor]] = []
         for p in (self.params[i] for i in arrival):
-            key = (self.owner[id(p)], p.dtype, self._wire.get(id(p)))
+            key = (id(p) in self.local, self.owner[id(p)], p.dtype, self._wire.get(id(p)))
             cur = open_.setdefault(key, [])
             cur.append(p)
             if sum(q.numel() for q in cur) * p.element_size() >= self._bucket_cap:
@@ -289,8 +380,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             dtype = self._reduce_dtype or ps[0].dtype
             direct = len(ps) == 1 and dtype == ps[0].dtype
             grad = None if direct else torch.zeros(offsets[-1], dtype=dtype, device=ps[0].device)
-            buckets.append(Bucket(bi, self.owner[id(ps[0])], ps, offsets[:-1], offsets[-1], grad, direct,
-                                  wire=self._wire.get(id(ps[0]))))
+            buckets.append(Bucket(bi, self.owner[id(ps[0])], self._group(ps[0]), self.owns(ps[0]), ps, offsets[:-1],
+                                  offsets[-1], grad, direct, wire=self._wire.get(id(ps[0]))))
         return buckets
 
     def _make_chunks(self, groups: list[dict[str, Any]], group_of: dict[int, int], step_chunks: int,
@@ -298,7 +389,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                      hparams: dict[str, Any]) -> list[Chunk]:
         """Split this rank's buckets (in forward order) into up to ``step_chunks`` runs of about equal size, each
         stepped by its own inner optimizer built from the global groups' hyperparameters."""
-        mine = [b for b in self.buckets if b.owner == self.rank]
+        mine = [b for b in self.buckets if b.owned]
         if not mine:
             return []
         sizes = [sum(p.numel() for p in b.params) for b in mine]
@@ -409,7 +500,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             b = self.buckets[self._next_grad]
             if b.arrived < len(b.params):
                 return
-            b.grad_work = comm.reduce_to_owner(b.grad, b.owner, self.group)
+            b.grad_work = comm.reduce_to_owner(b.grad, b.owner, b.group)
             self._next_grad -= 1
 
     def _finish_grad_sync(self) -> None:
@@ -426,10 +517,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         for b in reversed(self.buckets):
             b.grad_work.wait()
             b.grad_work = None
-            if b.direct and b.owner != self.rank:
+            if b.direct and not b.owned:
                 b.grad = None  # sent: this rank's local gradient is no longer needed
-            if b.owner == self.rank:
-                b.grad.div_(self.world_size)
+            if b.owned:
+                b.grad.div_(self.world_size)  # every rank's loss counts once, blocks included
                 for k, p in enumerate(b.params):
                     seg, t = b.segment(b.grad, k), self._inner_param(p)
                     t.grad = seg if seg.dtype == t.dtype else seg.to(t.dtype)
@@ -439,7 +530,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def _owned_grads(self) -> list[Tensor]:
         """The reduced gradients of the parameters this rank owns, in ``self.params`` order."""
         return [self._inner_param(p).grad for p in self.params
-                if self.owner[id(p)] == self.rank and self._inner_param(p).grad is not None]
+                if self.owns(p) and self._inner_param(p).grad is not None]
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -561,14 +652,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         for b in self.buckets[start:end]:
             if len(b.params) == 1 and b.params[0].is_contiguous() and b.wire is None:
                 b.param_buffer = None
-                b.param_work = comm.broadcast_from_owner(b.params[0].data.view(-1), b.owner, self.group)
+                b.param_work = comm.broadcast_from_owner(b.params[0].data.view(-1), b.owner, b.group)
                 continue
             wire = b.wire or b.params[0].dtype
-            if b.owner == self.rank:
+            if b.owned:
                 b.param_buffer = torch.cat([p.detach().reshape(-1).to(wire) for p in b.params])
             else:
                 b.param_buffer = torch.empty(b.numel, dtype=wire, device=b.params[0].device)
-            b.param_work = comm.broadcast_from_owner(b.param_buffer, b.owner, self.group)
+            b.param_work = comm.broadcast_from_owner(b.param_buffer, b.owner, b.group)
         return max(start, end)
 
     def _wait_bucket(self, b: Bucket) -> None:
@@ -577,7 +668,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         b.param_work.wait()
         b.param_work = None
         if b.param_buffer is not None:
-            if b.owner != self.rank:
+            if not b.owned:
                 with torch.no_grad():
                     for k, p in enumerate(b.params):
                         p.copy_(b.segment(b.param_buffer, k))
@@ -625,20 +716,20 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------- state
     def owned_names(self) -> list[str]:
-        return [self.names[id(p)] for p in self.params if self.owner[id(p)] == self.rank]
+        return [self.names[id(p)] for p in self.params if self.owns(p)]
 
     def param_by_name(self, name: str) -> Tensor:
         return next(p for p in self.params if self.names[id(p)] == name)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part, keyed by parameter name: ``{"state": {name: {key: value}}, "param_groups": [...]}``
-        with the state of the parameters this rank owns and the global groups' hyperparameters. Not collective.
-        For a whole checkpoint use :func:`matrixopt.distributed.checkpoint.save`. Raises a deferred non-finite
-        error first (:meth:`raise_deferred_nonfinite`)."""
+        with the state of the parameters this rank owns (of a block parameter, its block's) and the global groups'
+        hyperparameters. Not collective. For a whole checkpoint use :func:`matrixopt.distributed.checkpoint.save`.
+        Raises a deferred non-finite error first (:meth:`raise_deferred_nonfinite`)."""
         self.raise_deferred_nonfinite()
         state = {}
         for p in self.params:
-            if self.owner[id(p)] != self.rank:
+            if not self.owns(p):
                 continue
             st = self._inner_optimizer(p).state.get(self._inner_param(p))
             if st:
@@ -649,7 +740,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a name-keyed state dict (this rank's :meth:`state_dict`, or the whole one that
         :func:`matrixopt.distributed.checkpoint.export` writes): hyperparameters of every group, state of the
-        parameters this rank owns. Not collective."""
+        parameters this rank owns (of a block parameter, its block's, as
+        :func:`matrixopt.distributed.checkpoint.load` reads it). Not collective."""
         if state_dict.get("optimizer", self.name) != self.name:
             raise ValueError(f"this state dict was saved by {state_dict['optimizer']!r}, not {self.name!r}; build "
                              f"the same optimizer it came from to load it")
@@ -666,7 +758,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             raise ValueError(f"state dict has state for {unknown[:5]}, which this model does not have")
         for name, st in state_dict["state"].items():
             p = self.param_by_name(name)
-            if self.owner[id(p)] != self.rank:
+            if not self.owns(p):
                 continue
             t = self._inner_param(p)
             self._inner_optimizer(p).state[t] = {

@@ -28,8 +28,8 @@ One subclass per mode, built by :func:`make_parallelism`, the one place a mode's
   tensor parallelism; so do Shampoo and SOAP (:class:`~matrixopt.distributed.sharded_precond.ShardedShampoo`,
   ``ShardedSOAP``: each matrix preconditioned whole on an owner rank).
 
-Expert parallelism composes into DDP (``ep > 1``: each mixture-of-experts layer's experts split over groups of
-ep ranks, :mod:`matrixopt.distributed.ep`).
+Expert parallelism composes into DDP and Layerwise (``ep > 1``: each mixture-of-experts layer's experts split
+over groups of ep ranks, :mod:`matrixopt.distributed.ep`).
 
 The multi-process modes run one process per rank, as torchrun starts them: constructing one joins the default
 process group (created from torchrun's environment unless the caller already did: NCCL on CUDA, gloo on CPU)
@@ -59,7 +59,7 @@ from matrixopt.device import resolve_device
 from matrixopt.distributed import checkpoint, comm
 from matrixopt.distributed import ep as ep_lib
 from matrixopt.distributed.fsdp import apply_fsdp
-from matrixopt.distributed.layerwise import LayerwiseOptimizer
+from matrixopt.distributed.layerwise import Blocks, LayerwiseOptimizer
 from matrixopt.distributed.sharded import ShardedAdaMuon, ShardedMuon, ShardedNorMuon
 from matrixopt.distributed.sharded_precond import ShardedShampoo, ShardedSOAP
 from matrixopt.distributed.tp import MODES as TP_MODES
@@ -265,9 +265,11 @@ class SingleProcess(Parallelism):
 
 class MultiProcess(Parallelism):
     """Data parallelism over the ranks of the default process group (joined here), one process per rank. The
-    data-parallel ranks are every rank unless a subclass narrows ``dp_group``."""
+    data-parallel ranks are every rank unless a subclass narrows ``dp_group``. With ``ep > 1`` (where the mode
+    takes it), the EP groups of ``ep`` consecutive ranks and the replica groups of each expert shard
+    (:func:`~matrixopt.distributed.ep.expert_groups`)."""
 
-    def __init__(self, device: str | torch.device = "auto", *, bf16: bool = False) -> None:
+    def __init__(self, device: str | torch.device = "auto", *, bf16: bool = False, ep: int = 1) -> None:
         super().__init__(device, bf16=bf16)
         if not dist.is_initialized():
             if "RANK" not in os.environ:
@@ -280,6 +282,23 @@ class MultiProcess(Parallelism):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dp_group: dist.ProcessGroup | None = None  # None: every rank
         self.host_group = comm.host_group()
+        self.ep = ep
+        self.expert_names: list[str] = []
+        self.expert_params: list[nn.Parameter] = []
+        if ep > 1:
+            self.ep_group, self.replica_group = ep_lib.expert_groups(self.world, ep)
+            self.ep_rank = dist.get_rank(self.ep_group)
+
+    def _shard_experts(self, model: nn.Module) -> None:
+        """Keep this rank's experts of every expert stack (``ep > 1``) and route tokens to them over the EP group;
+        ``expert_names`` and ``expert_params`` name the stacks. ValueError for a model without expert stacks or
+        with an expert count ep does not divide."""
+        ep_lib.shard_experts(model, self.ep_group)
+        self.expert_names = ep_lib.expert_param_names(model)
+        if not self.expert_names:
+            raise ValueError(f"ep={self.ep} but the model has no expert stacks; use a mixture-of-experts model")
+        named = dict(model.named_parameters())
+        self.expert_params = [named[n] for n in self.expert_names]
 
     def batch_rows(self, batch_size: int) -> slice:
         """This rank's equal slice of the rows, in data-parallel rank order: with per-rank mean losses and
@@ -323,23 +342,10 @@ class DDP(MultiProcess):
     name = "ddp"
     expert_parallel = True
 
-    def __init__(self, device: str | torch.device = "auto", *, bf16: bool = False, ep: int = 1) -> None:
-        super().__init__(device, bf16=bf16)
-        self.ep = ep
-        self.expert_params: list[nn.Parameter] = []
-        if ep > 1:
-            self.ep_group, self.replica_group = ep_lib.expert_groups(self.world, ep)
-            self.ep_rank = dist.get_rank(self.ep_group)
-
     def _wrap(self, model: nn.Module) -> nn.Module:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         if self.ep > 1:
-            ep_lib.shard_experts(model, self.ep_group)
-            self.expert_names = ep_lib.expert_param_names(model)
-            if not self.expert_names:
-                raise ValueError(f"ep={self.ep} but the model has no expert stacks; use a mixture-of-experts model")
-            named = dict(model.named_parameters())
-            self.expert_params = [named[n] for n in self.expert_names]
+            self._shard_experts(model)
             nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, self.expert_names)
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
@@ -398,10 +404,26 @@ class DDP(MultiProcess):
 class Layerwise(MultiProcess):
     """Layer-wise data parallelism (:class:`~matrixopt.distributed.layerwise.LayerwiseOptimizer`): each rank
     owns whole parameters and their optimizer state. Checkpoints are a torch.distributed.checkpoint folder,
-    resumable at any number of ranks."""
+    resumable at any number of ranks.
+
+    With ``ep > 1``, expert parallelism (:mod:`matrixopt.distributed.ep`): each mixture-of-experts layer's experts
+    are split over groups of ``ep`` consecutive ranks, which exchange tokens with all-to-alls. The dense
+    parameters are owned over every rank as without it; each rank's expert stacks (its ``(E/ep, out, in)``
+    blocks) are owned among the ``world / ep`` replicas of that shard only, which average their gradients (with
+    ``world == ep`` each rank owns its own, and nothing is sent for them); the balancer counts both, so every
+    rank's total step cost stays even (:class:`~matrixopt.distributed.layerwise.Blocks`). A matrix optimizer
+    orthogonalizes each local expert's matrix. Clipping takes the global norm, every expert counted once.
+    Checkpoints hold the whole expert stacks (the single-process layout), so they resume at any ep and number of
+    ranks."""
 
     name = "layerwise"
     checkpoint_name = "ckpt"
+    expert_parallel = True
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        if self.ep > 1:
+            self._shard_experts(model)
+        return model
 
     def optimizer_defaults(self, model: nn.Module, name: str) -> dict[str, Any]:
         # under bf16 autocast the matrices feed only bf16 products: broadcasting them in bf16 after the step halves
@@ -409,7 +431,8 @@ class Layerwise(MultiProcess):
         return {"broadcast_dtype": torch.bfloat16} if self.bf16 else {}
 
     def _build(self, model: nn.Module, name: str, splits: Splits | None, hparams: dict) -> torch.optim.Optimizer:
-        return LayerwiseOptimizer(model, name, splits=splits, **hparams)
+        blocks = Blocks(tuple(self.expert_names), self.replica_group, self.ep_group) if self.ep > 1 else None
+        return LayerwiseOptimizer(model, name, splits=splits, blocks=blocks, **hparams)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.optimizer.no_sync()
@@ -573,8 +596,8 @@ def make_parallelism(mode: str, *, device: str | torch.device = "auto", tp: int 
     """The :class:`Parallelism` of ``mode`` ("none", "ddp", "layerwise" or "fsdp"), joined to the process group
     where it has several ranks. ``device``: "auto" (CUDA when available), "cpu", "cuda" or a torch.device.
     ``bf16``: the run computes in bf16 (autocast, or FSDP2's mixed precision). ``tp``, ``tp_mode``, ``tp_plan``:
-    tensor parallelism under "fsdp" (see :class:`FSDP`). ``ep``: expert parallelism under "ddp" (see
-    :class:`DDP`); ValueError unless it divides the number of ranks."""
+    tensor parallelism under "fsdp" (see :class:`FSDP`). ``ep``: expert parallelism under "ddp" or "layerwise"
+    (see :class:`DDP`, :class:`Layerwise`); ValueError unless it divides the number of ranks."""
     cls = parallelism_class(mode, tp=tp, tp_mode=tp_mode, ep=ep)
     if cls.tensor_parallel:
         return cls(device, bf16=bf16, tp=tp, tp_mode=tp_mode, tp_plan=tp_plan)

@@ -290,6 +290,20 @@ class Experts(nn.Module):
         return self.dispatch(self.compute, x, counts)
 
 
+class Router(nn.Linear):
+    """The mixture of experts' router: logits ``(N, E)`` for tokens ``(N, d)``, computed in fp32 (fp64 for a
+    float64 model) also under autocast, since the softmax and the top-k choice turn small errors into other
+    experts. A module of its own, so hooks on it (the layer-wise optimizer waits for its weight there) run."""
+
+    def __init__(self, n_embd: int, n_expert: int):
+        super().__init__(n_embd, n_expert, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        dt = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.to(dt), self.weight.to(dt))  # (N, E)
+
+
 class MoE(nn.Module):
     """A mixture of experts in place of the MLP (Qwen3-MoE / DeepSeek style): a softmax router over E experts
     (computed in fp32, also under autocast), each token to its top-k, their outputs weighted by the router
@@ -308,7 +322,7 @@ class MoE(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.topk = config.topk
-        self.router = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.router = Router(config.n_embd, config.n_expert)
         self.experts = Experts(config)
         self.shared = MLP(config, hidden=expert_ffn(config)) if config.shared_expert else None
         self.dropout = nn.Dropout(config.dropout)
@@ -321,10 +335,7 @@ class MoE(nn.Module):
         B, T, C = x.size()
         E, k = self.router.out_features, self.topk
         xf = x.reshape(B * T, C)  # (N, C), N = B T
-        dt = torch.promote_types(xf.dtype, torch.float32)  # routing in fp32 (fp64 for a float64 model)
-        with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(xf.to(dt), self.router.weight.to(dt))  # (N, E)
-        probs = logits.softmax(dim=-1)  # (N, E)
+        probs = self.router(xf).softmax(dim=-1)  # (N, E), fp32
         scores = probs + self.router_bias if self.biased else probs
         idx = scores.topk(k, dim=-1).indices  # (N, k)
         gate = probs.gather(-1, idx)
