@@ -74,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("step", parents=[common], help="optimizer-step time for a model's parameter set")
     p.add_argument("--model", default="gpt2-small", choices=list(step.MODELS))
+    p.add_argument("--ep", type=int, default=1,
+                   help="a mixture of experts' expert-parallel degree: time one rank's share, experts / EP experts")
     p.add_argument("--only", nargs="+", default=None, metavar="NAME",
                    help="time only these rows, e.g. 'matrixopt muon' 'matrixopt shampoo, frequency 10'")
 
@@ -143,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             record = ns.run(args.shapes, args.gram, steps=args.steps, device=device, reps=args.reps or 20)
             text = ns.format_tables(record)
         case "step":
-            record = step.run(args.model, device=device, reps=args.reps or 10, only=args.only)
+            record = step.run(args.model, device=device, reps=args.reps or 10, only=args.only, ep=args.ep)
             text = step.format_tables(record)
         case "train":
             record = train.run(args.model, tuple(args.optimizers), device=device, steps=args.steps,

@@ -29,6 +29,7 @@ Limit of a Muon step: the Newton–Schulz FLOPs at ``PEAK_BF16_TFLOPS`` plus the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -131,11 +132,27 @@ class MoELayerSet(nn.Module):
         self.transformer = nn.ModuleDict(dict(h=nn.ModuleList([layer])))
 
 
-def param_set(model: str, device: torch.device) -> nn.Module:
-    """The parameter set with random gradients (scaled like real ones, ~1e-3): a :class:`ParamSet` or a
-    :class:`MoELayerSet`."""
-    torch.manual_seed(0)
+def layer_spec(model: str, ep: int = 1) -> tuple[int, int, int, int] | MoELayer:
+    """``model``'s shapes, for a mixture of experts as one rank holds them under expert parallelism ``ep``: its
+    ``experts / ep`` experts (and the whole attention and router)."""
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
     spec = MODELS[model]
+    if ep == 1:
+        return spec
+    if not isinstance(spec, MoELayer):
+        raise ValueError(f"--ep {ep} shards experts; {model!r} has none (use a mixture of experts, e.g. "
+                         f"qwen3-30b-a3b)")
+    if ep < 1 or spec.experts % ep:
+        raise ValueError(f"--ep {ep} must be a positive divisor of {model!r}'s {spec.experts} experts")
+    return dataclasses.replace(spec, experts=spec.experts // ep)
+
+
+def param_set(model: str, device: torch.device, ep: int = 1) -> nn.Module:
+    """The parameter set with random gradients (scaled like real ones, ~1e-3): a :class:`ParamSet` or a
+    :class:`MoELayerSet` (with one expert-parallel rank's ``experts / ep`` experts)."""
+    torch.manual_seed(0)
+    spec = layer_spec(model, ep)
     with torch.device(device):
         ps = MoELayerSet(spec) if isinstance(spec, MoELayer) else ParamSet(*spec)
     for p in ps.parameters():
@@ -222,12 +239,12 @@ def step_limit(ps: ParamSet) -> dict[str, float]:
 
 
 def run(model: str = "gpt2-small", *, device: torch.device | None = None, reps: int = 10,
-        inner: int = 5, only: list[str] | None = None) -> dict[str, Any]:
-    """Time every candidate's ``step()`` on ``model``'s parameter set; returns the JSON record."""
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
+        inner: int = 5, only: list[str] | None = None, ep: int = 1) -> dict[str, Any]:
+    """Time every candidate's ``step()`` on ``model``'s parameter set (one rank's under expert parallelism
+    ``ep``); returns the JSON record."""
+    spec = layer_spec(model, ep)
     device = device or resolve_device("auto")
-    ps = param_set(model, device)
+    ps = param_set(model, device, ep)
     limit = step_limit(ps)
     results: dict[str, Any] = {}
     for name, entry in candidates(ps, device).items():
@@ -252,10 +269,9 @@ def run(model: str = "gpt2-small", *, device: torch.device | None = None, reps: 
         med = r["ms"]["median"]
         r["vs_adamw"] = med / adamw_ms if adamw_ms else None
         r["of_limit"] = (limit["adamw_limit_ms"] if name.startswith("adamw") else limit["muon_limit_ms"]) / med
-    spec = MODELS[model]
     shape = (asdict(spec) if isinstance(spec, MoELayer)
              else dict(zip(("n_layer", "n_embd", "block_size", "vocab"), spec)))
-    return {"benchmark": "step", "model": model, "shape": shape,
+    return {"benchmark": "step", "model": model, "ep": ep, "shape": shape,
             "params": sum(p.numel() for p in ps.parameters()), "ns_steps": NS_STEPS, "env": environment(device),
             "limit": limit, "results": results, **kernel_choices()}
 
@@ -265,7 +281,8 @@ def format_tables(record: dict[str, Any]) -> str:
              "p80": r.get("ms", {}).get("p80"), "vs AdamW": r.get("vs_adamw"), "of limit": r.get("of_limit"),
              "status": r["status"]} for name, r in record["results"].items()]
     lim = record["limit"]
-    return (f"Optimizer step, {record['model']} parameter set ({record['params'] / 1e6:.1f}M params), medians\n"
+    ep = f", one rank of expert parallelism {record['ep']}" if record.get("ep", 1) > 1 else ""
+    return (f"Optimizer step, {record['model']} parameter set{ep} ({record['params'] / 1e6:.1f}M params), medians\n"
             + table(rows, ["optimizer", "ms", "p20", "p80", "vs AdamW", "of limit", "status"])
             + f"\nMuon limit {lim['muon_limit_ms']:.3g} ms = {lim['ns_gflop']:.0f} GFLOP at {PEAK_BF16_TFLOPS:.0f}"
               f" TFLOP/s ({lim['flop_ms']:.3g} ms) + {lim['bytes_gb']:.2f} GB at {COPY_TBPS} TB/s "

@@ -29,9 +29,12 @@ from matrixopt.optim.registry import accepted
 from matrixopt.train.model import QKV_SPLITS
 from matrixopt.train.qk_clip import GPTQKClip
 
-# preset -> (batch, block_size, vocab) of the benchmark's rows; "tiny-cpu" keeps the CPU test fast.
+# preset -> (batch, block_size, vocab) of the benchmark's rows; "tiny-cpu" and "moe-tiny" keep the CPU tests fast.
+# The mixtures of experts train their expert stacks with matrixopt's optimizers and AdamW only: the peers take 2-D
+# parameters (bench step times them on per-expert copies).
 BATCHES: dict[str, tuple[int, int, int]] = {"gpt2-small": (16, 1024, 50304), "gpt2-medium": (8, 1024, 50304),
-                                            "1.3b": (4, 2048, 50304), "tiny-cpu": (2, 32, 512)}
+                                            "1.3b": (4, 2048, 50304), "tiny-cpu": (2, 32, 512),
+                                            "moe-small": (16, 1024, 50304), "moe-tiny": (2, 16, 512)}
 # suffixes of an optimizer name: "muon+eager" is Muon without the trainer's CUDA graph (cuda_graph=False),
 # "muon+standard" Muon with the standard Newton–Schulz form (ns_method="standard"), "muon+fused_qkv" Muon with the
 # fused (3d, d) QKV weight orthogonalized whole, as the peers take it (the trainer splits it into Q, K and V:
@@ -71,6 +74,9 @@ def _optimizer(model: torch.nn.Module, name: str, par: Parallelism | None = None
         peer = peers[name]
         if isinstance(peer, str):
             raise PeerMissing(peer)
+        if any(p.ndim > 2 for p in model.parameters()):
+            raise PeerMissing(f"{name} takes 2-D parameters; this model's experts are (E, out, in) stacks (bench "
+                              f"step times the peers on one 2-D copy per expert)")
         return peer()  # type: ignore[return-value]
     if name == "adamw":
         return par.build_optimizer(model, "adamw", lr=6e-4, weight_decay=0.1)

@@ -68,6 +68,15 @@ def test_train_writes_json(tmp_path):
     assert rec["results"]["muon+eager"]["tokens_per_s"] > 0 and rec["results"]["normuon+qk_clip"]["tokens_per_s"] > 0
 
 
+def test_train_mixture_of_experts(tmp_path):
+    path = tmp_path / "train.json"
+    assert run_cli(["train", "--device", "cpu", "--model", "moe-tiny", "--steps", "1", "--reps", "1",
+                    "--optimizers", "adamw", "muon", "torch.optim.Muon", "--json", str(path)]) == 0
+    res = json.loads(path.read_text())["results"]
+    assert res["muon"]["tokens_per_s"] > 0 and res["muon"]["mfu"] > 0
+    assert "takes 2-D parameters" in res["torch.optim.Muon"]["status"]
+
+
 def test_train_fused_qkv_variant_keeps_the_qkv_weight_whole():
     pytest.importorskip("matrixopt.train.model")
     from matrixopt.bench.train import _optimizer
@@ -171,6 +180,15 @@ def test_step_on_a_moe_layer(tmp_path):
     q, kv = spec.n_head * spec.head_dim, spec.n_kv_head * spec.head_dim
     assert rec["limit"]["muon_params"] == 2 * q * spec.d + 2 * kv * spec.d + 3 * spec.experts * spec.expert_ffn * spec.d
     assert rec["shape"]["experts"] == spec.experts
+    assert run_cli(["step", "--device", "cpu", "--model", "toy-moe", "--ep", "2", "--reps", "1", "--json", str(path),
+                    "--only", "matrixopt muon"]) == 0  # one rank's share under expert parallelism 2
+    rec = json.loads(path.read_text())
+    assert rec["ep"] == 2 and rec["shape"]["experts"] == spec.experts // 2
+    experts = 3 * spec.experts // 2 * spec.expert_ffn * spec.d
+    assert rec["limit"]["muon_params"] == 2 * q * spec.d + 2 * kv * spec.d + experts
+    for model, ep in (("toy", 2), ("toy-moe", 3)):
+        with pytest.raises(ValueError, match="--ep"):
+            param_set(model, torch.device("cpu"), ep)
     qwen = MODELS["qwen3-30b-a3b"]  # the published shapes, from the planner's preset
     assert (qwen.d, qwen.n_head, qwen.n_kv_head, qwen.head_dim, qwen.experts, qwen.expert_ffn, qwen.gated) == (
         2048, 32, 4, 128, 128, 768, True)
