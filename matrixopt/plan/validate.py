@@ -12,9 +12,10 @@ the prediction.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from matrixopt.distributed.cost import (
     shipped_profile,
     tp_ns_times,
 )
-from matrixopt.plan.models import Architecture, fused_qkv_matrices, gpt
+from matrixopt.plan.models import PRESETS, Architecture, Matrix, fused_qkv_matrices, gpt
 from matrixopt.plan.planner import Layout, PlanConfig, predict
 
 THRESHOLD = 0.15  # the relative error the model aims to stay within
@@ -56,14 +57,16 @@ def profiles_for(record: dict[str, Any], device: str) -> dict[str, DeviceProfile
     return {**out, "limits": nominal_profile(**spec)}
 
 
-def _groups(arch: Architecture, fused: bool) -> tuple[list[Shapes], int]:
-    mats = fused_qkv_matrices(arch) if fused else arch.matrices()
+def _shape_groups(mats: Iterable[Matrix]) -> list[Shapes]:
     by_shape: dict[tuple[int, int], int] = {}
     for m in mats:
         by_shape[(m.m, m.n)] = by_shape.get((m.m, m.n), 0) + m.count
-    groups = [Shapes(m, n, c) for (m, n), c in by_shape.items()]
-    rest = arch.total_params() - sum(g.numel for g in groups)
-    return groups, rest
+    return [Shapes(m, n, c) for (m, n), c in by_shape.items()]
+
+
+def _groups(arch: Architecture, fused: bool) -> tuple[list[Shapes], int]:
+    groups = _shape_groups(fused_qkv_matrices(arch) if fused else arch.matrices())
+    return groups, arch.total_params() - sum(g.numel for g in groups)
 
 
 def _step(profile: DeviceProfile, optimizer: str, groups: list[Shapes], rest: int, frequency: int = 10) -> float:
@@ -99,6 +102,16 @@ def single_gpu(root: Path) -> list[dict[str, Any]]:
                                     ("AdamW step", "adamw (fused)", "adamw")):
                 rows.append(_row(f"{name}: {label}, 1 H100", path.name, pname, _step(prof, opt, groups, rest) * 1e3,
                                  rec["results"][key]["ms"]["median"], "ms"))
+    path = root / "moe" / "step_qwen3-30b-a3b.json"  # one MoE layer: attention and 128 experts, router on AdamW
+    rec = json.loads(path.read_text())
+    layer = dataclasses.replace(PRESETS["qwen3-30b-a3b"], n_layer=1)
+    groups = _shape_groups(m for m in layer.matrices() if m.name != "moe.router")
+    for pname, prof in profiles_for(rec, "h100").items():
+        for label, key, opt in (("Muon step", "matrixopt muon, deferred check, CUDA graph", "muon"),
+                                ("AdamW step", "adamw (fused)", "adamw")):
+            predicted = _step(prof, opt, groups, rec["limit"]["adamw_params"]) * 1e3
+            rows.append(_row(f"qwen3-30b-a3b layer: {label}, 1 H100", path.name, pname, predicted,
+                             rec["results"][key]["ms"]["median"], "ms"))
     path = root / "bench" / "shampoo_step_gpt2-small.json"
     rec = json.loads(path.read_text())
     groups, rest = _groups(gpt("gpt2-small"), fused=True)
