@@ -55,6 +55,7 @@ from torch import Tensor, nn
 from matrixopt.distributed import comm
 from matrixopt.distributed.balance import MATRIX_COSTS, Assignment, assign, muon_cost
 from matrixopt.optim.base import MatrixOptimizer
+from matrixopt.optim.layout import copy_marks
 from matrixopt.optim.nonfinite import (
     NonFiniteGradientError,
     NonFinitePolicy,
@@ -239,7 +240,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._broadcast_buffers(model)
         self.sync_params()
 
-        self.masters = {id(p): p.detach().float().clone() for p in self.params
+        self.masters = {id(p): copy_marks(p, p.detach().float().clone()) for p in self.params
                         if self.owns(p) and p.dtype != torch.float32}
         self.chunks = self._build_chunks()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]

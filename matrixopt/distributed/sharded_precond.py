@@ -42,18 +42,14 @@ from matrixopt.distributed import comm
 from matrixopt.distributed.balance import lpt, shampoo_cost, soap_cost
 from matrixopt.distributed.sharded import agreed_nonfinite_flags
 from matrixopt.optim.base import param_label
-from matrixopt.optim.layout import _EXPERTS, _SPLIT
+from matrixopt.optim.layout import copy_marks
 from matrixopt.optim.shampoo import Block, Shampoo
 from matrixopt.optim.soap import SOAP
 
 
 def _standin(p: DTensor) -> Tensor:
     """A meta tensor of ``p``'s global shape carrying its matrix layout marks: what a block plan reads."""
-    t = torch.empty(p.shape, device="meta")
-    for mark in (_EXPERTS, _SPLIT):
-        if hasattr(p, mark):
-            setattr(t, mark, getattr(p, mark))
-    return t
+    return copy_marks(p, torch.empty(p.shape, device="meta"))
 
 
 class _OwnerSharded:

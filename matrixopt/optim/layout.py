@@ -54,6 +54,15 @@ def mark_split(param: Tensor, sizes: int | Sequence[int], dim: int = 0) -> Tenso
     return param
 
 
+def copy_marks(src: Tensor, dst: Tensor) -> Tensor:
+    """Give ``dst`` (a copy of ``src``: an fp32 master, a stand-in of its shape) ``src``'s matrix layout marks
+    (:func:`mark_experts`, :func:`mark_split`); returns ``dst``."""
+    for mark in (_EXPERTS, _SPLIT):
+        if hasattr(src, mark):
+            setattr(dst, mark, getattr(src, mark))
+    return dst
+
+
 def matrix_shape(param: Tensor) -> tuple[int, int]:
     """The (rows, cols) of one matrix of ``param`` (per expert for stacked experts)."""
     if param.ndim < 2:

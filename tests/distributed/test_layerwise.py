@@ -17,7 +17,7 @@ from _mp import run
 from torch import nn
 
 import matrixopt.distributed as mdist
-from matrixopt import OPTIMIZERS, NonFiniteGradientError, build_optimizer
+from matrixopt import OPTIMIZERS, NonFiniteGradientError, build_optimizer, mark_split
 from matrixopt.distributed.balance import COST_TOLERANCE, assign, lpt, matrix_cost, muon_cost, rebalance_state
 from matrixopt.optim.routing import param_groups
 from matrixopt.train.model import GPT, PRESETS, GPTConfig
@@ -184,6 +184,7 @@ def _bf16_checks(rank: int, world: int) -> None:
     # reference: one process with fp32 master weights of a bf16 model
     ref = make("net").to(torch.bfloat16)
     master = make("net")
+    mark_split(master.fc1.weight, 2)  # the fp32 masters keep the layout marks: each half orthogonalized alone
     opt_ref = build_optimizer(master, "muon", lr=DEFAULT_LR)
     for s in range(3):
         idx, tgt = batch(s, "net")
@@ -195,8 +196,9 @@ def _bf16_checks(rank: int, world: int) -> None:
         with torch.no_grad():
             for p, m in zip(ref.parameters(), master.parameters()):
                 p.copy_(m)
-    model, opt, _ = distributed("net", "muon", steps=3, model=make("net").to(torch.bfloat16),
-                                reduce_dtype=torch.float32)
+    model = make("net").to(torch.bfloat16)
+    mark_split(model.fc1.weight, 2)
+    model, opt, _ = distributed("net", "muon", steps=3, model=model, reduce_dtype=torch.float32)
     same_on_every_rank(model)
     for p in model.parameters():
         assert p.dtype == torch.bfloat16
@@ -205,6 +207,7 @@ def _bf16_checks(rank: int, world: int) -> None:
         if mine:
             m = opt.masters[id(p)]
             assert m.dtype == torch.float32 and torch.equal(m.to(torch.bfloat16), p.detach())
+            assert getattr(m, "_matrixopt_split", None) == getattr(p, "_matrixopt_split", None)
             state = opt._inner_optimizer(p).state[m]
             assert all(v.dtype == torch.float32 for v in state.values() if v.ndim > 0)
     for p, q in zip(model.parameters(), ref.parameters()):
