@@ -35,7 +35,7 @@ class ModelConfig(GPTOptions):
 
     preset: str = "tiny-cpu"
     """One of PRESETS: tiny-cpu, shakespeare-char, gpt2-small, gpt2-medium, 1.3b, 2.7b, 6.7b, moe-tiny, moe-small,
-    qwen3-30b-a3b."""
+    qwen3-30b-a3b, moe-2b."""
     n_layer: int | None = None
     n_head: int | None = None
     n_embd: int | None = None
