@@ -24,7 +24,7 @@ from pathlib import Path
 # (flag, config path, type, help). Flags default to "not given", so the config file or defaults apply.
 RUN_FLAGS = [
     ("--model", "model.preset", str, "preset: tiny-cpu, shakespeare-char, gpt2-small, gpt2-medium, 1.3b, moe-tiny, "
-                                     "moe-small, qwen3-30b-a3b"),
+                                     "moe-small, moe-2b, qwen3-30b-a3b"),
     ("--n-layer", "model.n_layer", int, "override the preset's layer count"),
     ("--n-head", "model.n_head", int, "override the preset's head count"),
     ("--n-embd", "model.n_embd", int, "override the preset's width"),

@@ -119,6 +119,11 @@ PRESETS: dict[str, dict] = {
     "moe-small": dict(n_layer=8, n_head=8, n_embd=512, block_size=1024, n_expert=16, topk=2, expert_ffn=1024),
     "qwen3-30b-a3b": dict(n_layer=48, n_head=16, n_embd=2048, block_size=4096, n_expert=128, topk=8,
                           expert_ffn=768),
+    # "moe-2b": Qwen3-30B-A3B's expert layout (128 experts, top-8, expert width 3/8 of d) at half its width and
+    # depth, the size of a 2-GPU expert-parallel benchmark: at vocab 50304, 2.573B parameters of which 309M active
+    # per token (untied head: 2.625B, 360M). Its narrow experts keep Muon's per-expert Newton-Schulz cheap (its
+    # FLOPs grow with the short side of each 384 x 1024 matrix).
+    "moe-2b": dict(n_layer=24, n_head=16, n_embd=1024, block_size=2048, n_expert=128, topk=8, expert_ffn=384),
 }
 # The fused (3d, d) QKV weight, orthogonalized as Q, K and V (the ``splits`` of matrixopt.build_optimizer).
 QKV_SPLITS = {r"attn\.c_attn\.weight$": 3}

@@ -164,6 +164,11 @@ def test_presets_and_flops():
     active = model.estimate_flops_per_token() - 12 * cfg.block_size * cfg.n_embd
     assert active == 6 * (model.num_params() - stacks + 8 * 2 * 768 * 2048)
     assert ModelConfig(preset="moe-small").gpt_config(vocab_size=100).n_expert == 16
+    cfg = GPTConfig(vocab_size=50304, tie_embeddings=False, **PRESETS["moe-2b"])  # as bench scale builds it
+    with torch.device("meta"):
+        model = GPT(cfg)
+    active = (model.estimate_flops_per_token() - 12 * cfg.n_layer * cfg.block_size * cfg.n_embd) / 6
+    assert model.num_params() >= 2e9 and active <= 0.5e9  # the 2-GPU expert-parallel benchmark's size
 
 
 def test_bad_settings_raise_before_training():
