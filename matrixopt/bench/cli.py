@@ -112,7 +112,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    metavar="PARALLEL:OPTIMIZER[:tpN[:MODE]]",
                    help=f"e.g. ddp:adamw or fsdp:muon:tp2:distributed (default {' '.join(scale.CONFIGS)})")
     p.add_argument("--presets", nargs="+", default=list(scale.PRESETS), choices=list(PRESETS),
-                   help="model presets (--toy: tiny-cpu)")
+                   help="model presets, e.g. moe-small or moe-2b for a mixture of experts (--toy: tiny-cpu, or "
+                        "moe-tiny for a mixture of experts)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree of every configuration: each MoE layer's experts split over groups "
+                        "of EP ranks (its parallel mode must take it, as for `matrixopt train --ep`; default 1)")
     p.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens per GPU per step (default 4096)")
     p.add_argument("--micro-batch", type=int, default=None, metavar="ROWS",
                    help="rows per micro-batch: gradient accumulation over the step's rows (default: one micro-batch)")
@@ -170,8 +174,8 @@ def run_ranks(args: argparse.Namespace) -> NoReturn:
     """``scale`` or ``tp`` on this torchrun rank."""
     warmup = args.warmup if args.warmup is not None else 1 if args.toy else 3
     if args.bench == "scale":
-        settings = scale.Settings(toy=args.toy, tokens_per_gpu=args.tokens_per_gpu, micro_batch=args.micro_batch,
-                                  iters=args.iters, warmup=warmup, trace=args.trace)
+        settings = scale.Settings(toy=args.toy, ep=args.ep, tokens_per_gpu=args.tokens_per_gpu,
+                                  micro_batch=args.micro_batch, iters=args.iters, warmup=warmup, trace=args.trace)
         record = scale.run(args.configs, args.presets, settings)
         text = scale.format_tables(record, phases=args.phases)
     else:

@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc-per-node 4 -m matrixopt bench scale --json scale.json         # N GPUs, NCCL
     torchrun --standalone --nproc-per-node 2 -m matrixopt bench scale --toy --json scale.json   # CPU, gloo, tiny GPT
+    torchrun --standalone --nproc-per-node 2 -m matrixopt bench scale --presets moe-2b --ep 2 \
+        --configs ddp:adamw ddp:muon layerwise:muon --tokens-per-gpu 16384 --micro-batch 2    # mixture of experts
 
 Each configuration ``PARALLEL:OPTIMIZER[:tpN[:MODE]]`` (default ``ddp:adamw fsdp:adamw layerwise:muon
 fsdp:muon``; ``fsdp:muon:tp2:distributed`` is tensor parallelism 2 with Newton–Schulz mode distributed) builds the
@@ -10,14 +12,24 @@ through :func:`matrixopt.distributed.parallelism.make_parallelism` with the trai
 split (on a GPU: bf16 autocast over fp32 parameters, or FSDP2's bf16 parameters with fp32 reduction), then times
 the trainer's step on random tokens: ``--tokens-per-gpu`` tokens per GPU in micro-batches of ``--micro-batch``
 rows (gradient accumulation: only the last backward communicates), global-norm clipping at 1.0 and
-``optimizer.step()``. The model is a preset with an untied head and vocab 50304 (``--toy``: 2 layers of
-tiny-cpu, vocab 512). Per configuration, the slowest rank's figures:
+``optimizer.step()``. The model is a preset with an untied head and vocab 50304 (``--toy``: 2 layers of tiny-cpu,
+or of moe-tiny for a mixture-of-experts preset, vocab 512).
+
+A mixture of experts (``--presets moe-small moe-2b ...``) routes the random tokens with the load-balancing loss
+on, as the trainer does, and after each step folds the routing statistics in as the trainer does (the record
+keeps ``expert_max_load``, the busiest expert over the mean). ``--ep N`` splits every layer's experts over groups
+of N ranks for every configuration (``make_parallelism(..., ep=N)``, the trainer's ``--ep``; the parallel mode
+must take it), and the last backward of each step also reduces the expert gradients over their replicas. The
+record states ``ep``, the parameters (``params``) and those a token uses (``active_params``: all but the expert
+stacks, plus topk of each layer's experts). Per configuration, the slowest rank's
+figures:
 
 - tokens/s of all GPUs together and per GPU, from the wall time of ``--iters`` back-to-back steps that sync only
   as the trainer does (it reads no loss between logs), so communication left running on other streams (layer-wise
   broadcasts, FSDP prefetches) overlaps the next step;
-- model TFLOP/s per GPU: the GPT's ``estimate_flops_per_token`` (6 N + 12 L T d, PaLM's model FLOPs: no
-  recomputation, no optimizer) times the tokens/s per GPU;
+- model TFLOP/s per GPU: model FLOPs per token (:func:`model_flops_per_token`: 6 per weight a token multiplies
+  by, topk experts of each layer, plus 12 L T d for attention, as Megatron-LM counts them; no recomputation, no
+  optimizer, no expert dispatch) times the tokens/s per GPU;
 - the optimizer step: the median time ``optimizer.step()`` occupies the compute stream (slowest and fastest
   rank), and each rank's optimizer state (MiB) and peak memory;
 - exposed communication (CUDA): from a profiler trace of ``--iters`` more steps, the time NCCL kernels run while
@@ -46,6 +58,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from matrixopt.bench.common import environment, exposed_comm, table
@@ -63,7 +76,9 @@ from matrixopt.distributed.parallelism import (
 from matrixopt.optim.registry import OPTIMIZERS, build_optimizer
 from matrixopt.train.config import ModelConfig, OptimConfig
 from matrixopt.train.model import GPT, QKV_SPLITS
+from matrixopt.train.model import PRESETS as MODEL_PRESETS
 from matrixopt.train.parallelize import GPT_TP
+from matrixopt.train.trainer import MoEStats
 
 CONFIGS = ("ddp:adamw", "fsdp:adamw", "layerwise:muon", "fsdp:muon")
 PRESETS = ("gpt2-medium", "1.3b")
@@ -77,7 +92,9 @@ class Settings:
     """What every configuration is timed with."""
 
     toy: bool = False
-    """A 2-layer tiny-cpu GPT (vocab 512) on the CPU with gloo, whatever the presets say."""
+    """On the CPU with gloo, each preset's 2-layer stand-in (:func:`toy_preset`, vocab 512)."""
+    ep: int = 1
+    """Expert-parallel degree of every configuration (1: none; > 1 needs mixture-of-experts presets)."""
     tokens_per_gpu: int = 4096
     """Tokens each GPU carries per step (a tensor-parallel group shares its rows)."""
     micro_batch: int | None = None
@@ -90,6 +107,8 @@ class Settings:
     """A folder for each rank's profiler trace (CUDA), or None."""
 
     def __post_init__(self) -> None:
+        if self.ep < 1:
+            raise ValueError(f"--ep must be a positive integer (1: no expert parallelism), got {self.ep}")
         if self.tokens_per_gpu < 1:
             raise ValueError(f"--tokens-per-gpu must be a positive number of tokens, got {self.tokens_per_gpu}")
         if self.micro_batch is not None and self.micro_batch < 1:
@@ -137,10 +156,60 @@ def parse_config(text: str) -> ScaleConfig:
     return config
 
 
+def toy_preset(preset: str) -> str:
+    """The preset ``--toy`` runs for ``preset``: moe-tiny for a mixture of experts, else tiny-cpu."""
+    return "moe-tiny" if MODEL_PRESETS[preset].get("n_expert") else "tiny-cpu"
+
+
 def model_config(preset: str, toy: bool) -> ModelConfig:
     if toy:
-        return ModelConfig(preset="tiny-cpu", n_layer=2, tie_embeddings=False)
+        return ModelConfig(preset=preset, n_layer=2, tie_embeddings=False)
     return ModelConfig(preset=preset, tie_embeddings=False)
+
+
+def active_experts(model: GPT) -> tuple[int, int]:
+    """``(in the expert stacks, of those a token uses)``: the stacks' parameters and topk / n_expert of them."""
+    c = model.config
+    stacks = sum(p.numel() for m in model.moe_layers() for p in m.experts.parameters())
+    return stacks, stacks // c.n_expert * c.topk if c.n_expert else 0
+
+
+def active_params(model: GPT) -> int:
+    """Parameters a token uses: all but the expert stacks, plus topk of each layer's n_expert experts; every
+    parameter for a dense GPT. Call before expert parallelism shards the stacks."""
+    stacks, active = active_experts(model)
+    return model.num_params() - stacks + active
+
+
+def model_flops_per_token(model: GPT) -> float:
+    """Training FLOPs per token of ``model``'s matrix multiplies, as NVIDIA's Megatron-LM counts model FLOPs
+    (``num_floating_point_operations``; Narayanan et al. 2021, https://arxiv.org/abs/2104.04473, appendix):
+    ``6 N_mm + 12 L T d``. N_mm: the weights a token multiplies by, each used in the forward and the backward's two
+    GEMMs at 2 FLOPs per multiply-add: every Linear's (attention, the head; also the router, d x E, which Megatron
+    leaves out) and topk experts' of each layer; the embedding lookups, norms and biases are not matmuls.
+    ``12 L T d``: the attention scores and their product with V over a context of T = block_size, no discount for
+    the causal mask. No recomputation, no optimizer. Call before expert parallelism shards the stacks."""
+    c = model.config
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return 6 * (linear + active_experts(model)[1]) + 12 * c.n_layer * c.block_size * c.n_embd
+
+
+def check_ep(configs: Sequence[ScaleConfig], presets: Sequence[str], settings: Settings) -> None:
+    """ValueError unless every configuration's parallel mode takes ``settings.ep`` and it divides every preset's
+    expert count (checked before any rank builds a model)."""
+    for config in configs:
+        try:
+            parallelism_class(config.parallel, tp=config.tp, tp_mode=config.tp_mode, ep=settings.ep)
+        except ValueError as e:
+            raise ValueError(f"configuration {config}: {e}; drop it from --configs or run without --ep") from None
+    if settings.ep == 1:
+        return
+    for preset in presets:
+        n_expert = MODEL_PRESETS[preset].get("n_expert", 0)
+        if not n_expert or n_expert % settings.ep:
+            raise ValueError(f"--ep {settings.ep} splits each layer's experts over {settings.ep} ranks, but preset "
+                             f"{preset!r} has {n_expert} experts per layer; pick mixture-of-experts presets "
+                             f"(moe-small, moe-2b, ...) whose expert count --ep divides")
 
 
 def free(device: torch.device) -> None:
@@ -231,7 +300,8 @@ def run_config(par: Parallelism, config: ScaleConfig, preset: str, settings: Set
                          f"takes per step (--tokens-per-gpu {settings.tokens_per_gpu}, tp {config.tp}); pick a divisor")
     torch.manual_seed(0)
     model = GPT(gpt).to(device)
-    flops_per_token = model.estimate_flops_per_token()
+    flops_per_token = model_flops_per_token(model)  # the whole model's, before expert parallelism shards it
+    params, active = model.num_params(), active_params(model)
     module = par.wrap(model)
     hparams = OptimConfig(name=config.optimizer, lr=LR).optimizer_kwargs()  # the trainer's
     opt = par.build_optimizer(model, config.optimizer, splits=QKV_SPLITS, **hparams)
@@ -240,22 +310,30 @@ def run_config(par: Parallelism, config: ScaleConfig, preset: str, settings: Set
     x = torch.randint(0, gpt.vocab_size, (n_global, T + 1), device=device, generator=g)[par.batch_rows(n_global)]
     batches = [(xb[:, :-1], xb[:, 1:]) for xb in x.split(micro)]
     timeline = Timeline(device)
+    moe = MoEStats(model, par) if gpt.n_expert else None
 
     def step() -> None:
         for i, (xb, yb) in enumerate(batches):
-            with par.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
+            last = i == len(batches) - 1
+            with par.no_sync() if not last else contextlib.nullcontext():
                 with timeline("forward"), par.autocast():
                     _, loss = module(xb, yb)
                 with timeline("backward"):
                     (loss / len(batches)).backward()
+                    if last:
+                        par.sync_grads()  # expert gradients under expert parallelism
         with timeline("clip"):
             par.clip_grad_norm_(1.0)
         with timeline("step"):
             opt.step()
         opt.zero_grad(set_to_none=True)  # no loss.item(): the trainer reads losses only where it logs
+        if moe is not None:
+            moe.step()
 
     for _ in range(settings.warmup):
         step()
+    if moe is not None:
+        moe.metrics()  # forget the warm-up's routing
     owner_timers = time_owner_steps(opt, device)  # after warm-up: the first step builds the chunks
     par.barrier()
     sync(device)
@@ -264,10 +342,12 @@ def run_config(par: Parallelism, config: ScaleConfig, preset: str, settings: Set
         step()
     sync(device)
     step_ms = (time.perf_counter() - t0) * 1e3 / settings.iters
+    routing = moe.metrics() if moe is not None else None
     timed = slice(settings.warmup, settings.warmup + settings.iters)
     phases = timeline.per_step_ms(timed, {"forward": len(batches), "backward": len(batches)})
-    out = dict(config=str(config), preset=preset, rank=par.rank, params=model.num_params(),
-               flops_per_token=flops_per_token, tokens_per_rank=rows * T // config.tp, micro_batches=len(batches),
+    out = dict(config=str(config), preset=preset, rank=par.rank, ep=par.ep, params=params, active_params=active,
+               flops_per_token=flops_per_token, expert_max_load=routing["expert_max_load"] if routing else None,
+               tokens_per_rank=rows * T // config.tp, micro_batches=len(batches),
                step_ms=step_ms, opt_step_ms=phases["step"]["device"], phases=phases, state_mb=state_mb(opt),
                peak_mem_mb=peak_mem_mb(device), comm_s=None, exposed_comm_s=None, profiled_wall_s=None,
                **owner_summary(opt, owner_timers, settings.iters))
@@ -311,7 +391,8 @@ def summarize(per_config: list[list[dict[str, Any]]], singles: list[dict[tuple[s
         step_ms = max(r["step_ms"] for r in ranks)
         tokens_per_s = sum(r["tokens_per_rank"] for r in ranks) / step_ms * 1e3
         shares = [r["exposed_comm_s"] / r["profiled_wall_s"] for r in ranks if r["profiled_wall_s"]]
-        line = dict(preset=r0["preset"], config=r0["config"], gpus=world, micro_batches=r0["micro_batches"],
+        line = dict(preset=r0["preset"], config=r0["config"], gpus=world, ep=r0["ep"], params=r0["params"],
+                    active_params=r0["active_params"], micro_batches=r0["micro_batches"],
                     step_ms=step_ms, tokens_per_s=tokens_per_s, tokens_per_s_per_gpu=tokens_per_s / world,
                     model_tflops_per_gpu=r0["flops_per_token"] * tokens_per_s / world / 1e12,
                     opt_step_ms_max=max(r["opt_step_ms"] for r in ranks),
@@ -319,6 +400,7 @@ def summarize(per_config: list[list[dict[str, Any]]], singles: list[dict[tuple[s
                     state_mb_max=max(r["state_mb"] for r in ranks),
                     peak_mem_mb_max=max(r["peak_mem_mb"] for r in ranks),
                     exposed_comm_share=max(shares) if shares else None,
+                    expert_max_load=r0["expert_max_load"],  # averaged over the data-parallel ranks: alike on all
                     phases={p: {w: max(r["phases"][p][w] for r in ranks) for w in ("device", "host")} for p in PHASES})
         if "inner_step_ms" in r0:
             key = (r0["preset"], parse_config(r0["config"]).optimizer)
@@ -342,11 +424,13 @@ def run(configs: Sequence[ScaleConfig] = tuple(map(parse_config, CONFIGS)), pres
         raise ValueError("matrixopt bench scale runs one process per GPU: launch it with `torchrun --nproc-per-node N "
                          "-m matrixopt bench scale ...` (--toy: 2 ranks on the CPU)")
     device_name, bf16 = ("cpu", False) if settings.toy else ("auto", torch.cuda.is_available())
+    presets = list(dict.fromkeys(map(toy_preset, presets))) if settings.toy else presets
+    check_ep(configs, presets, settings)
     per_config, singles = [], {}
-    for preset in ["tiny-cpu"] if settings.toy else presets:
+    for preset in presets:
         for config in configs:
             par = make_parallelism(config.parallel, device=device_name, tp=config.tp, tp_mode=config.tp_mode,
-                                   bf16=bf16, tp_plan=GPT_TP)
+                                   bf16=bf16, tp_plan=GPT_TP, ep=settings.ep)
             if isinstance(par, Layerwise) and (preset, config.optimizer) not in singles:
                 singles[preset, config.optimizer] = single_gpu_step(preset, config.optimizer, settings, par.device)
                 free(par.device)
@@ -375,9 +459,14 @@ def format_tables(record: dict[str, Any], phases: bool = False) -> str:
     env = record["env"]
     whole = ("tokens_per_s_per_gpu", "state_mb_max", "peak_mem_mb_max")  # printed as integers
     rows = [{COLUMNS[k]: round(s[k]) if k in whole else s.get(k) for k in COLUMNS} for s in record["summary"]]
+    sizes = ""
+    for preset, s in {s["preset"]: s for s in record["summary"]}.items():
+        sizes += f"\n{preset}: {s['params'] / 1e6:.4g}M parameters, {s['active_params'] / 1e6:.4g}M active per token"
+        sizes += f", expert parallelism {s['ep']}" if s["ep"] > 1 else ""
     text = (f"{record['world_size']} x {env['device']} ({record['backend']}), {record['tokens_per_gpu']} tokens per "
-            f"GPU per step; slowest rank. opt step: ms on the compute stream; vs 1 GPU: against the same optimizer "
-            f"over the whole model on one GPU\n" + table(rows, list(COLUMNS.values())))
+            f"GPU per step; slowest rank. TFLOP/s: model FLOPs (matmuls, topk experts; Megatron-LM's count); opt "
+            f"step: ms on the compute stream; vs 1 GPU: against the same optimizer over the whole model on one GPU"
+            f"{sizes}\n" + table(rows, list(COLUMNS.values())))
     if phases:
         heads = [f"{p} ms ({where})" for p in PHASES for where in ("device", "host")]
         rows = [{"preset": s["preset"], "config": s["config"],

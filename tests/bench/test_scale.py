@@ -1,5 +1,6 @@
 """``matrixopt bench scale``: the configurations parse and validate, the step timeline sums micro-batches, and the
-whole command runs at toy size on CPU (torchrun, 2 gloo ranks) and writes its JSON."""
+whole command runs at toy size on CPU (torchrun, 2 gloo ranks) and writes its JSON, for a dense GPT and for a
+mixture of experts under expert parallelism 2."""
 
 from __future__ import annotations
 
@@ -12,7 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from matrixopt.bench.scale import CONFIGS, ScaleConfig, Settings, Timeline, parse_config, run
+from matrixopt.bench.scale import (
+    CONFIGS,
+    ScaleConfig,
+    Settings,
+    Timeline,
+    active_params,
+    check_ep,
+    model_flops_per_token,
+    parse_config,
+    run,
+    toy_preset,
+)
+from matrixopt.train.model import GPT, PRESETS, GPTConfig
 from tests.bench.test_bench import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +71,7 @@ def test_bad_config_is_an_argument_error(capsys):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(tokens_per_gpu=0), "--tokens-per-gpu"), (dict(micro_batch=0), "--micro-batch"),
-    (dict(iters=1), "--iters must be >= 2"), (dict(warmup=-1), "--warmup >= 0"),
+    (dict(iters=1), "--iters must be >= 2"), (dict(warmup=-1), "--warmup >= 0"), (dict(ep=0), "--ep must be"),
 ])
 def test_settings_check_themselves(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -136,3 +149,77 @@ def test_scale_toy_phases(toy):
         assert all(t["device"] > 0 and t["host"] > 0 for t in line["phases"].values()), line["config"]
         assert line["phases"]["step"]["device"] == line["opt_step_ms_max"]
     assert "Step timeline" in stdout
+
+
+def meta_gpt(preset: str, vocab_size: int = 50304, **overrides) -> GPT:
+    """``preset`` as bench scale builds it (untied head), on the meta device."""
+    with torch.device("meta"):
+        return GPT(GPTConfig(vocab_size=vocab_size, tie_embeddings=False, **(PRESETS[preset] | overrides)))
+
+
+def megatron_flops_per_token(L: int, d: int, T: int, ffn: int, topk: int, V: int) -> float:
+    """Megatron-LM's ``num_floating_point_operations`` per token for multi-head attention and a non-gated MLP of
+    width ``ffn`` (each of ``topk`` experts): ``12 L d^2 (2 + T / d + topk ffn / d) + 6 d V``."""
+    return 12 * L * d * d * (2 + T / d + topk * ffn / d) + 6 * d * V
+
+
+@pytest.mark.parametrize("preset", ["gpt2-medium", "1.3b", "moe-small", "moe-2b", "qwen3-30b-a3b"])
+def test_model_flops_are_megatrons(preset):
+    model = meta_gpt(preset)
+    c = model.config
+    ffn, topk = (c.expert_ffn, c.topk) if c.n_expert else (4 * c.n_embd, 1)
+    router = 6 * c.n_layer * c.n_embd * c.n_expert  # counted here, left out by Megatron-LM
+    expected = megatron_flops_per_token(c.n_layer, c.n_embd, c.block_size, ffn, topk, c.vocab_size) + router
+    assert model_flops_per_token(model) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("preset", ["gpt2-medium", "moe-small", "moe-2b"])
+def test_active_params_are_the_gpts_own_count(preset):
+    model = meta_gpt(preset)
+    c = model.config
+    attention = 12 * c.n_layer * c.block_size * c.n_embd
+    assert 6 * active_params(model) == model.estimate_flops_per_token() - attention  # its N: every parameter used
+    assert (active_params(model) == model.num_params()) == (c.n_expert == 0)
+
+
+def test_toy_keeps_the_kind_of_model():
+    assert [toy_preset(p) for p in ("gpt2-medium", "1.3b", "moe-small", "moe-2b")] == ["tiny-cpu", "tiny-cpu",
+                                                                                       "moe-tiny", "moe-tiny"]
+
+
+@pytest.mark.parametrize("presets, message", [
+    (["gpt2-medium"], "preset 'gpt2-medium' has 0 experts"), (["moe-tiny"], "preset 'moe-tiny' has 4 experts"),
+])
+def test_ep_needs_experts_it_divides(presets, message):
+    check_ep([parse_config("ddp:muon")], ["moe-small"], Settings(ep=8))  # 16 experts over 8 ranks
+    with pytest.raises(ValueError, match=message):
+        check_ep([parse_config("ddp:muon")], presets, Settings(ep=8))
+
+
+def test_scale_toy_mixture_of_experts_over_two_ranks(tmp_path):
+    """moe-small's toy stand-in (moe-tiny: 4 experts, top-2) with expert parallelism 2 under DDP AdamW, DDP Muon
+    and layer-wise Muon: 256 tokens per GPU (16 rows of 16) in 2 micro-batches."""
+    path = tmp_path / "scale_moe.json"
+    proc = torchrun_bench(["scale", "--toy", "--presets", "moe-small", "--ep", "2", "--iters", "2", "--warmup", "1",
+                           "--tokens-per-gpu", "256", "--micro-batch", "8", "--json", str(path),
+                           "--configs", "ddp:adamw", "ddp:muon", "layerwise:muon"], timeout=120)
+    result = json.loads(path.read_text())
+    assert result["ep"] == 2 and result["world_size"] == 2
+    lines = {line["config"]: line for line in result["summary"]}
+    assert set(lines) == {"ddp:adamw", "ddp:muon", "layerwise:muon"}
+    model = meta_gpt("moe-tiny", vocab_size=512, n_layer=2)
+    cfg = model.config
+    stacks = cfg.n_layer * 2 * cfg.n_expert * cfg.expert_ffn * cfg.n_embd
+    for line in lines.values():
+        assert line["preset"] == "moe-tiny" and line["ep"] == 2 and line["micro_batches"] == 2
+        assert line["params"] == model.num_params()  # every rank's: the whole model, not its share of the experts
+        assert line["active_params"] == line["params"] - stacks + stacks * cfg.topk // cfg.n_expert
+        assert line["tokens_per_s"] > 0 and line["model_tflops_per_gpu"] > 0 and line["vs_ddp_adamw"] > 0
+        assert line["expert_max_load"] >= 1  # the busiest expert over the mean: the router ran on random tokens
+    for ranks in result["per_rank"]:
+        flops = ranks[0]["flops_per_token"]
+        assert flops == model_flops_per_token(model)  # the whole model's, not one rank's share of the experts
+        line = lines[ranks[0]["config"]]
+        assert line["model_tflops_per_gpu"] == pytest.approx(flops * line["tokens_per_s_per_gpu"] / 1e12)
+        assert all(r["ep"] == 2 and r["tokens_per_rank"] == 256 for r in ranks)
+    assert "active per token, expert parallelism 2" in proc.stdout
