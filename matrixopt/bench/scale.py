@@ -16,13 +16,12 @@ rows (gradient accumulation: only the last backward communicates), global-norm c
 or of moe-tiny for a mixture-of-experts preset, vocab 512).
 
 A mixture of experts (``--presets moe-small moe-2b ...``) routes the random tokens with the load-balancing loss
-on, as the trainer does, and after each step folds the routing statistics in as the trainer does (the record
-keeps ``expert_max_load``, the busiest expert over the mean). ``--ep N`` splits every layer's experts over groups
-of N ranks for every configuration (``make_parallelism(..., ep=N)``, the trainer's ``--ep``; the parallel mode
-must take it), and the last backward of each step also reduces the expert gradients over their replicas. The
-record states ``ep``, the parameters (``params``) and those a token uses (``active_params``: all but the expert
-stacks, plus topk of each layer's experts). Per configuration, the slowest rank's
-figures:
+on and, after each step, gathers the routing statistics, as the trainer does (the record keeps
+``expert_max_load``, the busiest expert over the mean). ``--ep N`` splits every layer's experts over groups of N
+ranks in every configuration (``make_parallelism(..., ep=N)``, the trainer's ``--ep``; the parallel mode must take
+it), and the last backward of each step also reduces the expert gradients over their replicas. The record states
+``ep``, the parameters (``params``) and those a token uses (``active_params``: all but the expert stacks, plus
+topk of each layer's experts). Per configuration, the slowest rank's figures:
 
 - tokens/s of all GPUs together and per GPU, from the wall time of ``--iters`` back-to-back steps that sync only
   as the trainer does (it reads no loss between logs), so communication left running on other streams (layer-wise
