@@ -26,7 +26,7 @@ topk of each layer's experts). Per configuration, the slowest rank's figures:
 - tokens/s of all GPUs together and per GPU, from the wall time of ``--iters`` back-to-back steps that sync only
   as the trainer does (it reads no loss between logs), so communication left running on other streams (layer-wise
   broadcasts, FSDP prefetches) overlaps the next step;
-- model TFLOP/s per GPU: model FLOPs per token (:func:`model_flops_per_token`: 6 per weight a token multiplies
+- model TFLOP/s per GPU: model FLOPs per token (``GPT.estimate_flops_per_token``: 6 per weight a token multiplies
   by, topk experts of each layer, plus 12 L T d for attention, as Megatron-LM counts them; no recomputation, no
   optimizer, no expert dispatch) times the tokens/s per GPU;
 - the optimizer step: the median time ``optimizer.step()`` occupies the compute stream (slowest and fastest
@@ -57,7 +57,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from matrixopt.bench.common import environment, exposed_comm, table
@@ -180,19 +179,6 @@ def active_params(model: GPT) -> int:
     return model.num_params() - stacks + active
 
 
-def model_flops_per_token(model: GPT) -> float:
-    """Training FLOPs per token of ``model``'s matrix multiplies, as NVIDIA's Megatron-LM counts model FLOPs
-    (``num_floating_point_operations``; Narayanan et al. 2021, https://arxiv.org/abs/2104.04473, appendix):
-    ``6 N_mm + 12 L T d``. N_mm: the weights a token multiplies by, each used in the forward and the backward's two
-    GEMMs at 2 FLOPs per multiply-add: every Linear's (attention, the head; also the router, d x E, which Megatron
-    leaves out) and topk experts' of each layer; the embedding lookups, norms and biases are not matmuls.
-    ``12 L T d``: the attention scores and their product with V over a context of T = block_size, no discount for
-    the causal mask. No recomputation, no optimizer. Call before expert parallelism shards the stacks."""
-    c = model.config
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    return 6 * (linear + active_experts(model)[1]) + 12 * c.n_layer * c.block_size * c.n_embd
-
-
 def check_ep(configs: Sequence[ScaleConfig], presets: Sequence[str], settings: Settings) -> None:
     """ValueError unless every configuration's parallel mode takes ``settings.ep`` and it divides every preset's
     expert count (checked before any rank builds a model)."""
@@ -299,7 +285,7 @@ def run_config(par: Parallelism, config: ScaleConfig, preset: str, settings: Set
                          f"takes per step (--tokens-per-gpu {settings.tokens_per_gpu}, tp {config.tp}); pick a divisor")
     torch.manual_seed(0)
     model = GPT(gpt).to(device)
-    flops_per_token = model_flops_per_token(model)  # the whole model's, before expert parallelism shards it
+    flops_per_token = model.estimate_flops_per_token()  # the whole model's (Megatron-LM's model FLOPs)
     params, active = model.num_params(), active_params(model)
     module = par.wrap(model)
     hparams = OptimConfig(name=config.optimizer, lr=LR).optimizer_kwargs()  # the trainer's

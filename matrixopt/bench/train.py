@@ -10,7 +10,8 @@ of :mod:`matrixopt.bench.peers` (``torch.optim.Muon``,
 ``emerging_optimizers Muon`` where installed: a missing one is recorded with the reason). Each optimizer gets a
 freshly initialized model; ``warmup`` steps, then ``steps`` timed steps in ``reps`` blocks (median block).
 
-MFU uses the model's ``estimate_flops_per_token`` (6 N + 12 L T d, PaLM appendix B) at ``PEAK_BF16_TFLOPS``.
+MFU uses the model's ``estimate_flops_per_token`` (the matrix multiplies' FLOPs, as Megatron-LM counts model FLOPs) at
+``PEAK_BF16_TFLOPS``.
 """
 
 from __future__ import annotations

@@ -500,12 +500,16 @@ class GPT(nn.Module):
             block.attn.max_logits = None
 
     def estimate_flops_per_token(self) -> float:
-        """Training FLOPs per token: 6 N + 12 L T d for attention (PaLM, Chowdhery et al. 2022, app. B), N the
-        parameters a token uses (for a mixture of experts: topk of the n_expert experts and the router)."""
+        """Training FLOPs per token of the matrix multiplies, as Megatron-LM counts model FLOPs (Narayanan et al.
+        2021, appendix; PaLM's ``6 N + 12 L T d``, Chowdhery et al. 2022, app. B): 6 per weight a token multiplies
+        by (the forward's and the backward's two products, 2 FLOPs per multiply-add), N being every Linear's weights
+        (attention, MLP, router, head) and, in each mixture-of-experts layer, topk experts' weights (one expert's
+        from the stacks held here, so a shard under expert parallelism counts as the whole model); plus
+        ``12 L T d`` for attention's scores and their product with V over ``T = block_size``. Embedding lookups,
+        norms and biases are not matrix multiplies; no recomputation, no optimizer."""
         c = self.config
-        n = self.num_params()
-        if c.n_expert:  # the stacks held here (a shard under expert parallelism) out, the active experts in
-            n -= sum(p.numel() for m in self.moe_layers() for p in m.experts.parameters())
-            n += c.n_layer * c.topk * 2 * expert_ffn(c) * c.n_embd
+        n = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        for layer in self.moe_layers():
+            n += c.topk * sum(p[0].numel() for p in layer.experts.parameters())
         return 6 * n + 12 * c.n_layer * c.block_size * c.n_embd
 

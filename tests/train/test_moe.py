@@ -162,7 +162,13 @@ def test_presets_and_flops():
     stacks = sum(p.numel() for p in model.moe_layers()[0].experts.parameters())
     assert stacks == 128 * 2 * 768 * 2048
     active = model.estimate_flops_per_token() - 12 * cfg.block_size * cfg.n_embd
-    assert active == 6 * (model.num_params() - stacks + 8 * 2 * 768 * 2048)
+    matmuls = 4 * 2048**2 + 128 * 2048 + 151936 * 2048  # attention, router, head (tied: the lookup is no matmul)
+    assert active == 6 * (matmuls + 8 * 2 * 768 * 2048)
+    with torch.device("meta"):
+        local = GPT(cfg)  # half the experts held, as one rank of expert parallelism 2: the same model FLOPs
+    local.moe_layers()[0].experts.c_fc = torch.nn.Parameter(local.moe_layers()[0].experts.c_fc[:64])
+    local.moe_layers()[0].experts.c_proj = torch.nn.Parameter(local.moe_layers()[0].experts.c_proj[:64])
+    assert local.estimate_flops_per_token() == model.estimate_flops_per_token()
     assert ModelConfig(preset="moe-small").gpt_config(vocab_size=100).n_expert == 16
     cfg = GPTConfig(vocab_size=50304, tie_embeddings=False, **PRESETS["moe-2b"])  # as bench scale builds it
     with torch.device("meta"):
