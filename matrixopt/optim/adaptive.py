@@ -222,6 +222,8 @@ class AdaMuon(_SecondMomentMuon):
     ``cuda_graph=True`` captures the step as Muon's, the second moments included.
     """
 
+    matrix_state_tensors = 2  # momentum and the element-wise second moment
+
     _state_key = "exp_avg_sq"
 
     def _options(self, given: dict[str, Any]) -> dict[str, Any]:

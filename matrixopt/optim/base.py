@@ -114,6 +114,25 @@ class MatrixOptimizer(Optimizer):
         self._step_grad_scale: Tensor | None = None  # the clip coefficient the running step applies (see step())
         self._rounding_step = 0  # steps taken with compact state: the stochastic rounding's seed
         super().__init__(params, dict(matrix_defaults))
+        if self.offload is not None:
+            self.offload.check_fits(*self._offload_host_bytes())
+
+    matrix_state_tensors: int = 1
+    """Parameter-shaped state tensors per parameter of a matrix group (Muon's momentum: 1; SOAP's moments: 2)."""
+
+    def _offload_host_bytes(self) -> tuple[int, str]:
+        """``(bytes, what)``: the least host memory the offloaded state holds once every parameter has stepped: the
+        parameter-shaped state twice (live and the step's shadow) and a copy of the parameters. Smaller state
+        (rows, factors, step counts) is left out."""
+        each = compact.value_bytes(self.state_dtype)
+        state = params = 0
+        for group in self.param_groups:
+            tensors = self.matrix_state_tensors if group[self.matrix_flag] else 2  # AdamW: exp_avg, exp_avg_sq
+            for p in group["params"]:
+                state += int(p.numel() * tensors * each)
+                params += p.numel() * p.element_size()
+        return 2 * state + params, (f"the optimizer state twice, {2 * state / 2**30:.2f} GiB, and a copy of the "
+                                    f"parameters, {params / 2**30:.2f} GiB")
 
     @property
     def skip_nonfinite(self) -> bool:

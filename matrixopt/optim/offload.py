@@ -14,7 +14,10 @@ so transfers overlap the next chunk's compute. The step is all or nothing: new s
 buffer (a *shadow*) and swapped in only once every chunk has succeeded, and each chunk's parameters are copied to
 the host before they are updated, so an exception (or KeyboardInterrupt) anywhere in the step restores the
 parameters and leaves the state of the step before. Host memory: the state twice (live and shadow) plus one copy of
-the parameters. Gradients are not copied.
+the parameters. Gradients are not copied. An optimizer built with offload checks at construction, before any state
+exists, that the host has that much memory available (:meth:`Offload.check_fits`), and raises MemoryError
+otherwise; an allocation that fails later, mid-step, raises MemoryError naming its size and leaves the step
+before.
 
 The copies go through :class:`Offload`, whose ``device_copy`` can be replaced: a test on a CPU-only machine runs
 the whole path with the "device" being the CPU and a copy standing in for the transfer.
@@ -58,6 +61,16 @@ class Offload:
                 "backups": {}, "_streams": {}}
 
     # ----------------------------------------------------------------------------------- host memory
+    def check_fits(self, nbytes: int, what: str) -> None:
+        """MemoryError now, before any state exists, if the host's available memory (``MemAvailable``, Linux) is
+        below ``nbytes``, the least the offloaded state will hold (``what`` says of what)."""
+        available = available_host_bytes()
+        if available is not None and nbytes > available:
+            raise MemoryError(
+                f"offload='cpu' needs at least {nbytes / 2**30:.2f} GiB of {'pinned ' if self.pin_memory else ''}CPU "
+                f"memory ({what}), but {available / 2**30:.2f} GiB is available. Free host memory, use "
+                f"state_dtype='bf16' or 'int8', or turn offload off.")
+
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> Tensor:
         """An uninitialized host tensor (pinned if ``pin_memory``); MemoryError naming the size if it can't be
         had."""
@@ -150,6 +163,18 @@ class Offload:
             out[k] = o if isinstance(o, Tensor) and o.shape == v.shape and o.dtype == v.dtype else self.empty(
                 v.shape, v.dtype)
         return out
+
+
+def available_host_bytes() -> int | None:
+    """The host memory available to new allocations (``MemAvailable`` of ``/proc/meminfo``), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def check_offload(value: Any) -> Offload | None:

@@ -99,6 +99,8 @@ class SOAP(KroneckerOptimizer):
     ``right_eig{k}`` (float32 eigenvalue estimates).
     """
 
+    matrix_state_tensors = 2  # exp_avg and exp_avg_sq
+
     matrix_flag = "use_soap"
 
     def __init__(self, params: Iterable[Any], lr: float | Tensor = 3e-3, betas: tuple[float, float] = (0.95, 0.95),

@@ -60,6 +60,11 @@ COMPACT_KEYS = {"momentum_buffer": True, "exp_avg": True, "exp_avg_sq": False}
 """State keys stored compactly, and whether they are signed (False: nonnegative, the square-root domain)."""
 
 
+def value_bytes(state_dtype: str | None) -> float:
+    """Bytes one state value takes stored as ``state_dtype`` (None: float32), its share of a block scale included."""
+    return {None: 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}[state_dtype]
+
+
 def check_state_dtype(value: Any) -> str | None:
     """``None`` for float32 state, ``"bf16"`` or ``"int8"``; ValueError listing the choices otherwise."""
     try:

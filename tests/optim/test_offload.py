@@ -2,6 +2,8 @@
 "device" and a counted copy standing in for the host-to-device transfer. Bit-identical to the step without
 offload over 50 steps, checkpoints independent of where state lived, and all-or-nothing steps."""
 
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -191,6 +193,30 @@ def test_out_of_host_memory_names_the_size(fail_at, monkeypatch):
     for a, b in zip(before, model.parameters()):
         assert torch.equal(a, b)
     assert not any(opt.state.values())  # no state of the failed first step
+
+
+@pytest.mark.parametrize("name, state_dtype, tensors", [("muon", None, 1), ("soap", None, 2), ("adamuon", "bf16", 2)])
+def test_too_little_host_memory_is_refused_at_construction(name, state_dtype, tensors, monkeypatch):
+    """Before any state exists: the least the offloaded state holds (the state twice and a copy of the parameters)
+    against the host's available memory."""
+    from matrixopt.optim import offload as offload_module
+    from matrixopt.optim.routing import param_groups
+
+    if sys.platform == "linux":
+        assert offload_module.available_host_bytes() > 0  # this machine's MemAvailable
+    model = _model()
+    groups = param_groups(model, matrix_flag=matrixopt.OPTIMIZERS[name].matrix_flag)
+    each = 4 if state_dtype is None else 2
+    state = sum(p.numel() * (tensors if g[matrixopt.OPTIMIZERS[name].matrix_flag] else 2) * each
+                for g in groups for p in g["params"])
+    needed = 2 * state + sum(p.numel() * 4 for p in model.parameters())
+    monkeypatch.setattr(offload_module, "available_host_bytes", lambda: needed - 1)
+    with pytest.raises(MemoryError, match=r"needs at least [0-9.]+ GiB of CPU memory .* is available"):
+        matrixopt.build_optimizer(model, name, lr=1e-2, state_dtype=state_dtype,
+                                  offload=Offload(device_copy=FakeDeviceCopy()))
+    monkeypatch.setattr(offload_module, "available_host_bytes", lambda: needed)
+    matrixopt.build_optimizer(model, name, lr=1e-2, state_dtype=state_dtype,
+                              offload=Offload(device_copy=FakeDeviceCopy()))  # just enough
 
 
 @pytest.mark.parametrize("value", ["gpu", "nvme", True])
