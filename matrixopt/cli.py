@@ -69,8 +69,8 @@ RUN_FLAGS = [
     ("--tp", "tp", int, "tensor-parallel degree (default 1): with --parallel fsdp, shard each block over groups of "
                         "TP ranks (Megatron layout) and FSDP over world/TP; must divide n_head and the world size"),
     ("--tp-mode", "tp_mode", str, "Muon's TP Newton-Schulz: auto (default), duplicated, distributed or blockwise"),
-    ("--ep", "ep", int, "expert-parallel degree (default 1): with --parallel ddp or layerwise (not fsdp), split each "
-                        "MoE layer's experts over groups of EP ranks; must divide the expert count and the world size"),
+    ("--ep", "ep", int, "expert-parallel degree (default 1): with --parallel ddp, layerwise or fsdp, split each MoE "
+                        "layer's experts over groups of EP ranks; must divide the expert count and the world size"),
 ]
 SWITCHES = [
     ("--bias", "model.bias", "biases in Linear layers and norms"),

@@ -27,7 +27,9 @@ finished on every rank, ``opt.step()`` and the model's forward raise, so a run w
 train on stale parameters. DCP writes its metadata file last, so an interrupted save is not loadable either.
 
 **A DTensor run** (FSDP2, tensor parallelism: :func:`save_dtensor`, :func:`load_dtensor`): the state dicts of
-``torch.distributed.checkpoint.state_dict.get_state_dict``, each rank writing its shards.
+``torch.distributed.checkpoint.state_dict.get_state_dict``, each rank writing its shards. Expert stacks that expert
+parallelism keeps out of FSDP2 (plain ``(E/ep, out, in)`` blocks) are written and read whole, as block parameters
+are above (:func:`block_shard`), so these checkpoints too resume at any expert-parallel degree.
 
 :func:`replace_folder` writes a folder checkpoint beside the previous one and swaps it in, so a crash during the
 write leaves the previous one whole; :func:`recover_folder` finishes a swap a crash interrupted.
@@ -39,7 +41,7 @@ import hashlib
 import io
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +149,20 @@ def _unpickled(value: Any) -> Any:
     return value if isinstance(value, torch.Tensor) else torch.load(io.BytesIO(value), weights_only=False)
 
 
+def block_shard(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """This rank's block ``t`` ``(n, ...)`` of a whole tensor ``(n * mesh.size(), ...)`` whose blocks the ranks of
+    the 1-D ``mesh`` hold in rank order, as a DTensor sharded along dim 0 (no copy): what a checkpoint writes for a
+    block, and the target it reads one into, so that it holds the whole tensor and loads at any block count."""
+    return DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+
+
+def stacks_per_block(t: Any, n: int) -> bool:
+    """Whether ``t`` (a block parameter of ``n`` rows, or one of its optimizer state values) stacks per row of the
+    block (dim 0 of size ``n``, e.g. a momentum), and is held in blocks with it; else it is one value for the whole
+    tensor (e.g. a step count)."""
+    return isinstance(t, torch.Tensor) and t.ndim > 0 and t.shape[0] == n
+
+
 class _Whole:
     """How the owned parameters and their state are written and read: as they are, or for a block parameter as
     this rank's block of the whole tensor (a DTensor sharded over its block group, dim 0)."""
@@ -176,8 +192,8 @@ class _Whole:
         ``t``; None where the first block's owner writes it."""
         if not self.is_block(name):
             return t
-        if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == self.opt.param_by_name(name).shape[0]:
-            return DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False)
+        if stacks_per_block(t, self.opt.param_by_name(name).shape[0]):
+            return block_shard(t, self.mesh)
         return t if self.first else None
 
     def target(self, name: str, entry: TensorStorageMetadata, device: torch.device) -> torch.Tensor:
@@ -185,8 +201,8 @@ class _Whole:
         size = tuple(entry.size)
         if not self.stacks(name, size):
             return torch.empty(size, dtype=entry.properties.dtype, device=device)
-        local = torch.empty((size[0] // self.n, *size[1:]), dtype=entry.properties.dtype, device=device)
-        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False)
+        return block_shard(torch.empty((size[0] // self.n, *size[1:]), dtype=entry.properties.dtype, device=device),
+                           self.mesh)
 
 
 def save(path: str | os.PathLike, model: nn.Module, opt: LayerwiseOptimizer, extra: Any = None) -> None:
@@ -301,23 +317,46 @@ Reorder = Callable[..., None]
 
 
 def save_dtensor(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Any,
-                 reorder: Reorder | None = None) -> None:
+                 reorder: Reorder | None = None, blocks: Sequence[str] = (), block_mesh: DeviceMesh | None = None
+                 ) -> None:
     """Write ``model`` and ``optimizer`` (DTensor parameters and state, e.g. FSDP2's) and ``extra`` (pickled) to
-    the folder ``path``, each rank its shards. Collective."""
+    the folder ``path``, each rank its shards. ``blocks``: names of plain parameters of which each rank of the 1-D
+    ``block_mesh`` holds one block along dim 0 (expert stacks under expert parallelism), written whole with their
+    per-row state (:func:`block_shard`); ranks holding the same block (replicas) write it once. Collective."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     if reorder is not None:
         reorder(model_sd, optim_sd, to_canonical=True)
+    _blocks_whole(model_sd, optim_sd, blocks, block_mesh)
     dcp.save({"model": model_sd, "optim": optim_sd, "trainer": _pickled(extra)}, checkpoint_id=path)
 
 
 def load_dtensor(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 reorder: Reorder | None = None) -> Any:
+                 reorder: Reorder | None = None, blocks: Sequence[str] = (), block_mesh: DeviceMesh | None = None
+                 ) -> Any:
     """Load a checkpoint written by :func:`save_dtensor` into ``model`` and ``optimizer`` (sharded as for the run
-    that saved it, or on another mesh); returns ``extra``. Collective."""
+    that saved it, or on another mesh; ``blocks`` over ``block_mesh`` as at :func:`save_dtensor`, each rank
+    reading the rows of its block); returns ``extra``. Collective."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    _blocks_whole(model_sd, optim_sd, blocks, block_mesh)
     sd = {"model": model_sd, "optim": optim_sd, "trainer": b""}
     dcp.load(sd, checkpoint_id=path)
+    for name in blocks:  # back to this rank's blocks
+        sd["model"][name] = sd["model"][name].to_local()
+        if name in sd["optim"]["state"]:
+            sd["optim"]["state"][name] = {k: v.to_local() if isinstance(v, DTensor) else v
+                                          for k, v in sd["optim"]["state"][name].items()}
     if reorder is not None:
         reorder(sd["model"], sd["optim"], to_canonical=False)
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     return torch.load(io.BytesIO(sd["trainer"]), weights_only=True)
+
+
+def _blocks_whole(model_sd: dict, optim_sd: dict, blocks: Sequence[str], mesh: DeviceMesh | None) -> None:
+    """In the state dicts of ``get_state_dict``, in place: each block parameter in ``blocks`` and its per-row
+    optimizer state as the block of its whole tensor over ``mesh`` (:func:`block_shard`)."""
+    for name in blocks:
+        n = model_sd[name].shape[0]
+        model_sd[name] = block_shard(model_sd[name], mesh)
+        if name in optim_sd["state"]:  # a new dict: state_dict() shares the live optimizer's per-parameter dicts
+            optim_sd["state"][name] = {k: block_shard(v, mesh) if stacks_per_block(v, n) else v
+                                       for k, v in optim_sd["state"][name].items()}

@@ -14,12 +14,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None,
-               reshard_after_forward: bool = True) -> nn.Module:
+               reshard_after_forward: bool = True, ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """``fully_shard`` every module held in an ``nn.ModuleList`` (transformer blocks), then the root, as
-    torchtitan does. Parameters become DTensors with ``Shard(0)`` on ``mesh``. mp_policy: FSDP2's mixed
-    precision (e.g. bf16 parameters in forward/backward, fp32 gradient reduction); None keeps fp32. Returns
-    ``model``."""
-    kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy or MixedPrecisionPolicy())
+    torchtitan does. Parameters become DTensors with ``Shard(0)`` on ``mesh``, except ``ignored_params`` (e.g.
+    expert stacks under expert parallelism), which stay plain tensors that FSDP2 neither gathers nor reduces.
+    mp_policy: FSDP2's mixed precision (e.g. bf16 parameters in forward/backward, fp32 gradient reduction); None
+    keeps fp32. Returns ``model``."""
+    kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy or MixedPrecisionPolicy(),
+              ignored_params=ignored_params or None)
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):
             for block in module:

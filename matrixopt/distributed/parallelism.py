@@ -28,8 +28,8 @@ One subclass per mode, built by :func:`make_parallelism`, the one place a mode's
   tensor parallelism; so do Shampoo and SOAP (:class:`~matrixopt.distributed.sharded_precond.ShardedShampoo`,
   ``ShardedSOAP``: each matrix preconditioned whole on an owner rank).
 
-Expert parallelism composes into DDP and Layerwise (``ep > 1``: each mixture-of-experts layer's experts split
-over groups of ep ranks, :mod:`matrixopt.distributed.ep`).
+Expert parallelism composes into DDP, Layerwise and FSDP (``ep > 1``: each mixture-of-experts layer's experts
+split over groups of ep ranks, :mod:`matrixopt.distributed.ep`).
 
 The multi-process modes run one process per rank, as torchrun starts them: constructing one joins the default
 process group (created from torchrun's environment unless the caller already did: NCCL on CUDA, gloo on CPU)
@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from matrixopt.device import resolve_device
 from matrixopt.distributed import checkpoint, comm
@@ -294,9 +295,13 @@ class MultiProcess(Parallelism):
         ``expert_names`` and ``expert_params`` name the stacks. ValueError for a model without expert stacks or
         with an expert count ep does not divide."""
         ep_lib.shard_experts(model, self.ep_group)
-        self.expert_names = ep_lib.expert_param_names(model)
+        self._find_experts(model)
         if not self.expert_names:
             raise ValueError(f"ep={self.ep} but the model has no expert stacks; use a mixture-of-experts model")
+
+    def _find_experts(self, model: nn.Module) -> None:
+        """Set ``expert_names`` and ``expert_params`` to the model's expert stacks (none for a dense model)."""
+        self.expert_names = ep_lib.expert_param_names(model)
         named = dict(model.named_parameters())
         self.expert_params = [named[n] for n in self.expert_names]
 
@@ -397,7 +402,7 @@ class DDP(MultiProcess):
             n = p.shape[0] * (self.ep if whole else 1)
             i = index[id(p)]
             if i in optim_sd["state"]:  # a new dict: state_dict() shares the live optimizer's per-parameter dicts
-                optim_sd["state"][i] = {k: fn(v) if torch.is_tensor(v) and v.ndim and v.shape[0] == n else v
+                optim_sd["state"][i] = {k: fn(v) if checkpoint.stacks_per_block(v, n) else v
                                         for k, v in optim_sd["state"][i].items()}
 
 
@@ -455,24 +460,47 @@ class FSDP(MultiProcess):
     precision policy, so :meth:`autocast` does nothing). Muon runs as ShardedMuon (TP Newton–Schulz in
     ``tp_mode``), Shampoo and SOAP as ShardedShampoo and ShardedSOAP (``tp=1``), AdamW as torch AdamW.
     Checkpoints are a torch.distributed.checkpoint folder holding the single-process layout, resumable at any tp
-    (Shampoo's and SOAP's state: each matrix's once, from its owner, resumable at any number of ranks)."""
+    (Shampoo's and SOAP's state: each matrix's once, from its owner, resumable at any number of ranks).
+
+    A mixture-of-experts model's expert stacks stay out of FSDP2 (``ignored_params``): plain tensors, handled as
+    under :class:`DDP`. With ``ep > 1`` each rank keeps its ``(E/ep, out, in)`` blocks and exchanges tokens over
+    its EP group (:mod:`matrixopt.distributed.ep`); with ``ep = 1`` every rank holds every expert. :meth:`sync_grads`
+    sums their gradients over each shard's ``world / ep`` replicas, and the optimizer steps them beside the
+    DTensors: Muon orthogonalizes each local expert's matrix (ShardedMuon's plain-tensor path), AdamW takes them
+    as a group of their own. Clipping takes the global norm, every expert counted once. Checkpoints hold the whole
+    stacks (:func:`~matrixopt.distributed.checkpoint.block_shard`), so they resume at any ep and number of ranks.
+    Experts take Muon or AdamW, without tensor parallelism."""
 
     name = "fsdp"
     checkpoint_name = "ckpt"
     tensor_parallel = True
+    expert_parallel = True
     optimizers: ClassVar[tuple[str, ...]] = ("muon", "normuon", "adamuon", "shampoo", "soap", "adamw")
+    expert_optimizers: ClassVar[tuple[str, ...]] = ("muon", "adamw")  # those that step plain expert stacks here
 
     def __init__(self, device: str | torch.device = "auto", *, bf16: bool = False, tp: int = 1,
-                 tp_mode: str = "auto", tp_plan: TPPlan | None = None) -> None:
-        self.check(tp=tp, tp_mode=tp_mode)
+                 tp_mode: str = "auto", tp_plan: TPPlan | None = None, ep: int = 1) -> None:
+        self.check(tp=tp, tp_mode=tp_mode, ep=ep)
         if tp > 1 and tp_plan is None:
             raise ValueError(f"tp={tp} needs a tp_plan (how to shard the model over the TP ranks), e.g. "
                              f"matrixopt.train.parallelize.GPT_TP")
-        super().__init__(device, bf16=bf16)
+        super().__init__(device, bf16=bf16, ep=ep)
         self.tp, self.tp_mode, self.tp_plan = tp, tp_mode, tp_plan
         dims = self.mesh_dims(self.world, tp=tp)
         self.mesh = init_device_mesh(self.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         self.dp_group = self.mesh.get_group("dp")
+        # the ranks holding the other blocks of the expert stacks (checkpoints write them whole), and those
+        # holding the same block (their gradients sum there; None: every rank)
+        self.ep_mesh = DeviceMesh.from_group(self.ep_group, self.device.type) if ep > 1 else None
+        if ep == 1:
+            self.replica_group = None
+
+    @classmethod
+    def check(cls, *, tp: int = 1, tp_mode: str = "auto", ep: int = 1) -> None:
+        super().check(tp=tp, tp_mode=tp_mode, ep=ep)
+        if tp > 1 and ep > 1:
+            raise ValueError(f"tp={tp} and ep={ep} do not compose under --parallel fsdp: the TP plan shards dense "
+                             f"MLPs only; use one of them")
 
     @staticmethod
     def mesh_dims(world: int, *, tp: int = 1) -> dict[str, int]:
@@ -485,13 +513,21 @@ class FSDP(MultiProcess):
     def _wrap(self, model: nn.Module) -> nn.Module:
         if self.tp > 1:
             self.tp_plan.shard(model, self.mesh["tp"])
+        if self.ep > 1:
+            self._shard_experts(model)
+        else:
+            self._find_experts(model)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.bf16 else None
-        return apply_fsdp(model, self.mesh["dp"], mp_policy=policy)
+        return apply_fsdp(model, self.mesh["dp"], mp_policy=policy, ignored_params=set(self.expert_params))
 
     def _build(self, model: nn.Module, name: str, splits: Splits | None, hparams: dict) -> torch.optim.Optimizer:
         if name not in self.optimizers:
             raise ValueError(f"--parallel fsdp supports the optimizers {', '.join(self.optimizers)}, not "
                              f"{name!r}; use --parallel layerwise for {name}")
+        if self.expert_params and name not in self.expert_optimizers:
+            raise ValueError(f"--parallel fsdp steps a mixture of experts' stacks with "
+                             f"{' or '.join(self.expert_optimizers)}, not {name!r}; use --parallel ddp or layerwise "
+                             f"for {name} on this model")
         if name in SHARDED:
             cls = SHARDED[name]
             tp = {"tp_mode": self.tp_mode} if issubclass(cls, ShardedMuon) else {}  # Muon's TP Newton–Schulz
@@ -505,10 +541,23 @@ class FSDP(MultiProcess):
     def no_sync(self) -> contextlib.AbstractContextManager:
         return _fsdp_no_sync(self.module)
 
+    def sync_grads(self) -> None:
+        if self.expert_params:
+            ep_lib.reduce_expert_grads(self.expert_params, self.replica_group, self.world)
+
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        # DTensor gradient norms are partial: finish each mesh's across its ranks, then combine
-        meshes = by_mesh(p for p in self.model.parameters() if p.grad is not None)
+        # DTensor gradient norms are partial: finish each mesh's across its ranks; the expert blocks' squares
+        # summed over the EP group count every expert once; then combine
+        experts = {id(p) for p in self.expert_params}
+        meshes = by_mesh(p for p in self.model.parameters() if p.grad is not None and id(p) not in experts)
         norms = [nn.utils.get_total_norm([p.grad for p in ps]).full_tensor() for ps in meshes]
+        stacks = [p for p in self.expert_params if p.grad is not None]
+        if stacks:
+            sq = nn.utils.get_total_norm([p.grad for p in stacks]).square()
+            if self.ep > 1:
+                dist.all_reduce(sq, group=self.ep_group)
+            norms.append(sq.sqrt())
+            meshes.append(stacks)
         total = torch.linalg.vector_norm(torch.stack(norms))
         for ps in meshes:
             nn.utils.clip_grads_with_norm_(ps, max_norm, total)
@@ -519,10 +568,14 @@ class FSDP(MultiProcess):
 
     def save(self, path: Path, extra: dict) -> None:
         checkpoint.replace_folder(path, lambda tmp: checkpoint.save_dtensor(tmp, self.model, self.optimizer, extra,
-                                                                            self._reorder()))
+                                                                            self._reorder(), **self._blocks()))
 
     def load(self, path: Path) -> dict:
-        return checkpoint.load_dtensor(path, self.model, self.optimizer, self._reorder())
+        return checkpoint.load_dtensor(path, self.model, self.optimizer, self._reorder(), **self._blocks())
+
+    def _blocks(self) -> dict[str, Any]:
+        """The expert blocks checkpoints write whole: under ``ep > 1``, each EP group's ranks hold one stack."""
+        return dict(blocks=self.expert_names, block_mesh=self.ep_mesh) if self.ep > 1 else {}
 
     def _reorder(self) -> Callable[..., None] | None:
         plan = self.tp_plan if self.tp > 1 else None
@@ -534,10 +587,11 @@ class FSDP(MultiProcess):
 
 def by_mesh(params) -> list[list[nn.Parameter]]:
     """DTensor parameters grouped by device mesh, in order: under TP, block matrices live on the 2-D mesh and the
-    rest on "dp", and DTensor foreach kernels take one mesh per call."""
-    groups: dict[DeviceMesh, list[nn.Parameter]] = {}
+    rest on "dp", and DTensor foreach kernels take one mesh per call. Plain tensors (expert stacks kept out of
+    FSDP2) form a group of their own."""
+    groups: dict[DeviceMesh | None, list[nn.Parameter]] = {}
     for p in params:
-        groups.setdefault(p.device_mesh, []).append(p)
+        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
     return list(groups.values())
 
 
@@ -596,11 +650,12 @@ def make_parallelism(mode: str, *, device: str | torch.device = "auto", tp: int 
     """The :class:`Parallelism` of ``mode`` ("none", "ddp", "layerwise" or "fsdp"), joined to the process group
     where it has several ranks. ``device``: "auto" (CUDA when available), "cpu", "cuda" or a torch.device.
     ``bf16``: the run computes in bf16 (autocast, or FSDP2's mixed precision). ``tp``, ``tp_mode``, ``tp_plan``:
-    tensor parallelism under "fsdp" (see :class:`FSDP`). ``ep``: expert parallelism under "ddp" or "layerwise"
-    (see :class:`DDP`, :class:`Layerwise`); ValueError unless it divides the number of ranks."""
+    tensor parallelism under "fsdp" (see :class:`FSDP`). ``ep``: expert parallelism under "ddp", "layerwise" or
+    "fsdp" (see :class:`DDP`, :class:`Layerwise`, :class:`FSDP`); ValueError unless it divides the number of
+    ranks."""
     cls = parallelism_class(mode, tp=tp, tp_mode=tp_mode, ep=ep)
     if cls.tensor_parallel:
-        return cls(device, bf16=bf16, tp=tp, tp_mode=tp_mode, tp_plan=tp_plan)
+        return cls(device, bf16=bf16, tp=tp, tp_mode=tp_mode, tp_plan=tp_plan, ep=ep)
     if cls.expert_parallel:
         return cls(device, bf16=bf16, ep=ep)
     return cls(device, bf16=bf16)

@@ -163,11 +163,12 @@ class TrainConfig:
     ep: int = 1
     """Expert-parallel degree: each MoE layer's experts are split over groups of ep consecutive ranks, which send
     tokens to the experts' ranks and back (matrixopt.distributed.ep); data parallelism over the world / ep
-    replicas of each expert. ep > 1 needs parallel 'ddp' or 'layerwise' ('fsdp' and 'none' refuse it), a
+    replicas of each expert. ep > 1 needs parallel 'ddp', 'layerwise' or 'fsdp' ('none' refuses it), a
     mixture-of-experts model whose n_expert it divides, and a world size it divides. Under 'ddp' every rank steps
     its own expert stacks; under 'layerwise' each rank's stacks are owned among their world / ep replicas and the
-    dense parameters over every rank, balanced together. A checkpoint resumes at any ep and world size of its
-    mode (it holds the single-process layout)."""
+    dense parameters over every rank, balanced together; under 'fsdp' FSDP2 shards the dense parameters over every
+    rank and each rank steps its own expert stacks, kept out of FSDP2 (Muon or AdamW, tp 1). A checkpoint resumes
+    at any ep and world size of its mode (it holds the single-process layout)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_iters", "log_every"):

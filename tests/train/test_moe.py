@@ -182,8 +182,10 @@ def test_bad_settings_raise_before_training():
         ModelConfig(preset="moe-tiny", topk=5)
     with pytest.raises(ValueError, match="ep=3 must divide the model's n_expert=4"):
         TrainConfig(model=ModelConfig(preset="moe-tiny"), parallel="ddp", ep=3)
-    with pytest.raises(ValueError, match="ep=2 needs --parallel ddp, layerwise .* got --parallel fsdp"):
-        TrainConfig(model=ModelConfig(preset="moe-tiny"), parallel="fsdp", ep=2)
+    with pytest.raises(ValueError, match="ep=2 needs --parallel ddp, layerwise, fsdp .* got --parallel none"):
+        TrainConfig(model=ModelConfig(preset="moe-tiny"), parallel="none", ep=2)
+    with pytest.raises(ValueError, match="tp=2 and ep=2 do not compose under --parallel fsdp"):
+        TrainConfig(model=ModelConfig(preset="moe-tiny"), parallel="fsdp", tp=2, ep=2)
     with pytest.raises(ValueError, match="ep=2 must divide the model's n_expert=0"):
         TrainConfig(parallel="ddp", ep=2)
 
