@@ -228,7 +228,10 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     On CUDA under bf16 a grouped GEMM (``torch._grouped_mm``, one kernel for every group, each group's rows
     padded to a multiple of ``GROUP_ALIGN``), else on CUDA a padded batched matmul (``(G, max count, in)``); on
     CPU (the reference) one matmul per group, empty groups included, so every expert's weight is in the graph and
-    gets a (zero) gradient."""
+    gets a (zero) gradient. Outside autocast, fp32 experts multiply low-precision rows in the rows' dtype (FSDP2's
+    bf16 compute with expert stacks kept out of its mixed precision)."""
+    if w.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+        w = w.to(x.dtype)
     if x.is_cuda:
         dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
         if dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):

@@ -72,6 +72,20 @@ def test_grouped_mm_paths_agree_with_empty_groups():
     assert w.grad is not None and w.grad[1].abs().sum() == 0  # the empty group: zero gradient, not None
 
 
+def test_grouped_mm_takes_the_rows_dtype_outside_autocast():
+    """bf16 rows (FSDP2's bf16 compute) times fp32 expert stacks (kept out of its mixed precision): bf16 products,
+    and fp32 gradients for the stacks."""
+    torch.manual_seed(0)
+    x = torch.randn(7, 8, dtype=torch.bfloat16)
+    w = torch.randn(3, 5, 8, requires_grad=True)
+    counts = torch.tensor([2, 0, 5])
+    y = grouped_mm(x, w, counts)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, grouped_mm(x, w.detach().bfloat16(), counts), rtol=0, atol=0)
+    y.float().sum().backward()
+    assert w.grad.dtype == torch.float32 and torch.equal(w.grad[1], torch.zeros(5, 8))
+
+
 def test_grouped_gemm_padding_on_cpu(monkeypatch):
     """The CUDA grouped-GEMM path's row bookkeeping (groups padded to 16 rows), with torch._grouped_mm replaced by
     a loop over the offsets it is given."""
