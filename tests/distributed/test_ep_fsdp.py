@@ -15,7 +15,7 @@ import pytest
 import torch
 from _mp import run
 from test_ep import RTOL, assert_same, config, metrics
-from test_ep_layerwise import SEED, keep_checkpoints_at, resume_from
+from test_ep_layerwise import SEED, keep_checkpoints_at, reshard, resume_from
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor
 
@@ -23,23 +23,11 @@ import matrixopt.train.trainer as trainer
 from matrixopt.distributed.parallelism import make_parallelism
 from matrixopt.train.config import TrainConfig, from_dict
 from matrixopt.train.data import load_dataset
-from matrixopt.train.model import GPT, PRESETS, QKV_SPLITS, GPTConfig
+from matrixopt.train.model import GPT, PRESETS, GPTConfig
 
 
 def fsdp(optimizer: str, ep: int, **kw) -> TrainConfig:
     return from_dict(TrainConfig, config(optimizer, parallel="fsdp", ep=ep, seed=SEED, **kw))
-
-
-def reshard(src: Path, dst: Path, cfg: TrainConfig) -> None:
-    """Load the checkpoint ``src`` into a fresh run of ``cfg`` (its ep, this world) and save it again to ``dst``,
-    with no step between: what the new layout holds, in the checkpoint's single-process layout."""
-    par = make_parallelism("fsdp", device="cpu", ep=cfg.ep)
-    torch.manual_seed(cfg.seed + 1)  # other initial weights: a parameter the load missed would show
-    model = GPT(cfg.model.gpt_config(load_dataset(cfg.data).vocab_size))
-    par.wrap(model)
-    par.build_optimizer(model, cfg.optim.name, splits=QKV_SPLITS, **cfg.optim.optimizer_kwargs())
-    extra = par.load(src)
-    par.save(dst, extra)
 
 
 def _runs_w4(rank: int, world: int, tmp: Path) -> None:

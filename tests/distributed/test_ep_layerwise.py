@@ -60,7 +60,7 @@ def resume_from(src: Path, ckpt: str, out: Path) -> None:
 def reshard(src: Path, dst: Path, cfg: TrainConfig) -> None:
     """Load the checkpoint ``src`` into a fresh run of ``cfg`` (its ep, this world) and save it again to ``dst``,
     with no step between: what the new layout holds, in the checkpoint's single-process layout."""
-    par = make_parallelism("layerwise", device="cpu", ep=cfg.ep)
+    par = make_parallelism(cfg.parallel, device="cpu", ep=cfg.ep)
     torch.manual_seed(cfg.seed + 1)  # other initial weights: a parameter the load missed would show
     model = GPT(cfg.model.gpt_config(load_dataset(cfg.data).vocab_size))
     par.wrap(model)
