@@ -150,20 +150,11 @@ def runs(tmp_path_factory) -> Callable[[int], Path]:
     return get
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory) -> Path:
-    """One process's runs of the same configs."""
-    out = tmp_path_factory.mktemp("single")
-    for name in RTOL:
-        trainer.train(from_dict(TrainConfig, config(name, seed=SEED)), out / name, progress=False)
-    return out
-
-
 @pytest.mark.parametrize("world", [2, 4])
-def test_matches_single_process(runs, single, world):
+def test_matches_single_process(runs, ep_single, world):
     out = runs(world)
     for name, rtol in RTOL.items():
-        assert_same(metrics(out / f"{name}-ep{2}-w{world}"), metrics(single / name), rtol)
+        assert_same(metrics(out / f"{name}-ep{2}-w{world}"), metrics(ep_single / name), rtol)
 
 
 def test_reshard_is_exact(runs):
