@@ -90,8 +90,9 @@ class OptimConfig:
             raise ValueError(f"offload must be None or one of {OFFLOAD_CHOICES}, got {self.offload!r}")
         memory = self._memory_options()
         if memory and self.name in OPTIMIZERS and accepted(self.name, **memory) != memory:
-            raise ValueError(f"optimizer {self.name!r} does not take {', '.join(memory)}; use muon, mop, normuon "
-                             f"or adamuon")
+            takers = [n for n in OPTIMIZERS if accepted(n, **memory) == memory]
+            raise ValueError(f"optimizer {self.name!r} does not take {', '.join(memory)}; use one of "
+                             f"{', '.join(takers)}")
 
     def _memory_options(self) -> dict[str, typing.Any]:
         return {k: v for k, v in (("state_dtype", self.state_dtype), ("offload", self.offload)) if v is not None}

@@ -240,7 +240,7 @@ def test_trainer_config_passes_the_options():
     kwargs = OptimConfig(name="muon", offload="cpu", state_dtype="bf16").optimizer_kwargs()
     assert kwargs["offload"] == "cpu" and kwargs["state_dtype"] == "bf16"
     assert "offload" not in OptimConfig(name="muon").optimizer_kwargs()
-    with pytest.raises(ValueError, match="does not take offload"):
+    with pytest.raises(ValueError, match="does not take offload; use one of muon, .*shampoo, soap"):
         OptimConfig(name="adamw", offload="cpu")
     with pytest.raises(ValueError, match="offload"):
         OptimConfig(name="muon", offload="disk")
