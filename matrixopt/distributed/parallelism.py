@@ -463,20 +463,20 @@ class FSDP(MultiProcess):
     (Shampoo's and SOAP's state: each matrix's once, from its owner, resumable at any number of ranks).
 
     A mixture-of-experts model's expert stacks stay out of FSDP2 (``ignored_params``): plain tensors, handled as
-    under :class:`DDP`. With ``ep > 1`` each rank keeps its ``(E/ep, out, in)`` blocks and exchanges tokens over
-    its EP group (:mod:`matrixopt.distributed.ep`); with ``ep = 1`` every rank holds every expert. :meth:`sync_grads`
+    under :class:`DDP`. With ``ep > 1`` each rank keeps its ``(E/ep, out, in)`` blocks and exchanges tokens over its
+    EP group (:mod:`matrixopt.distributed.ep`); with ``ep = 1`` every rank holds every expert. :meth:`sync_grads`
     sums their gradients over each shard's ``world / ep`` replicas, and the optimizer steps them beside the
-    DTensors: Muon orthogonalizes each local expert's matrix (ShardedMuon's plain-tensor path), AdamW takes them
-    as a group of their own. Clipping takes the global norm, every expert counted once. Checkpoints hold the whole
-    stacks (:func:`~matrixopt.distributed.checkpoint.block_shard`), so they resume at any ep and number of ranks.
-    Experts take Muon or AdamW, without tensor parallelism."""
+    DTensors: the Muon family orthogonalizes each local expert's matrix (ShardedMuon's plain-tensor path), AdamW
+    takes them as a group of their own. Clipping takes the global norm, every expert counted once. Checkpoints hold
+    the whole stacks (:func:`~matrixopt.distributed.checkpoint.block_shard`), so they resume at any ep and number of
+    ranks. Experts take the Muon family or AdamW, without tensor parallelism."""
 
     name = "fsdp"
     checkpoint_name = "ckpt"
     tensor_parallel = True
     expert_parallel = True
     optimizers: ClassVar[tuple[str, ...]] = ("muon", "normuon", "adamuon", "shampoo", "soap", "adamw")
-    expert_optimizers: ClassVar[tuple[str, ...]] = ("muon", "adamw")  # those that step plain expert stacks here
+    expert_optimizers: ClassVar[tuple[str, ...]] = ("muon", "normuon", "adamuon", "adamw")  # step plain stacks
 
     def __init__(self, device: str | torch.device = "auto", *, bf16: bool = False, tp: int = 1,
                  tp_mode: str = "auto", tp_plan: TPPlan | None = None, ep: int = 1) -> None:

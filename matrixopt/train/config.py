@@ -168,8 +168,8 @@ class TrainConfig:
     mixture-of-experts model whose n_expert it divides, and a world size it divides. Under 'ddp' every rank steps
     its own expert stacks; under 'layerwise' each rank's stacks are owned among their world / ep replicas and the
     dense parameters over every rank, balanced together; under 'fsdp' FSDP2 shards the dense parameters over every
-    rank and each rank steps its own expert stacks, kept out of FSDP2 (Muon or AdamW, tp 1). A checkpoint resumes
-    at any ep and world size of its mode (it holds the single-process layout)."""
+    rank and each rank steps its own expert stacks, kept out of FSDP2 (the Muon family or AdamW, tp 1). A checkpoint
+    resumes at any ep and world size of its mode (it holds the single-process layout)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_iters", "log_every"):

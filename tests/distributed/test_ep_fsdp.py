@@ -182,3 +182,22 @@ def test_clip_takes_the_global_norm(runs):
     for r in range(2):
         record = json.loads((runs[2] / f"no-tokens-{r}.json").read_text())
         assert record["norm"] == pytest.approx(record["want"], rel=1e-5)
+
+
+VARIANTS = ("normuon", "adamuon")  # Muon's variants on the expert stacks, beside their sharded DTensor form
+
+
+def variant(name: str, **kw) -> TrainConfig:
+    return from_dict(TrainConfig, config("muon", seed=SEED, **kw) | dict(optim=dict(name=name, lr=1e-2)))
+
+
+def _variant_runs(rank: int, world: int, tmp: Path) -> None:
+    for name in VARIANTS:
+        trainer.train(variant(name, parallel="fsdp", ep=2), tmp / f"{name}-fsdp", progress=False)
+
+
+def test_muon_variants_step_the_expert_stacks(tmp_path):
+    run(_variant_runs, 2, tmp_path, timeout=180)
+    for name in VARIANTS:
+        trainer.train(variant(name), tmp_path / f"{name}-single", progress=False)
+        assert_same(metrics(tmp_path / f"{name}-fsdp"), metrics(tmp_path / f"{name}-single"), 1e-4)
