@@ -48,23 +48,32 @@ def assert_same(got: list[dict], want: list[dict], rtol: float) -> None:
                 assert g[k] == pytest.approx(w[k], rel=rtol), (k, g, w)
 
 
-def copy_checkpoint_at(step: int, name: str) -> None:
-    """Make the trainer keep a copy of the checkpoint it writes at ``step`` (rank 0), as ``name`` beside it."""
+def keep_checkpoints_at(*steps: int) -> None:
+    """Make the trainer keep a copy of the checkpoint it writes at each of ``steps`` (rank 0), beside it as
+    ``ckpt<step>`` plus the checkpoint's suffix (a DDP file ``ckpt<step>.pt``, a DCP folder ``ckpt<step>``)."""
     real = trainer.save_checkpoint
 
     def save(par, path, tally, *args):
         real(par, path, tally, *args)
-        if tally.step == step and par.rank == 0:
-            shutil.copy(path, path.parent / name)
+        if tally.step in steps and par.rank == 0:
+            copy = path.parent / f"ckpt{tally.step}{path.suffix}"
+            shutil.copytree(path, copy) if path.is_dir() else shutil.copy(path, copy)
+        par.barrier()
 
     trainer.save_checkpoint = save
 
 
 def resume_from(src: Path, ckpt: str, out: Path) -> None:
+    """A new run folder ``out`` holding ``src``'s config and metrics and its kept checkpoint ``ckpt`` as the one
+    the trainer resumes from."""
     out.mkdir()
     for f in ("config.json", "metrics.jsonl"):
         shutil.copy(src / f, out / f)
-    shutil.copy(src / ckpt, out / "ckpt.pt")
+    kept = src / ckpt
+    if kept.is_dir():
+        shutil.copytree(kept, out / "ckpt")
+    else:
+        shutil.copy(kept, out / "ckpt.pt")
 
 
 def _ep_runs(rank: int, world: int, tmp: Path) -> None:
@@ -77,8 +86,7 @@ def _ep_runs(rank: int, world: int, tmp: Path) -> None:
 
 
 def _resume_runs(rank: int, tmp: Path) -> None:
-    copy_checkpoint_at(4, "ckpt4.pt")
-    copy_checkpoint_at(6, "ckpt6.pt")
+    keep_checkpoints_at(4, 6)
     run_cfg = from_dict(TrainConfig, config("muon", parallel="ddp", ep=2, ckpt_every=2))
     trainer.train(run_cfg, tmp / "ep2", progress=False)
     if rank == 0:
@@ -90,14 +98,20 @@ def _resume_runs(rank: int, tmp: Path) -> None:
     trainer.train(run_cfg, tmp / "ep2-again", resume=True, progress=False)  # 1 -> 2 at step 6
 
 
+def no_tokens_model() -> GPT:
+    """moe-tiny with top-1 routing whose selection bias keeps every token off experts 2 and 3 (rank 1's at ep 2)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, **(PRESETS["moe-tiny"] | dict(topk=1, router_bias_rate=1.0))))
+    for m in model.moe_layers():
+        m.router_bias.copy_(torch.tensor([0.0, 0.0, -10.0, -10.0]))
+    return model
+
+
 def _no_tokens(rank: int, tmp: Path) -> None:
     """One step of Muon where no token reaches rank 1's experts; records, per expert stack, the largest gradient
     entry and the largest distance from weight decay alone."""
     par = make_parallelism("ddp", device="cpu", ep=2)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, **(PRESETS["moe-tiny"] | dict(topk=1, router_bias_rate=1.0))))
-    for m in model.moe_layers():  # the selection bias keeps every token off experts 2 and 3, rank 1's
-        m.router_bias.copy_(torch.tensor([0.0, 0.0, -10.0, -10.0]))
+    model = no_tokens_model()
     module = par.wrap(model)
     lr, wd = 0.1, 0.5
     opt = par.build_optimizer(model, "muon", lr=lr, weight_decay=wd)
@@ -144,13 +158,18 @@ def test_resume_across_ep_degrees(ep_runs):
     assert_same(metrics(out / "ep2-again"), want, RTOL["muon"])
 
 
-def test_experts_without_tokens_still_step(ep_runs):
-    out = ep_runs(2)
-    idle, busy = (json.loads((out / f"no-tokens-{r}.json").read_text()) for r in (1, 0))
+def assert_idle_experts_decay_only(idle: list[dict], busy: list[dict]) -> None:
+    """Per expert stack of the rank whose experts got no tokens (``idle``) and of one whose did (``busy``): its
+    reduced gradient's largest entry, its largest distance from weight decay alone, and its largest weight."""
     for stack in idle:  # zero gradient: weight decay only (fp32 rounding of one multiply)
         assert stack["grad"] == 0 and stack["off_decay"] <= 1e-7 * stack["scale"]
     for stack in busy:
         assert stack["grad"] > 0 and stack["off_decay"] > 1e-4 * stack["scale"]
+
+
+def test_experts_without_tokens_still_step(ep_runs):
+    out = ep_runs(2)
+    assert_idle_experts_decay_only(*(json.loads((out / f"no-tokens-{r}.json").read_text()) for r in (1, 0)))
 
 
 def test_ep_must_divide_the_world():

@@ -7,14 +7,22 @@ counts the expert work; bad degrees fail before training."""
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from _mp import run
-from test_ep import RTOL, assert_same, config, metrics
+from test_ep import (
+    RTOL,
+    assert_idle_experts_decay_only,
+    assert_same,
+    config,
+    keep_checkpoints_at,
+    metrics,
+    no_tokens_model,
+    resume_from,
+)
 
 import matrixopt.train.trainer as trainer
 from matrixopt.distributed import checkpoint
@@ -34,27 +42,6 @@ SEED = 3
 
 def layerwise(optimizer: str, ep: int, **kw) -> TrainConfig:
     return from_dict(TrainConfig, config(optimizer, parallel="layerwise", ep=ep, seed=SEED, **kw))
-
-
-def keep_checkpoints_at(*steps: int) -> None:
-    """Make the trainer keep a copy of the checkpoint folder it writes at each of ``steps`` (rank 0), as
-    ``ckpt<step>`` beside it."""
-    real = trainer.save_checkpoint
-
-    def save(par, path, tally, *args):
-        real(par, path, tally, *args)
-        if tally.step in steps and par.rank == 0:
-            shutil.copytree(path, path.parent / f"ckpt{tally.step}")
-        par.barrier()
-
-    trainer.save_checkpoint = save
-
-
-def resume_from(src: Path, ckpt: str, out: Path) -> None:
-    out.mkdir()
-    for f in ("config.json", "metrics.jsonl"):
-        shutil.copy(src / f, out / f)
-    shutil.copytree(src / ckpt, out / "ckpt")
 
 
 def reshard(src: Path, dst: Path, cfg: TrainConfig) -> None:
@@ -108,10 +95,7 @@ def _no_tokens(rank: int, tmp: Path) -> None:
     """One step of Muon where no token reaches rank 1's experts; records, per expert stack, the largest entry of
     its reduced gradient and its largest distance from weight decay alone."""
     par = make_parallelism("layerwise", device="cpu", ep=2)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, **(PRESETS["moe-tiny"] | dict(topk=1, router_bias_rate=1.0))))
-    for m in model.moe_layers():  # the selection bias keeps every token off experts 2 and 3, rank 1's
-        m.router_bias.copy_(torch.tensor([0.0, 0.0, -10.0, -10.0]))
+    model = no_tokens_model()
     module = par.wrap(model)
     lr, wd = 0.1, 0.5
     opt = par.build_optimizer(model, "muon", lr=lr, weight_decay=wd)
@@ -197,11 +181,7 @@ def test_checkpoint_loads_in_one_process(runs):
 
 def test_experts_without_tokens_still_step(runs):
     out = runs(2)
-    idle, busy = (json.loads((out / f"no-tokens-{r}.json").read_text()) for r in (1, 0))
-    for stack in idle:  # zero gradient: weight decay only (fp32 rounding of one multiply)
-        assert stack["grad"] == 0 and stack["off_decay"] <= 1e-7 * stack["scale"]
-    for stack in busy:
-        assert stack["grad"] > 0 and stack["off_decay"] > 1e-4 * stack["scale"]
+    assert_idle_experts_decay_only(*(json.loads((out / f"no-tokens-{r}.json").read_text()) for r in (1, 0)))
 
 
 def test_balancer_starts_from_block_loads():
