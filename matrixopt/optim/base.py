@@ -124,15 +124,19 @@ class MatrixOptimizer(Optimizer):
         """``(bytes, what)``: the least host memory the offloaded state holds once every parameter has stepped: the
         parameter-shaped state twice (live and the step's shadow) and a copy of the parameters. Smaller state
         (rows, factors, step counts) is left out."""
-        each = compact.value_bytes(self.state_dtype)
         state = params = 0
         for group in self.param_groups:
             tensors = self.matrix_state_tensors if group[self.matrix_flag] else 2  # AdamW: exp_avg, exp_avg_sq
+            each = compact.value_bytes(self._state_format(group))
             for p in group["params"]:
                 state += int(p.numel() * tensors * each)
                 params += p.numel() * p.element_size()
         return 2 * state + params, (f"the optimizer state twice, {2 * state / 2**30:.2f} GiB, and a copy of the "
                                     f"parameters, {params / 2**30:.2f} GiB")
+
+    def _state_format(self, group: dict[str, Any]) -> str | None:
+        """How ``group``'s state is stored (:func:`matrixopt.optim.state.group_format`)."""
+        return compact.group_format(self.state_dtype, bool(group[self.matrix_flag]))
 
     @property
     def skip_nonfinite(self) -> bool:
@@ -361,7 +365,8 @@ class MatrixOptimizer(Optimizer):
         """The step over compact or offloaded state: chunk by chunk (:meth:`_state_chunks`), each chunk's state
         decoded to float32 on the parameters' device, updated by the usual update and stored back
         (:class:`matrixopt.optim.offload.StagedStep`; the next chunk's state is fetched while this one computes).
-        Offloaded, the step is all or nothing: on an exception the parameters and state are the step's before."""
+        A parameter of an AdamW group larger than a chunk moves in ranges. Offloaded, the step is all or nothing:
+        on an exception the parameters and state are the step's before."""
         for group, _, _ in work:
             for i, p in enumerate(group["params"]):
                 if type(p.data) is not Tensor:
@@ -372,9 +377,6 @@ class MatrixOptimizer(Optimizer):
             if self.nonfinite.on_host(skip):
                 return
             skip = None
-        chunks = [(group, [params[i] for i in idx], [grads[i] for i in idx])
-                  for group, params, grads in sorted(work, key=lambda w: not w[0][self.matrix_flag])
-                  for idx in self._state_chunks(group, params, grads)]
         generators: dict[torch.device, torch.Generator] = {}
 
         def generator(device: torch.device) -> torch.Generator:
@@ -382,7 +384,20 @@ class MatrixOptimizer(Optimizer):
                 generators[device] = torch.Generator(device).manual_seed(0x5EED * 1_000_003 + self._rounding_step)
             return generators[device]
 
-        staged = StagedStep(self.state, self.state_dtype, self.offload, generator)
+        formats = {p: self._state_format(group) for group, params, _ in work for p in params}
+        staged = StagedStep(self.state, formats, self.offload, generator)
+        chunks = []
+        for group, params, grads in sorted(work, key=lambda w: not w[0][self.matrix_flag]):
+            for idx in self._state_chunks(group, params, grads):
+                p, g = params[idx[0]], grads[idx[0]]
+                if group[self.matrix_flag] or len(idx) > 1 or p.numel() <= CHUNK_NUMEL or not p.is_contiguous():
+                    chunks.append((group, [params[i] for i in idx], [grads[i] for i in idx]))
+                    continue
+                # a large element-wise (AdamW) parameter moves in ranges of whole int8 blocks
+                size = max(compact.BLOCK, CHUNK_NUMEL // compact.BLOCK * compact.BLOCK)
+                for start in range(0, p.numel(), size):
+                    view, grad = staged.part(p, g, start, min(start + size, p.numel()))
+                    chunks.append((group, [view], [grad]))
         self._staging = True
         try:
             for i, (group, params, grads) in enumerate(chunks):
@@ -543,14 +558,15 @@ class MatrixOptimizer(Optimizer):
                                      f"{tuple(p.shape)}: the state dict comes from a different model")
         super().load_state_dict(state_dict)
         generators: dict[torch.device, torch.Generator] = {}
+        formats = {p: self._state_format(g) for g in self.param_groups for p in g["params"]}
         for pid, st in state_dict["state"].items():
             p = id_map[pid]
             st = {k: (v.to(device=p.device, copy=True) if isinstance(v, Tensor) else v) for k, v in st.items()}
-            if any(isinstance(v, Tensor) and not compact.in_format(st, k, self.state_dtype)
+            if any(isinstance(v, Tensor) and not compact.in_format(st, k, formats[p])
                    for k, v in st.items() if not compact.is_scale(k, st)):
                 if p.device not in generators:
                     generators[p.device] = torch.Generator(p.device).manual_seed(0x5EED)
-                st = compact.converted(st, self.state_dtype, generators[p.device])
+                st = compact.converted(st, formats[p], generators[p.device])
             self.state[p] = st
             if self.offload is not None:
                 self.state[p] = {k: self.offload.to_host(v) for k, v in self.state[p].items()}

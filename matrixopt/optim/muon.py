@@ -108,7 +108,8 @@ class Muon(MatrixOptimizer):
             ``offload``.
         state_dtype: how the momentum (and the AdamW groups' moments, and AdaMuon's second moment) is stored:
             None (default, float32), ``torch.bfloat16`` or ``"bf16"`` (2 bytes a value instead of 4), or ``"int8"``
-            (1 byte and a float32 scale per 256 values). Stochastically rounded, so the rounding error is carried
+            (the AdamW groups' moments in 1 byte and a float32 scale per 256 values, the momentum in bfloat16).
+            Stochastically rounded, so the rounding error is carried
             in expectation; every step computes in float32 (:mod:`matrixopt.optim.state`, which has the table of
             bytes per parameter).
         offload: None (default) or ``"cpu"``: the optimizer state lives in CPU memory (pinned where CUDA is

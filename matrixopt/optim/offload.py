@@ -4,20 +4,24 @@ brought to the parameters' device (as stored: compact state moves compact) and d
 encoded and stored back. Compact state on the device is written back in place chunk by chunk.
 
 With ``offload="cpu"`` the state lives in CPU memory (pinned where CUDA is available, so copies are asynchronous).
-Per chunk (a set of parameters whose matrices share Newton–Schulz batches, up to :data:`CHUNK_NUMEL` values)::
+Per chunk (a set of parameters whose matrices share Newton–Schulz batches, or a range of an element-wise
+optimizer's parameter, up to :data:`CHUNK_NUMEL` values, or one larger matrix)::
 
     H2D stream    : state of chunk i+1
     compute stream: update of chunk i (decode, momentum, Newton–Schulz, apply, encode)
     D2H stream    : new state of chunk i-1
 
-so transfers overlap the next chunk's compute. The step is all or nothing: new state is written into a second host
-buffer (a *shadow*) and swapped in only once every chunk has succeeded, and each chunk's parameters are copied to
-the host before they are updated, so an exception (or KeyboardInterrupt) anywhere in the step restores the
-parameters and leaves the state of the step before. Host memory: the state twice (live and shadow) plus one copy of
-the parameters. Gradients are not copied. An optimizer built with offload checks at construction, before any state
-exists, that the host has that much memory available (:meth:`Offload.check_fits`), and raises MemoryError
-otherwise; an allocation that fails later, mid-step, raises MemoryError naming its size and leaves the step
-before.
+so transfers overlap the next chunk's compute, and the device holds the state of about three chunks at a time.
+
+The step is all or nothing: new state is written into a second host buffer (a *shadow*) and swapped in only once
+every chunk has succeeded, and the parameters have a copy on the host (a *backup*) from before their update, so an
+exception (or KeyboardInterrupt) anywhere in the step restores the parameters and leaves the state of the step
+before. The backups are refreshed right after each step on the D2H stream, overlapping the next forward and
+backward, and checked against the parameters' version counters when the next step begins
+(:meth:`Offload.backup`). Host memory: the state twice (live and shadow) plus one copy of the parameters.
+Gradients are not copied. An optimizer built with offload checks at construction, before any state exists, that
+the host has that much memory available (:meth:`Offload.check_fits`), and raises MemoryError otherwise; an
+allocation that fails later, mid-step, raises MemoryError naming its size and leaves the step before.
 
 The copies go through :class:`Offload`, whose ``device_copy`` can be replaced: a test on a CPU-only machine runs
 the whole path with the "device" being the CPU and a copy standing in for the transfer.
@@ -54,11 +58,13 @@ class Offload:
         self.host_bytes = 0  # held by this offload: state, shadows and parameter backups
         self.shadows: dict[Tensor, dict[str, Any]] = {}  # per parameter: the other host buffer of its state
         self.backups: dict[Tensor, Tensor] = {}  # per parameter: its host copy for rolling back a failed step
+        self._versions: dict[Tensor, int] = {}  # per parameter: its version counter when its backup was refreshed
+        self._refreshing: set[torch.device] = set()  # devices with backup refreshes the next update must follow
         self._streams: dict[torch.device, tuple[Any, Any]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {"pin_memory": self.pin_memory, "device_copy": self.device_copy, "host_bytes": 0, "shadows": {},
-                "backups": {}, "_streams": {}}
+                "backups": {}, "_versions": {}, "_refreshing": set(), "_streams": {}}
 
     # ----------------------------------------------------------------------------------- host memory
     def check_fits(self, nbytes: int, what: str) -> None:
@@ -145,11 +151,50 @@ class Offload:
             d2h.synchronize()
 
     def backup(self, p: Tensor) -> None:
-        """Copy parameter ``p`` to its host backup (on the compute stream, before its update)."""
+        """Make parameter ``p``'s host backup hold ``p`` as it is before its update. The copy
+        :meth:`refresh_backups` started after the last step does, where ``p``'s version counter has not moved
+        since (then the compute stream only waits for that copy); otherwise ``p`` is copied now, on the compute
+        stream."""
         b = self.backups.get(p)
+        if b is not None and b.shape == p.shape and b.dtype == p.dtype and self._versions.get(p) == p._version:
+            if p.device in self._refreshing:
+                self._refreshing.discard(p.device)
+                if self._overlapped(p.device):  # the refresh reads p on the D2H stream: before the update writes it
+                    torch.cuda.current_stream(p.device).wait_stream(self._cuda_streams(p.device)[1])
+            return
+        self._versions.pop(p, None)
         if b is None or b.shape != p.shape or b.dtype != p.dtype:
             b = self.backups[p] = self.empty(p.shape, p.dtype)
         b.copy_(p, non_blocking=b.is_pinned())
+
+    def refresh_backups(self, params: list[Tensor]) -> None:
+        """After a step: copy the updated ``params`` to their host backups for the next step's :meth:`backup`,
+        on CUDA on the D2H stream, so that the copies overlap what runs until then (the next forward and
+        backward) rather than the step. A parameter changed in place before the next step (its version counter
+        moves) is copied again then. Code that writes a parameter's storage without moving its counter (through
+        ``.data``, or a custom kernel) between steps leaves a stale backup, which only a step that fails would
+        restore."""
+        waited: set[torch.device] = set()
+        for p in params:
+            b = self.backups.get(p)
+            if b is None or b.shape != p.shape or b.dtype != p.dtype:
+                continue
+            if self._overlapped(p.device):
+                _, d2h = self._cuda_streams(p.device)
+                if p.device not in waited:
+                    d2h.wait_stream(torch.cuda.current_stream(p.device))
+                    waited.add(p.device)
+                with torch.cuda.stream(d2h):
+                    b.copy_(p, non_blocking=True)
+            else:
+                b.copy_(p)
+            self._versions[p] = p._version
+            self._refreshing.add(p.device)
+
+    def restore(self, p: Tensor) -> None:
+        """Parameter ``p`` back from its host backup (after :meth:`synchronize`: a failed step's rollback)."""
+        p.copy_(self.backups[p])
+        self._versions.pop(p, None)
 
     def shadow(self, p: Tensor, new: dict[str, Any]) -> dict[str, Any]:
         """Host tensors laid out as ``new``'s (keys, shapes, dtypes) for parameter ``p``, reused from step to step."""
@@ -189,69 +234,161 @@ def check_offload(value: Any) -> Offload | None:
 
 class StagedStep:
     """One optimizer step over state that is compact, offloaded or both (module docstring). ``state``: the
-    optimizer's ``self.state``; ``generator(device)``: the stochastic rounding's generator for ``device``.
+    optimizer's ``self.state``; ``formats``: per parameter, how its state is stored (``state_dtype`` of
+    :mod:`matrixopt.optim.state`); ``generator(device)``: the stochastic rounding's generator for ``device``.
 
     Use: ``prefetch(next chunk)`` (optional), ``stage(chunk)``, the update, ``unstage(chunk)``, ..., then ``commit()``
-    once every chunk succeeded, or ``rollback()`` on an exception."""
+    once every chunk succeeded, or ``rollback()`` on an exception. A chunk holds parameters, or *parts* of one
+    (:meth:`part`: a flat range of an element-wise optimizer's parameter, with its gradient and state)."""
 
-    def __init__(self, state: dict[Tensor, dict[str, Any]], state_dtype: str | None, offload: Offload | None,
-                 generator: Callable[[torch.device], torch.Generator]) -> None:
-        self.state, self.state_dtype, self.offload, self.generator = state, state_dtype, offload, generator
-        self._stored: dict[Tensor, dict[str, Any]] = {}  # per staged parameter: its state as stored
+    def __init__(self, state: dict[Tensor, dict[str, Any]], formats: dict[Tensor, str | None],
+                 offload: Offload | None, generator: Callable[[torch.device], torch.Generator]) -> None:
+        self.state, self.formats, self.offload, self.generator = state, formats, offload, generator
+        self._stored: dict[Tensor, dict[str, Any]] = {}  # per staged parameter or part: its state as stored
         self._fetched: dict[Tensor, dict[str, Any]] = {}  # prefetched device copies of stored state
         self._pending: dict[Tensor, dict[str, Any]] = {}  # offload: new state in the shadows, for commit()
-        self._backed_up: list[Tensor] = []
+        self._parts: dict[Tensor, tuple[Tensor, int, int]] = {}  # part view -> (parameter, start, stop)
+        self._backed_up: dict[Tensor, None] = {}  # parameters whose host backup this step relies on
+        self._before: dict[Tensor, dict[str, Any] | None] = {}  # see _part_before
+
+    def part(self, p: Tensor, g: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        """Views of values ``start:stop`` of contiguous parameter ``p`` (flattened) and of its gradient ``g``, which
+        a chunk updates as a parameter of its own, with the same range of ``p``'s state (``start`` a multiple of
+        the int8 block). Element-wise updates only: the view's update must be the parameter's, restricted."""
+        view = p.detach().view(-1)[start:stop]
+        self._parts[view] = (p, start, stop)
+        return view, g.reshape(-1)[start:stop]
+
+    def _source(self, q: Tensor) -> tuple[Tensor, dict[str, Any], int | None, int | None]:
+        """``(parameter, its stored state, start, stop)`` of parameter or part ``q`` (start, stop None: whole)."""
+        p, start, stop = self._parts.get(q, (q, None, None))
+        return p, self.state.get(p, {}), start, stop
+
+    def _view(self, q: Tensor) -> dict[str, Any]:
+        """The stored state of ``q``: a part's range of each parameter-sized tensor (and of int8 block scales),
+        the parameter's other entries (step counts) as they are."""
+        p, stored, start, stop = self._source(q)
+        if start is None:
+            return stored
+        out = {}
+        for k, v in stored.items():
+            if isinstance(v, Tensor) and compact.is_scale(k, stored):
+                out[k] = v[start // compact.BLOCK:-(-stop // compact.BLOCK)]
+            elif isinstance(v, Tensor) and v.numel() == p.numel() and v.ndim > 0:
+                out[k] = v.reshape(-1)[start:stop]
+            else:
+                out[k] = v
+        return out
+
+    def _part_before(self, q: Tensor) -> dict[str, Any]:
+        """Part ``q``'s state as it stood before this step, for state kept on the device, which the earlier parts
+        of its parameter have written in place: its own range, and its own copy of the parameter's other entries
+        (step counts) as they were before the first part ran (empty if the parameter had no state then)."""
+        p, stored, _, _ = self._source(q)
+        if p not in self._before:
+            self._before[p] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in stored.items()
+                               if not (isinstance(v, Tensor) and v.ndim > 0)} if stored else None
+        before = self._before[p]
+        if before is None:
+            return {}
+        return self._view(q) | {k: v.clone() if isinstance(v, Tensor) else v for k, v in before.items()}
 
     def prefetch(self, params: list[Tensor]) -> None:
-        """Start copying the stored state of ``params`` to their device (offload only)."""
+        """Start copying the stored state of ``params`` (parameters or parts) to their device (offload only)."""
         if self.offload is None:
             return
-        for p in params:
-            if p not in self._fetched and p in self.state:
-                self._fetched[p] = {k: self.offload.fetch(v, p.device) if isinstance(v, Tensor) else v
-                                    for k, v in self.state[p].items()}
+        for q in params:
+            if q not in self._fetched and self._source(q)[1]:
+                self._fetched[q] = {k: self.offload.fetch(v, q.device) if isinstance(v, Tensor) else v
+                                    for k, v in self._view(q).items()}
 
     def stage(self, params: list[Tensor]) -> None:
-        """Put float32 state of ``params`` on their device into ``state`` for the update to use."""
+        """Put float32 state of ``params`` (parameters or parts) on their device into ``state`` for the update."""
         self.prefetch(params)
-        for p in params:
-            stored = self.state.get(p, {})
-            self._stored[p] = stored
-            raw = self._fetched.pop(p, stored)
+        for q in params:
+            p, stored, start, _ = self._source(q)
+            self._stored[q] = stored
+            raw = self._fetched.pop(q, None)
+            if raw is None:
+                raw = self._view(q) if start is None or self.offload is not None else self._part_before(q)
             if self.offload is not None:
-                self.offload.ready([v for v in raw.values() if isinstance(v, Tensor)], p.device)
-                self.offload.backup(p)
-                self._backed_up.append(p)
-            self.state[p] = compact.decoded(raw)
+                self.offload.ready([v for v in raw.values() if isinstance(v, Tensor)], q.device)
+                if p not in self._backed_up:
+                    self.offload.backup(p)
+                    self._backed_up[p] = None
+            self.state[q] = compact.decoded(raw)
 
     def unstage(self, params: list[Tensor]) -> None:
         """Store the updated state of ``params`` (encoded; offload: into the shadows, swapped in by commit) and put
-        the stored state back into ``state``."""
-        for p in params:
-            work, stored = self.state[p], self._stored[p]  # still restorable by rollback() until stored back
+        the stored state back into ``state``. A part writes its range, and the last part of a parameter its other
+        entries (the earlier parts read them as they stood before the step)."""
+        for q in params:
+            p, _, start, stop = self._source(q)
+            work, stored = self.state[q], self._stored[q]  # still restorable by rollback() until stored back
             new = {}
             for k, v in work.items():
-                new |= compact.encode(v, k, self.state_dtype, self.generator(p.device)) if isinstance(v, Tensor) \
-                    else {k: v}
+                new |= compact.encode(v, k, self.formats.get(p), self.generator(q.device)) \
+                    if isinstance(v, Tensor) else {k: v}
+            whole = start is None or stop == p.numel()
             if self.offload is not None:
-                shadow = self.offload.shadow(p, new)
+                shadow = self._pending.get(p)
+                if shadow is None:
+                    shadow = self._pending[p] = self.offload.shadow(p, self._full(p, new, start, stop))
                 for k, v in new.items():
-                    if isinstance(v, Tensor):
-                        self.offload.store(v, shadow[k])
-                self._pending[p] = shadow
+                    if isinstance(v, Tensor) and (whole or v.ndim > 0):
+                        self.offload.store(v, self._range(p, shadow, k, start, stop))
+                    elif whole:
+                        shadow[k] = v
             else:  # compact state on the device: written in place (same tensors) where the layout holds
+                full = self._full(p, new, start, stop)
                 for k, v in new.items():
-                    o = stored.get(k)
-                    if isinstance(o, Tensor) and isinstance(v, Tensor) and o.shape == v.shape and o.dtype == v.dtype:
-                        if o is not v:
-                            o.copy_(v)
-                    else:
+                    if not (whole or (isinstance(v, Tensor) and v.ndim > 0)):
+                        continue
+                    o, f = stored.get(k), full[k]
+                    if isinstance(o, Tensor) and isinstance(f, Tensor) and o.shape == f.shape and o.dtype == f.dtype:
+                        dst = self._range(p, stored, k, start, stop)
+                        if dst is not v:
+                            dst.copy_(v)
+                    elif start is None:
                         stored[k] = v
-            self.state[p] = stored
-            del self._stored[p]
+                    else:
+                        stored[k] = torch.empty(f.shape, dtype=f.dtype, device=v.device)
+                        self._range(p, stored, k, start, stop).copy_(v)
+                self.state[p] = stored
+            del self._stored[q]
+            if start is None:
+                self.state[q] = stored
+            else:
+                del self.state[q]
+
+    def _full(self, p: Tensor, new: dict[str, Any], start: int | None, stop: int | None) -> dict[str, Any]:
+        """``new`` (a part's entries when ``start`` is given) laid out for the whole parameter: meta tensors of
+        the whole shapes, other values as they are."""
+        if start is None:
+            return new
+        out = {}
+        for k, v in new.items():
+            if isinstance(v, Tensor) and compact.is_scale(k, new):
+                out[k] = torch.empty((-(-p.numel() // compact.BLOCK),), dtype=v.dtype, device="meta")
+            elif isinstance(v, Tensor) and v.ndim > 0:
+                out[k] = torch.empty(p.shape, dtype=v.dtype, device="meta")
+            else:
+                out[k] = v
+        return out
+
+    @staticmethod
+    def _range(p: Tensor, state: dict[str, Any], key: str, start: int | None, stop: int | None) -> Tensor:
+        """``state[key]`` of parameter ``p``, or the part of it that values ``start:stop`` keep."""
+        t = state[key]
+        if start is None or t.ndim == 0:
+            return t
+        if compact.is_scale(key, state):
+            return t[start // compact.BLOCK:-(-stop // compact.BLOCK)]
+        return t.view(-1)[start:stop]
 
     def commit(self) -> None:
-        """Make the new state current: every chunk's host copies finished, the shadows swapped in."""
+        """Make the new state current: every chunk's host copies finished, the shadows swapped in; then start
+        refreshing the parameters' host backups for the next step (offload)."""
         if self.offload is not None:
             self.offload.synchronize()
             for p, new in self._pending.items():
@@ -259,13 +396,17 @@ class StagedStep:
                 self.state[p] = new
                 if old:
                     self.offload.shadows[p] = old
+            self.offload.refresh_backups(list(self._backed_up))
         self._pending.clear()
 
     def rollback(self) -> None:
         """After an exception mid-step: the stored state back in place and, offloaded, the parameters restored
         from their host copies (the step before, all of it)."""
-        for p, stored in self._stored.items():
-            self.state[p] = stored
+        for q in self._stored:
+            if q in self._parts:
+                self.state.pop(q, None)
+            else:
+                self.state[q] = self._stored[q]
         self._stored.clear()
         if self.offload is not None:
             self.offload.shadows.update(self._pending)  # partly written; the next step overwrites them
@@ -274,4 +415,4 @@ class StagedStep:
         if self.offload is not None:
             self.offload.synchronize()
             for p in self._backed_up:
-                p.copy_(self.offload.backups[p])
+                self.offload.restore(p)

@@ -11,6 +11,7 @@ from torch import nn
 import matrixopt
 from matrixopt.optim import base, layout
 from matrixopt.optim.offload import Offload
+from matrixopt.optim.state import decode
 
 
 class FakeDeviceCopy:
@@ -46,7 +47,9 @@ def _train(opt: torch.optim.Optimizer, model: nn.Module, steps: int, seed: int =
 
 
 def _state_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
-    for st, st2 in zip(a.state.values(), b.state.values()):
+    params = [(p, q) for ga, gb in zip(a.param_groups, b.param_groups) for p, q in zip(ga["params"], gb["params"])]
+    assert [p in a.state for p, _ in params] == [q in b.state for _, q in params]
+    for st, st2 in ((a.state[p], b.state[q]) for p, q in params if p in a.state):
         assert st.keys() == st2.keys()
         for k, v in st.items():
             if torch.is_tensor(v):
@@ -168,6 +171,68 @@ def test_exception_mid_step_leaves_the_step_before(error, monkeypatch):
     opt_ref.step()
     opt.step()  # the same step again succeeds, and is the reference's
     for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def _wide_model() -> nn.Module:
+    """An embedding (3,200 values) larger than the patched chunk: its AdamW state moves in ranges."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(200, 16), nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 16))
+
+
+@pytest.mark.parametrize("state_dtype", [None, "bf16", "int8"])
+def test_large_adamw_parameters_move_in_ranges(state_dtype, monkeypatch):
+    """A parameter of an AdamW group larger than a chunk is stepped range by range (whole int8 blocks): with
+    float32 state the result is the unchunked step's bit for bit, offloaded or not; compact state, offloaded or
+    on the device, gives the same bits (other random bits than unchunked: the rounding draws per range); the step
+    count is the parameter's, counted once."""
+    def run(offloaded, chunk):
+        monkeypatch.setattr(base, "CHUNK_NUMEL", chunk)
+        model = _wide_model()
+        opt = matrixopt.build_optimizer(model, "muon", lr=1e-2, weight_decay=0.1, state_dtype=state_dtype,
+                                        offload=Offload(device_copy=FakeDeviceCopy()) if offloaded else None)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            opt.zero_grad()
+            model(torch.randint(0, 200, (8, 16), generator=g)).pow(2).mean().backward()  # every embedding row
+            opt.step()
+        return model, opt
+
+    ref, opt_ref = run(False, 1 << 24)  # one chunk per parameter
+    (on_device, opt_dev), (offloaded, opt_off) = run(False, 1000), run(True, 1000)  # ranges of 768 values
+    for model, opt in ((on_device, opt_dev), (offloaded, opt_off)):
+        emb = opt.state[model[0].weight]
+        assert int(emb["step"]) == 6
+        moved = (decode(emb, "exp_avg") != 0).view(-1)
+        assert all(moved[i:i + 768].any() for i in range(0, moved.numel(), 768))  # every range stepped
+    if state_dtype is None:  # float32: the unchunked step, bit for bit
+        pairs = ((ref, opt_ref, on_device, opt_dev), (ref, opt_ref, offloaded, opt_off))
+    else:  # compact: offloaded or not, the same bits
+        assert opt_dev.state[on_device[0].weight]["exp_avg"].dtype == {"bf16": torch.bfloat16,
+                                                                        "int8": torch.int8}[state_dtype]
+        pairs = ((on_device, opt_dev, offloaded, opt_off),)
+    for a_model, a_opt, b_model, b_opt in pairs:
+        for a, b in zip(a_model.parameters(), b_model.parameters()):
+            assert torch.equal(a, b)
+        _state_equal(a_opt, b_opt)
+
+
+def test_a_parameter_changed_between_steps_is_backed_up_again(monkeypatch):
+    """The backups refreshed after a step follow the parameters' version counters: a parameter changed in place
+    before the next step is copied again, so a failed step restores the changed value."""
+    model = _model()
+    opt = matrixopt.build_optimizer(model, "muon", lr=1e-2, offload=Offload(device_copy=FakeDeviceCopy()))
+    _train(opt, model, 2)
+    w = model[1].weight
+    assert torch.equal(opt.offload.backups[w], w)  # refreshed after the step
+    with torch.no_grad():
+        w.mul_(2)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(_batch(torch.Generator().manual_seed(5))).pow(2).mean().backward()
+    monkeypatch.setattr(opt, "_adamw_update", lambda *args: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(RuntimeError, match="injected"):
+        opt.step()
+    for a, b in zip(before, model.parameters()):
         assert torch.equal(a, b)
 
 
