@@ -79,14 +79,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--only", nargs="+", default=None, metavar="NAME",
                    help="time only these rows, e.g. 'matrixopt muon' 'matrixopt shampoo, frequency 10'")
 
-    p = sub.add_parser("train", parents=[common], help="end-to-end training tokens/s, ratio to AdamW")
+    p = sub.add_parser("train", parents=[common], help="end-to-end training tokens/s, ratio to AdamW, and GPU "
+                                                       "memory (the step's peak, the optimizer's)")
     p.add_argument("--model", default="gpt2-small", choices=list(train.BATCHES))
     p.add_argument("--optimizers", nargs="+",
                    default=list(train.DEFAULT_OPTIMIZERS),
                    help="registry names (with the trainer's options), suffixed +eager (without the CUDA graph), "
                         "+standard (standard Newton–Schulz, not the Gram form), +fused_qkv (the QKV weight "
-                        "orthogonalized whole, as the peers take it) and/or +qk_clip (the trainer's --qk-clip 100), "
-                        "or a peer: "
+                        "orthogonalized whole, as the peers take it), +qk_clip (the trainer's --qk-clip 100), "
+                        "+offload (optimizer state in CPU memory) and/or +bf16 or +int8 (compact state; not for "
+                        "adamw), e.g. muon+offload+bf16, or a peer: "
                         "'torch.optim.Muon', 'emerging_optimizers Muon', 'emerging_optimizers Muon, SYRK'")
     p.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
     p.add_argument("--batch", type=int, default=None, help="override the preset's batch size")

@@ -94,6 +94,67 @@ def test_train_fused_qkv_variant_keeps_the_qkv_weight_whole():
         qkv_split("muon+fused")
 
 
+def test_train_state_variants(tmp_path, capsys):
+    """+offload and +bf16/+int8 reach the optimizer; each row has the memory fields (None off CUDA)."""
+    from matrixopt.bench.train import MEMORY, _optimizer
+    from matrixopt.train.model import GPT, GPTConfig
+
+    path = tmp_path / "train.json"
+    names = ["muon+offload+bf16", "muon+int8", "normuon+offload"]
+    assert run_cli(["train", "--device", "cpu", "--model", "tiny-cpu", "--steps", "1", "--reps", "1",
+                    "--optimizers", *names, "--json", str(path)]) == 0
+    res = json.loads(path.read_text())["results"]
+    for name in names:
+        assert res[name]["status"] == "ok" and res[name]["tokens_per_s"] > 0
+        assert {k: res[name][k] for k in MEMORY} == dict.fromkeys(MEMORY)
+    assert "| peak GB | opt GB |" in capsys.readouterr().out
+    opt = _optimizer(GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)), "muon+offload+bf16")
+    assert opt.offload is not None and opt.state_dtype == "bf16"
+
+
+@pytest.mark.parametrize("name, match", [
+    ("adamw+offload", "torch.optim.AdamW"), ("adamw+int8", "state_dtype"), ("muon+fp8", "unknown optimizer variant"),
+    ("lion+eager", "unknown optimizer")])
+def test_train_bad_names_fail_before_any_row(name, match, monkeypatch):
+    from matrixopt.bench import train
+
+    monkeypatch.setattr(train, "time_ms", lambda *a, **k: pytest.fail("timed a row before checking every name"))
+    with pytest.raises(ValueError, match=match):
+        train.run("tiny-cpu", ("muon", name), device=torch.device("cpu"), steps=1, reps=1, warmup=0)
+
+
+def test_train_records_an_optimizer_that_rejects_its_setting(monkeypatch):
+    from matrixopt.bench import train
+    from matrixopt.optim.registry import OPTIMIZERS
+
+    def rejects(groups, lr=1e-3, weight_decay=0.0, offload=None):
+        raise ValueError(f"offload={offload!r} needs a GPU")
+
+    monkeypatch.setitem(OPTIMIZERS, "rejects", rejects)
+    res = train.run("tiny-cpu", ("rejects+offload", "muon"), device=torch.device("cpu"), steps=1, reps=1,
+                    warmup=0)["results"]
+    assert res["rejects+offload"] == {"status": "error: offload='cpu' needs a GPU"}
+    assert res["muon"]["status"] == "ok"
+    assert "error: offload" in train.format_tables({"model": "tiny-cpu", "batch": 2, "block_size": 32,
+                                                    "results": res})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU memory needs CUDA")
+def test_train_memory_on_cuda():
+    """The state on the GPU counts each storage once; offloaded state is not on the GPU."""
+    from matrixopt.bench import train
+
+    state = torch.zeros(1024, device="cuda")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1, device="cuda"))])
+    opt.state["p"] = {"a": state, "b": [state[:10], {"c": torch.zeros(256, device="cuda")}], "cpu": torch.zeros(99)}
+    assert train.state_gpu_bytes(opt) == 4 * (1024 + 256)
+    res = train.run("tiny-cpu", ("muon", "muon+offload"), device=torch.device("cuda"), steps=1, reps=1,
+                    warmup=1)["results"]
+    for r in res.values():
+        assert r["peak_gb"] > 0 and r["optimizer_gpu_gb"] == pytest.approx(r["state_gpu_gb"] + r["step_extra_gb"])
+    assert res["muon+offload"]["state_gpu_gb"] == 0 < res["muon"]["state_gpu_gb"]
+
+
 def test_bad_shape_is_explained(capsys):
     with pytest.raises(SystemExit):
         run_cli(["ns", "--shapes", "12x-3"])
