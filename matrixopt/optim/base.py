@@ -242,10 +242,11 @@ class MatrixOptimizer(Optimizer):
         return nonfinite_flags(grads, grads[0].device)
 
     @staticmethod
-    def _labels(work: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]]) -> list[str]:
-        """The labels of the parameters with gradients, in the order of the step's flags."""
-        index = [{id(q): i for i, q in enumerate(g["params"])} for g, _, _ in work]
-        return [param_label(g, idx[id(p)], p) for (g, params, _), idx in zip(work, index) for p in params]
+    def _labels(groups: list[tuple[dict[str, Any], list[Tensor]]]) -> list[str]:
+        """The labels of the parameters with gradients (per group, those parameters), in the order of the step's
+        flags."""
+        index = [{id(q): i for i, q in enumerate(g["params"])} for g, _ in groups]
+        return [param_label(g, idx[id(p)], p) for (g, params), idx in zip(groups, index) for p in params]
 
     def raise_deferred_nonfinite(self) -> None:
         """With ``deferred_nonfinite=True``: raise ``NonFiniteGradientError`` if the last step found a NaN/Inf
@@ -310,9 +311,10 @@ class MatrixOptimizer(Optimizer):
         flat = [gr for _, _, grads in work for gr in grads]
         clip = self.nonfinite.take_clip(flat)
         clip_flags = None if clip is None else clip.flags  # the clip's norms, where given, are this step's check
+        # the labels are held until the next step reads a deferred check: they must not keep the gradients alive
         skip, keep = self.nonfinite.screen(
             flat, lambda: self._nonfinite_flags(flat) if clip_flags is None else clip_flags,
-            functools.partial(self._labels, work))
+            functools.partial(self._labels, [(g, params) for g, params, _ in work]))
         if keep is not None:
             kept, k = [], 0
             for g, params, grads in work:

@@ -124,3 +124,29 @@ def test_clip_flags_mark_nonfinite_norms_and_bad_clip_arguments_raise():
     opt = Muon([torch.nn.Parameter(torch.ones(2, 2))])
     with pytest.raises(ValueError, match="norm_type > 0"):
         opt.clip_grad_norm_(1.0, norm_type=0)
+
+
+@pytest.mark.parametrize("name", ["muon", "adamuon"])
+def test_a_deferred_check_does_not_keep_the_gradients_alive(name, monkeypatch):
+    """A deferred check holds the step's labels until the next step (on the GPU); the gradients they name are
+    freed once the training loop drops them."""
+    import weakref
+
+    import matrixopt
+    from matrixopt.optim.registry import accepted
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = matrixopt.build_optimizer(model, name, lr=1e-2, **accepted(name, deferred_nonfinite=True))
+    held = []
+    screen = opt.nonfinite.screen
+    monkeypatch.setattr(opt.nonfinite, "screen", lambda grads, flags, labels: held.append(labels) or screen(
+        grads, flags, labels))
+    model(torch.randn(5, 8)).pow(2).mean().backward()
+    opt.step()
+    grads = [weakref.ref(p.grad) for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    assert held and all(g() is None for g in grads)
+    assert held[0]() == [f"`{n}` (shape {tuple(p.shape)})" for n, p in model.named_parameters()
+                         if n.endswith("weight")] + [f"`{n}` (shape {tuple(p.shape)})"
+                                                     for n, p in model.named_parameters() if n.endswith("bias")]
