@@ -59,6 +59,7 @@ class _SecondMomentMuon(Muon):
     (``_second_moment``, ``_views``) and how it steps and applies it (``_moments``)."""
 
     _state_key: str
+    streams_state = False  # the update reads the second moment after Newton–Schulz: a chunk's state moves whole
 
     def __init__(self, params: Iterable[Any], lr: float | Tensor = 1e-3, momentum: float = 0.95,
                  beta2: float = 0.95, eps: float = 1e-8, nesterov: bool = True, weight_decay: float = 0.01,

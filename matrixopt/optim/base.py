@@ -388,26 +388,32 @@ class MatrixOptimizer(Optimizer):
 
         formats = {p: self._state_format(group) for group, params, _ in work for p in params}
         staged = StagedStep(self.state, formats, self.offload, generator)
-        chunks = []
+        chunks = []  # (group, params, grads, units: None, or sub-chunks whose state moves one at a time)
         for group, params, grads in sorted(work, key=lambda w: not w[0][self.matrix_flag]):
             for idx in self._state_chunks(group, params, grads):
                 p, g = params[idx[0]], grads[idx[0]]
                 if group[self.matrix_flag] or len(idx) > 1 or p.numel() <= CHUNK_NUMEL or not p.is_contiguous():
-                    chunks.append((group, [params[i] for i in idx], [grads[i] for i in idx]))
+                    ps = [params[i] for i in idx]
+                    chunks.append((group, ps, [grads[i] for i in idx], self._stream_units(group, ps)))
                     continue
                 # a large element-wise (AdamW) parameter moves in ranges of whole int8 blocks
                 size = max(compact.BLOCK, CHUNK_NUMEL // compact.BLOCK * compact.BLOCK)
                 for start in range(0, p.numel(), size):
                     view, grad = staged.part(p, g, start, min(start + size, p.numel()))
-                    chunks.append((group, [view], [grad]))
+                    chunks.append((group, [view], [grad], None))
+        plan = []  # the units staged one after another: each one's state is fetched while the one before computes
+        for _, params, _, unit_lists in chunks:
+            plan.extend([[params[i] for i in u] for u in unit_lists] if unit_lists else [params])
+        staged.plan(plan)
         self._staging = True
         try:
-            for i, (group, params, grads) in enumerate(chunks):
-                staged.stage(params)
-                if i + 1 < len(chunks):
-                    staged.prefetch(chunks[i + 1][1])  # overlaps this chunk's update
-                self._group_update(group, params, grads, None)
-                staged.unstage(params)
+            for group, params, grads, unit_lists in chunks:
+                if unit_lists is None:
+                    staged.stage(params)
+                    self._group_update(group, params, grads, None)
+                    staged.unstage(params)
+                else:
+                    self._streamed_update(group, params, grads, unit_lists, staged)
             staged.commit()
         except BaseException:
             staged.rollback()
@@ -415,6 +421,14 @@ class MatrixOptimizer(Optimizer):
         finally:
             self._staging = False
         self._rounding_step += 1
+
+    def _stream_units(self, group: dict[str, Any], params: list[Tensor]) -> list[list[int]] | None:
+        """None: a staged chunk's state moves whole (Muon's offloaded matrix chunks move in sub-chunks)."""
+        return None
+
+    def _streamed_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                         units: list[list[int]], staged: StagedStep) -> None:
+        raise NotImplementedError  # only where _stream_units gives sub-chunks
 
     def _state_chunks(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[list[int]]:
         """Indices of ``params`` in the chunks a staged step updates one at a time, each up to ``CHUNK_NUMEL``

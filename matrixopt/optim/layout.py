@@ -92,6 +92,8 @@ class Bucket:
     s: int
     l: int
     device: torch.device
+    key: tuple = ()
+    """The batch's key (:func:`bucket_keys`): the same for a subset of its pieces bucketed apart."""
     params: list[Tensor] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
     bufs: list[Tensor] = field(default_factory=list)
@@ -161,7 +163,7 @@ def momentum_buckets(params: list[Tensor], grads: list[Tensor], bufs: list[Tenso
         extra = extras[j] if extras is not None else [None] * len(pieces)
         for pp, gp, bp, xp, key in zip(pieces, matrix_pieces(p, g), matrix_pieces(p, targets[1]), extra, keys[j]):
             if key not in buckets:
-                buckets[key] = Bucket(key[0], key[1], p.device)
+                buckets[key] = Bucket(key[0], key[1], p.device, key)
             bucket = buckets[key]
             experts = pp.ndim == 3  # stacked experts: E matrices
             bucket.params.extend(pp.unbind(0) if experts else [pp])
@@ -231,9 +233,20 @@ def orthogonalized_momentum_step(buckets: list[Bucket], copies: list[tuple[Tenso
         X = torch.empty((len(bk.params), bk.s, bk.l), dtype=dtype, device=bk.device)
         parts = momentum_pack(bk.grads, bk.bufs, X, momentum, nesterov, skip=skip, grad_scale=grad_scale,
                               sign=sign)
-        Y, row_scale = fn(X, parts), None
-        if adapt is not None:
-            Y, row_scale = adapt(bk, Y, skip)
-        apply_update(bk.params, Y, scale, lr, weight_decay, skip=skip, decay_mode=decay_mode, row_scale=row_scale)
+        orthogonalized_update(bk, X, parts, fn=fn, scale=scale, lr=lr, weight_decay=weight_decay,
+                              decay_mode=decay_mode, skip=skip, adapt=adapt)
     for t, c in copies:
         t.copy_(c)
+
+
+def orthogonalized_update(bk: Bucket, X: Tensor, parts: Tensor | None, *, fn: Callable[[Tensor, Tensor | None], Tensor],
+                          scale: Callable[[int, int], float], lr: float | Tensor, weight_decay: float,
+                          decay_mode: str = "decoupled", skip: Tensor | None = None,
+                          adapt: Callable[[Bucket, Tensor, Tensor | None],
+                                          tuple[Tensor, Tensor | None]] | None = None) -> None:
+    """The second half of :func:`orthogonalized_momentum_step` for one bucket whose updates are packed in ``X``
+    (``parts``: the momentum pass's partial sums of squares, or None): ``fn``, ``adapt`` and the applied update."""
+    Y, row_scale = fn(X, parts), None
+    if adapt is not None:
+        Y, row_scale = adapt(bk, Y, skip)
+    apply_update(bk.params, Y, scale, lr, weight_decay, skip=skip, decay_mode=decay_mode, row_scale=row_scale)

@@ -33,12 +33,14 @@ from matrixopt.linalg.ortho import DEFAULT_SCHEDULE, NewtonSchulzConfig, newton_
 from matrixopt.optim.base import MatrixOptimizer, _check_finite, _pack, adamw_group_defaults, check_decay, check_lr
 from matrixopt.optim.graphed import CapturedMuonStep
 from matrixopt.optim.layout import (
+    _EXPERTS,
     Bucket,
     bucket_keys,
     momentum_buckets,
     orthogonalized_momentum_step,
+    orthogonalized_update,
 )
-from matrixopt.optim.offload import Offload
+from matrixopt.optim.offload import Offload, StagedStep
 
 SCALINGS = ("match_adamw", "original", "spectral")
 
@@ -184,8 +186,8 @@ class Muon(MatrixOptimizer):
         lr = group["lr"]
         return lr.to(device) if isinstance(lr, Tensor) else lr
 
-    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
-                       skip: Tensor | None = None) -> None:
+    def _momentum_buffers(self, params: list[Tensor]) -> list[Tensor]:
+        """Each parameter's float32 momentum, zeros on its first step."""
         bufs = []
         for p in params:
             st = self.state[p]
@@ -193,6 +195,19 @@ class Muon(MatrixOptimizer):
                 st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32,
                                                          memory_format=torch.preserve_format)
             bufs.append(st["momentum_buffer"])
+        return bufs
+
+    def _step_options(self, group: dict[str, Any], device: torch.device) -> dict[str, Any]:
+        """The keyword arguments of :func:`~matrixopt.optim.layout.orthogonalized_momentum_step` that ``group``
+        sets."""
+        return dict(momentum=group["momentum"], nesterov=group["nesterov"],
+                    fn=lambda X, parts: self._orthogonalize(group, X, parts), dtype=self._stack_dtype(group, device),
+                    scale=lambda m, n: update_scale(group["scaling"], m, n), weight_decay=group["weight_decay"],
+                    decay_mode=group["weight_decay_mode"], sign=self._pack_sign(group))
+
+    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                       skip: Tensor | None = None) -> None:
+        bufs = self._momentum_buffers(params)
         extras, adapt = self._adaptation(group, params)
         flat_extras = [t for ts in extras or () for t in ts]
         graph = self.cuda_graph and not self._staging  # staged state moves from step to step: no graphs
@@ -208,11 +223,7 @@ class Muon(MatrixOptimizer):
                 return
             skip = None
         lr = self._device_lr(group, params[0].device)
-        step = dict(momentum=group["momentum"], nesterov=group["nesterov"],
-                    fn=lambda X, parts: self._orthogonalize(group, X, parts),
-                    dtype=self._stack_dtype(group, params[0].device),
-                    scale=lambda m, n: update_scale(group["scaling"], m, n), weight_decay=group["weight_decay"],
-                    decay_mode=group["weight_decay_mode"], sign=self._pack_sign(group))
+        step = self._step_options(group, params[0].device)
         grad_scale = self._step_grad_scale
         if not (graph and fusable and self._graph_step(group, params, grads, buckets, lr, skip, grad_scale,
                                                                  dict(step, adapt=adapt), fingerprint, flat_extras)):
@@ -244,6 +255,63 @@ class Muon(MatrixOptimizer):
         for i in range(len(params)):
             units.setdefault(root(i), []).append(i)
         return _pack(list(units.values()), [p.numel() for p in params])
+
+    streams_state = True
+    """Whether an offloaded matrix chunk's state may move in sub-chunks (:meth:`_stream_units`): not where the
+    update reads further state after Newton–Schulz (NorMuon's and AdaMuon's second moments)."""
+
+    def _stream_units(self, group: dict[str, Any], params: list[Tensor]) -> list[list[int]] | None:
+        """For an offloaded chunk of a matrix group (whole Newton–Schulz batches, as the step without offload
+        batches them): indices of ``params`` in the sub-chunks whose momentum moves to the device one at a time,
+        each up to ``CHUNK_NUMEL`` values (or one larger parameter), in order. None where the chunk moves whole:
+        state not offloaded, an update that reads further state, or a parameter laid out so that its matrices are
+        copies (a channels_last conv kernel)."""
+        if self.offload is None or not self.streams_state or not group[self.matrix_flag]:
+            return None
+        if any(not (p.ndim == 2 or getattr(p, _EXPERTS, False) or p.is_contiguous()) for p in params):
+            return None
+        units = _pack([[i] for i in range(len(params))], [p.numel() for p in params])
+        return units if len(units) > 1 else None
+
+    def _streamed_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                         units: list[list[int]], staged: StagedStep) -> None:
+        """The step of an offloaded matrix chunk whose momentum moves in sub-chunks (``units``, from
+        :meth:`_stream_units`): each sub-chunk's state is staged, its momentum pass packs its matrices into the
+        chunk's stacks (on the copy pipeline's stream on CUDA, overlapping the last chunk's Newton–Schulz), and
+        it is stored back; then each stack's Newton–Schulz and update run as the whole step's. The device holds
+        a few sub-chunks' state, not the chunk's; the batches, and so the results, are the step's without
+        offload."""
+        device = params[0].device
+        keys = [self._staged_keys[p] for p in params]
+        step = self._step_options(group, device)
+        whole, _ = momentum_buckets(params, grads, grads, None, keys)  # the batches (gradients stand for momentum)
+        stacks = {bk.key: staged.stack((len(bk.params), bk.s, bk.l), step["dtype"], device) for bk in whole}
+        filled = dict.fromkeys(stacks, 0)
+        parts: dict[tuple, list[Tensor | None]] = {k: [] for k in stacks}
+
+        def pack(unit: list[int]) -> None:  # one sub-chunk: staged, packed into the stacks, stored back
+            ps, gs = [params[i] for i in unit], [grads[i] for i in unit]
+            staged.stage(ps)
+            sub, _ = momentum_buckets(ps, gs, self._momentum_buffers(ps), None, [keys[i] for i in unit])
+            for bk in sub:
+                n, start = len(bk.params), filled[bk.key]
+                parts[bk.key].append(muon_elementwise.momentum_pack(
+                    bk.grads, bk.bufs, stacks[bk.key][start:start + n], step["momentum"], step["nesterov"],
+                    grad_scale=self._step_grad_scale, sign=step["sign"]))
+                filled[bk.key] = start + n
+            staged.unstage(ps)
+
+        with staged.pack_stream(device):
+            for unit in units:
+                pack(unit)
+        staged.packed(device, [t for ts in parts.values() for t in ts if t is not None])
+        lr = self._device_lr(group, device)
+        for bk in whole:
+            got = parts[bk.key]
+            P = None if any(t is None for t in got) else torch.cat(got)
+            orthogonalized_update(bk, stacks[bk.key], P, fn=step["fn"], scale=step["scale"], lr=lr,
+                                  weight_decay=step["weight_decay"], decay_mode=step["decay_mode"])
+        staged.chunk_done(device)
 
     def _adaptation(self, group: dict[str, Any],
                     params: list[Tensor]) -> tuple[list[list[Tensor]] | None, Callable[..., Tensor] | None]:

@@ -29,7 +29,9 @@ the whole path with the "device" being the CPU and a copy standing in for the tr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import collections
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -61,10 +63,13 @@ class Offload:
         self._versions: dict[Tensor, int] = {}  # per parameter: its version counter when its backup was refreshed
         self._refreshing: set[torch.device] = set()  # devices with backup refreshes the next update must follow
         self._streams: dict[torch.device, tuple[Any, Any]] = {}
+        self._packers: dict[torch.device, Any] = {}  # per device: the stream sub-chunks' momentum passes run on
+        self._stored: collections.deque = collections.deque()  # events: a staged unit's state stored to the host
 
     def __getstate__(self) -> dict[str, Any]:
         return {"pin_memory": self.pin_memory, "device_copy": self.device_copy, "host_bytes": 0, "shadows": {},
-                "backups": {}, "_versions": {}, "_refreshing": set(), "_streams": {}}
+                "backups": {}, "_versions": {}, "_refreshing": set(), "_streams": {}, "_packers": {},
+                "_stored": collections.deque()}
 
     # ----------------------------------------------------------------------------------- host memory
     def check_fits(self, nbytes: int, what: str) -> None:
@@ -149,6 +154,29 @@ class Offload:
         """Wait for every copy to the host issued so far."""
         for _, d2h in self._streams.values():
             d2h.synchronize()
+        self._stored.clear()
+
+    def mark_stored(self, device: torch.device) -> None:
+        """Note that a unit's state has been issued to the host (CUDA: an event on the D2H stream), for
+        :meth:`throttle`."""
+        if self._overlapped(device):
+            event = torch.cuda.Event()
+            event.record(self._cuda_streams(device)[1])
+            self._stored.append(event)
+
+    def throttle(self, pending: int = 2) -> None:
+        """Wait on the host until at most ``pending`` units' stores are unfinished: the host issues the step far
+        ahead of the GPU, and every fetch it issues allocates device memory at once."""
+        while len(self._stored) > pending:
+            self._stored.popleft().synchronize()
+
+    def packer(self, device: torch.device) -> Any:
+        """The CUDA stream sub-chunks' momentum passes run on (:meth:`StagedStep.pack_stream`), or None."""
+        if not self._overlapped(device):
+            return None
+        if device not in self._packers:
+            self._packers[device] = torch.cuda.Stream(device)
+        return self._packers[device]
 
     def backup(self, p: Tensor) -> None:
         """Make parameter ``p``'s host backup hold ``p`` as it is before its update. The copy
@@ -250,6 +278,14 @@ class StagedStep:
         self._parts: dict[Tensor, tuple[Tensor, int, int]] = {}  # part view -> (parameter, start, stop)
         self._backed_up: dict[Tensor, None] = {}  # parameters whose host backup this step relies on
         self._before: dict[Tensor, dict[str, Any] | None] = {}  # see _part_before
+        self._plan: list[list[Tensor]] = []  # the units stage() is called with, in order (see plan)
+        self._next = 0  # index in _plan of the next unit to stage
+        self._chunks_done: collections.deque = collections.deque()  # events: a streamed chunk's update done
+
+    def plan(self, units: list[list[Tensor]]) -> None:
+        """The units (lists of parameters or parts) :meth:`stage` will be called with, in order: each stage()
+        then prefetches the next one."""
+        self._plan, self._next = units, 0
 
     def part(self, p: Tensor, g: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
         """Views of values ``start:stop`` of contiguous parameter ``p`` (flattened) and of its gradient ``g``, which
@@ -297,13 +333,15 @@ class StagedStep:
         """Start copying the stored state of ``params`` (parameters or parts) to their device (offload only)."""
         if self.offload is None:
             return
+        self.offload.throttle()
         for q in params:
             if q not in self._fetched and self._source(q)[1]:
                 self._fetched[q] = {k: self.offload.fetch(v, q.device) if isinstance(v, Tensor) else v
                                     for k, v in self._view(q).items()}
 
     def stage(self, params: list[Tensor]) -> None:
-        """Put float32 state of ``params`` (parameters or parts) on their device into ``state`` for the update."""
+        """Put float32 state of ``params`` (parameters or parts) on their device into ``state`` for the update;
+        then start fetching the planned unit after them (:meth:`plan`)."""
         self.prefetch(params)
         for q in params:
             p, stored, start, _ = self._source(q)
@@ -317,6 +355,48 @@ class StagedStep:
                     self.offload.backup(p)
                     self._backed_up[p] = None
             self.state[q] = compact.decoded(raw)
+        planned = self._plan[self._next] if self._next < len(self._plan) else None
+        if planned is not None and len(planned) == len(params) and all(a is b for a, b in zip(planned, params)):
+            self._next += 1
+            if self._next < len(self._plan):
+                self.prefetch(self._plan[self._next])
+
+    def stack(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """An empty Newton–Schulz stack for a streamed chunk (on the compute stream), once the chunk two before
+        this one has finished with its own: at most two chunks' stacks at a time."""
+        while len(self._chunks_done) >= 2:
+            self._chunks_done.popleft().synchronize()
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    @contextlib.contextmanager
+    def pack_stream(self, device: torch.device) -> Iterator[None]:
+        """Run the body (a streamed chunk's staging and momentum passes) on the offload's packing stream, after
+        the compute stream's work so far, so that it overlaps the last chunk's Newton–Schulz (CUDA); as it is
+        elsewhere."""
+        side = None if self.offload is None else self.offload.packer(device)
+        if side is None:
+            yield
+            return
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            yield
+
+    def packed(self, device: torch.device, tensors: list[Tensor]) -> None:
+        """The compute stream waits for the momentum passes :meth:`pack_stream` ran; ``tensors`` made there are
+        used on it."""
+        side = None if self.offload is None else self.offload.packer(device)
+        if side is not None:
+            main = torch.cuda.current_stream(device)
+            main.wait_stream(side)
+            for t in tensors:
+                t.record_stream(main)
+
+    def chunk_done(self, device: torch.device) -> None:
+        """A streamed chunk's update has been issued on the compute stream (see :meth:`stack`)."""
+        if self.offload is not None and self.offload.packer(device) is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._chunks_done.append(event)
 
     def unstage(self, params: list[Tensor]) -> None:
         """Store the updated state of ``params`` (encoded; offload: into the shadows, swapped in by commit) and put
@@ -360,6 +440,8 @@ class StagedStep:
                 self.state[q] = stored
             else:
                 del self.state[q]
+        if self.offload is not None and params:
+            self.offload.mark_stored(params[0].device)
 
     def _full(self, p: Tensor, new: dict[str, Any], start: int | None, stop: int | None) -> dict[str, Any]:
         """``new`` (a part's entries when ``start`` is given) laid out for the whole parameter: meta tensors of

@@ -116,6 +116,56 @@ def test_large_batches_are_split_and_offloaded_chunks_batch_as_the_whole_step(mo
     _state_equal(opt_ref, opt)
 
 
+class _LiveCopies(FakeDeviceCopy):
+    """The device copy, also tracking how many copied values are alive at once (the state on the "device")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: list = []
+        self.most = 0
+
+    def __call__(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        import weakref
+
+        out = super().__call__(t, device)
+        self.live = [r for r in self.live if r() is not None] + [weakref.ref(out)]
+        self.most = max(self.most, sum(r().numel() for r in self.live if r() is not None))
+        return out
+
+
+def test_an_offloaded_batch_moves_its_momentum_in_sub_chunks(monkeypatch):
+    """Six (16, 48) weights share one Newton–Schulz batch of 4,608 values. Offloaded with chunks of 1,000 values,
+    the batch stays whole (the results are the step's without offload, bit for bit), while its momentum comes to
+    the device one weight at a time: at most two weights' momentum (the one packed, the next) at once."""
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(40, 16)
+            self.ws = nn.ParameterList([nn.Parameter(torch.randn(48, 16) / 4) for _ in range(6)])
+
+        def forward(self, x):
+            h = self.emb(x)
+            return sum(torch.tanh(h @ w.T) for w in self.ws)
+
+    monkeypatch.setattr(base, "CHUNK_NUMEL", 1000)
+    copies = _LiveCopies()
+    ref, model = Stack(), Stack()
+    opt_ref = matrixopt.build_optimizer(ref, "muon", lr=1e-2, weight_decay=0.1)
+    opt = matrixopt.build_optimizer(model, "muon", lr=1e-2, weight_decay=0.1, offload=Offload(device_copy=copies))
+    streamed = []
+    stream = type(opt)._streamed_update
+    monkeypatch.setattr(type(opt), "_streamed_update", lambda self, *a: streamed.append(a[3]) or stream(self, *a))
+    _train(opt_ref, ref, 8)
+    _train(opt, model, 8)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    _state_equal(opt_ref, opt)
+    assert streamed and all(len(units) == 6 for units in streamed)  # the batch, one weight at a time
+    # at most two weights' momentum, or the last one's and the embedding's AdamW state, never the batch's 4,608
+    assert copies.most <= 768 + 2 * 640 + 1
+
+
 def test_offload_with_compact_state_matches_compact_state():
     ref, model = _model(), _model()
     opt_ref = matrixopt.build_optimizer(ref, "muon", lr=1e-2, state_dtype="bf16")
