@@ -39,7 +39,8 @@ from torch import Tensor
 
 from matrixopt.optim import state as compact
 
-CHUNK_NUMEL = 1 << 24  # parameter values per chunk (64 MiB of float32 state per state tensor)
+CHUNK_NUMEL = 1 << 25  # parameter values per chunk (128 MiB of float32 state per state tensor)
+PENDING_STORES = 4  # units whose state may still be on its way to the host when the next fetch is issued
 OFFLOAD_CHOICES = ("cpu",)
 
 
@@ -164,9 +165,10 @@ class Offload:
             event.record(self._cuda_streams(device)[1])
             self._stored.append(event)
 
-    def throttle(self, pending: int = 2) -> None:
+    def throttle(self, pending: int | None = None) -> None:
         """Wait on the host until at most ``pending`` units' stores are unfinished: the host issues the step far
         ahead of the GPU, and every fetch it issues allocates device memory at once."""
+        pending = PENDING_STORES if pending is None else pending
         while len(self._stored) > pending:
             self._stored.popleft().synchronize()
 
