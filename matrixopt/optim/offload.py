@@ -4,14 +4,20 @@ brought to the parameters' device (as stored: compact state moves compact) and d
 encoded and stored back. Compact state on the device is written back in place chunk by chunk.
 
 With ``offload="cpu"`` the state lives in CPU memory (pinned where CUDA is available, so copies are asynchronous).
-Per chunk (a set of parameters whose matrices share Newton–Schulz batches, or a range of an element-wise
-optimizer's parameter, up to :data:`CHUNK_NUMEL` values, or one larger matrix)::
+It moves in *units*: a chunk (parameters whose matrices share Newton–Schulz batches, or a range of an element-wise
+optimizer's parameter, up to :data:`CHUNK_NUMEL` values, or one larger matrix), or, for Muon's matrix chunks, which
+hold whole Newton–Schulz batches of up to 128M values, sub-chunks of the batch's parameters of up to
+:data:`CHUNK_NUMEL` values, which the momentum pass packs into the batch's stack one at a time
+(``Muon._streamed_update``)::
 
-    H2D stream    : state of chunk i+1
-    compute stream: update of chunk i (decode, momentum, Newton–Schulz, apply, encode)
-    D2H stream    : new state of chunk i-1
+    H2D stream    : state of unit i+1
+    packing stream: momentum pass of unit i (Muon's sub-chunks), overlapping the last batch's Newton–Schulz
+    compute stream: update of unit i (decode, momentum, Newton–Schulz, apply, encode)
+    D2H stream    : new state of unit i-1
 
-so transfers overlap the next chunk's compute, and the device holds the state of about three chunks at a time.
+so transfers overlap compute. The host issues the step ahead of the GPU, and each fetch allocates device memory
+when it is issued, so the host waits while more than :data:`PENDING_STORES` units are still on their way back:
+the device holds the state of a few units, not the whole state.
 
 The step is all or nothing: new state is written into a second host buffer (a *shadow*) and swapped in only once
 every chunk has succeeded, and the parameters have a copy on the host (a *backup*) from before their update, so an
@@ -39,8 +45,11 @@ from torch import Tensor
 
 from matrixopt.optim import state as compact
 
-CHUNK_NUMEL = 1 << 25  # parameter values per chunk (128 MiB of float32 state per state tensor)
-PENDING_STORES = 4  # units whose state may still be on its way to the host when the next fetch is issued
+CHUNK_NUMEL = 1 << 25
+"""Parameter values per unit of staged state (128 MiB of float32 state per state tensor)."""
+PENDING_STORES = 4
+"""Units whose state may still be on its way to the host when the next fetch is issued. With CHUNK_NUMEL, the best
+of the sizes tried on an H100 at 1.3B (docs/results/memory)."""
 OFFLOAD_CHOICES = ("cpu",)
 
 
