@@ -86,6 +86,8 @@ class Offload:
         """MemoryError now, before any state exists, if the host's available memory (``MemAvailable``, Linux) is
         below ``nbytes``, the least the offloaded state will hold (``what`` says of what)."""
         available = available_host_bytes()
+        if available is not None and nbytes > available and self.pin_memory and release_cached_pinned_memory():
+            available = available_host_bytes()  # blocks PyTorch cached after an earlier run count as used
         if available is not None and nbytes > available:
             raise MemoryError(
                 f"offload='cpu' needs at least {nbytes / 2**30:.2f} GiB of {'pinned ' if self.pin_memory else ''}CPU "
@@ -259,6 +261,20 @@ def available_host_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def release_cached_pinned_memory() -> bool:
+    """Return the pinned host blocks PyTorch's caching host allocator holds unused (say, an earlier offloaded
+    optimizer's, freed in this process) to the system, where MemAvailable counts them again. Whether it could ask
+    (CUDA initialized, and a PyTorch that has the call)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return False
+    release = (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+               or getattr(torch._C, "_host_emptyCache", None))
+    if release is None:
+        return False
+    release()
+    return True
 
 
 def check_offload(value: Any) -> Offload | None:

@@ -334,6 +334,24 @@ def test_too_little_host_memory_is_refused_at_construction(name, state_dtype, te
                               offload=Offload(device_copy=FakeDeviceCopy()))  # just enough
 
 
+def test_the_memory_check_counts_pinned_blocks_pytorch_holds_unused(monkeypatch):
+    """Pinned blocks an earlier offloaded optimizer freed stay in PyTorch's host cache, which MemAvailable counts as
+    used: the check returns them to the system and looks again before it refuses."""
+    from matrixopt.optim import offload as offload_module
+
+    free = iter([1, 1 << 40])  # too little; after the release, plenty
+    monkeypatch.setattr(offload_module, "available_host_bytes", lambda: next(free))
+    released = []
+    monkeypatch.setattr(offload_module, "release_cached_pinned_memory", lambda: released.append(1) or True)
+    matrixopt.build_optimizer(_model(), "muon", lr=1e-2, offload=Offload(pin_memory=True,
+                                                                         device_copy=FakeDeviceCopy()))
+    assert released == [1]
+    monkeypatch.setattr(offload_module, "available_host_bytes", lambda: 1)
+    with pytest.raises(MemoryError, match="needs at least"):
+        matrixopt.build_optimizer(_model(), "muon", lr=1e-2, offload=Offload(pin_memory=True,
+                                                                             device_copy=FakeDeviceCopy()))
+
+
 @pytest.mark.parametrize("value", ["gpu", "nvme", True])
 def test_unknown_offload_lists_choices(value):
     with pytest.raises(ValueError, match=r"offload.*'cpu'"):
