@@ -395,6 +395,12 @@ def test_offloaded_steps_are_bit_identical_on_cuda(name, monkeypatch):
             o.step()
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a, b)
+    saved, want = opt.state_dict()["state"], opt_ref.state_dict()["state"]
+    assert saved.keys() == want.keys()
+    for i, st in want.items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                assert torch.equal(saved[i][k].cpu(), v.cpu()), (i, k)
     assert all(v.device.type == "cpu" and v.is_pinned() for st in opt.state.values() for v in st.values()
                if torch.is_tensor(v))
 
