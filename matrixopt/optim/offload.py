@@ -292,9 +292,11 @@ class StagedStep:
     optimizer's ``self.state``; ``formats``: per parameter, how its state is stored (``state_dtype`` of
     :mod:`matrixopt.optim.state`); ``generator(device)``: the stochastic rounding's generator for ``device``.
 
-    Use: ``prefetch(next chunk)`` (optional), ``stage(chunk)``, the update, ``unstage(chunk)``, ..., then ``commit()``
-    once every chunk succeeded, or ``rollback()`` on an exception. A chunk holds parameters, or *parts* of one
-    (:meth:`part`: a flat range of an element-wise optimizer's parameter, with its gradient and state)."""
+    Use: ``plan(units)`` (optional: each ``stage()`` then prefetches the unit after its own), ``stage(unit)``, the
+    update, ``unstage(unit)``, ..., then ``commit()`` once every unit succeeded, or ``rollback()`` on an exception.
+    A unit holds parameters, or *parts* of one (:meth:`part`: a flat range of an element-wise optimizer's
+    parameter, with its gradient and state). A streamed Muon chunk stages its sub-chunks inside
+    :meth:`pack_stream`, takes its stacks from :meth:`stack`, and calls :meth:`packed` and :meth:`chunk_done`."""
 
     def __init__(self, state: dict[Tensor, dict[str, Any]], formats: dict[Tensor, str | None],
                  offload: Offload | None, generator: Callable[[torch.device], torch.Generator]) -> None:

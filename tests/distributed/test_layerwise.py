@@ -142,13 +142,18 @@ def _equivalence_worker(rank: int, world: int) -> None:
     cases = [(n, "square" if n == "soap" else "net", {}) for n in names]
     cases += [("muon", "net", {"accum": 2}), ("muon", "net", {"clip": 0.05}), ("muon", "big", {}),
               ("adamw", "tiny", {}), ("muon", "tiny", {}),
-              ("muon", "net", {"accum": 2, "clip": 0.05, "bucket_cap_mb": 25.0})]  # gradients copied into buckets
+              ("muon", "net", {"accum": 2, "clip": 0.05, "bucket_cap_mb": 25.0}),  # gradients copied into buckets
+              ("muon", "net", {"clip": 0.05, "offload": "cpu"}),  # each owner's state in host memory
+              ("adamuon", "net", {"offload": "cpu"})]
     for name, kind, extra in cases:
         what = f"{name}/{kind}/{extra} at {world} ranks"
-        ref, ref_norms = reference(kind, name, steps=3, **{k: v for k, v in extra.items() if k != "bucket_cap_mb"})
+        ref, ref_norms = reference(kind, name, steps=3, **{k: v for k, v in extra.items()
+                                                          if k in ("accum", "clip")})
         model, opt, norms = distributed(kind, name, steps=3, **extra)
         if "bucket_cap_mb" in extra:
             assert any(len(b.params) > 1 for b in opt.buckets), what
+        if "offload" in extra:
+            assert opt.chunks and all(c.optimizer.offload is not None for c in opt.chunks), what
         assert_matches(model, ref, make(kind), what)
         same_on_every_rank(model)
         for a, b in zip(norms, ref_norms):
