@@ -122,15 +122,17 @@ class MatrixOptimizer(Optimizer):
 
     def _offload_host_bytes(self) -> tuple[int, str]:
         """``(bytes, what)``: the least host memory the offloaded state holds once every parameter has stepped: the
-        parameter-shaped state twice (live and the step's shadow) and a copy of the parameters. Smaller state
-        (rows, factors, step counts) is left out."""
+        parameter-shaped state twice (live and the step's shadow) and a copy of the parameters, each tensor as the
+        offload allocates it (:meth:`~matrixopt.optim.offload.Offload.block_bytes`). Smaller state (rows, factors,
+        step counts) is left out."""
+        block = self.offload.block_bytes
         state = params = 0
         for group in self.param_groups:
             tensors = self.matrix_state_tensors if group[self.matrix_flag] else 2  # AdamW: exp_avg, exp_avg_sq
             each = compact.value_bytes(self._state_format(group))
             for p in group["params"]:
-                state += int(p.numel() * tensors * each)
-                params += p.numel() * p.element_size()
+                state += tensors * block(int(p.numel() * each))
+                params += block(p.numel() * p.element_size())
         return 2 * state + params, (f"the optimizer state twice, {2 * state / 2**30:.2f} GiB, and a copy of the "
                                     f"parameters, {params / 2**30:.2f} GiB")
 

@@ -94,6 +94,13 @@ class Offload:
                 f"memory ({what}), but {available / 2**30:.2f} GiB is available. Free host memory, use "
                 f"state_dtype='bf16' or 'int8', or turn offload off.")
 
+    def block_bytes(self, nbytes: int) -> int:
+        """The host memory a tensor of ``nbytes`` takes: PyTorch's pinned (caching host) allocator rounds every
+        block up to a power of two, so a 180 MB tensor takes 256 MB; unpinned memory takes what it asks."""
+        if not self.pin_memory or nbytes <= 0:
+            return nbytes
+        return 1 << (nbytes - 1).bit_length()
+
     def empty(self, shape: torch.Size, dtype: torch.dtype) -> Tensor:
         """An uninitialized host tensor (pinned if ``pin_memory``); MemoryError naming the size if it can't be
         had."""
@@ -107,7 +114,7 @@ class Offload:
                 f"(tensor {tuple(shape)} {dtype}; {self.host_bytes / 2**30:.2f} GiB already held: the state twice "
                 f"and a copy of the parameters). Free host memory, use state_dtype='bf16' or 'int8', or turn "
                 f"offload off. ({e})") from e
-        self.host_bytes += nbytes
+        self.host_bytes += self.block_bytes(nbytes)
         return t
 
     def _allocate(self, shape: torch.Size, dtype: torch.dtype) -> Tensor:

@@ -334,6 +334,26 @@ def test_too_little_host_memory_is_refused_at_construction(name, state_dtype, te
                               offload=Offload(device_copy=FakeDeviceCopy()))  # just enough
 
 
+def test_the_memory_check_counts_pinned_blocks_rounded_to_powers_of_two(monkeypatch):
+    """Pinned host memory comes in power-of-two blocks: a (48, 16) float32 tensor's 3,072 bytes take 4,096."""
+    from matrixopt.optim import offload as offload_module
+
+    model = _model()
+    offload = Offload(pin_memory=True, device_copy=FakeDeviceCopy())
+    assert [offload.block_bytes(n) for n in (3072, 4096, 4097, 0)] == [4096, 4096, 8192, 0]
+    assert Offload(pin_memory=False).block_bytes(3072) == 3072
+    groups = {id(p): g["use_muon"] for g in matrixopt.build_optimizer(model, "muon", lr=1e-2).param_groups
+              for p in g["params"]}
+    needed = sum(offload.block_bytes(p.numel() * 4) * (2 * (1 if groups[id(p)] else 2) + 1)
+                 for p in model.parameters())  # the state twice (AdamW: two moments) and the parameter
+    monkeypatch.setattr(offload_module, "available_host_bytes", lambda: needed - 1)
+    monkeypatch.setattr(offload_module, "release_cached_pinned_memory", lambda: False)
+    with pytest.raises(MemoryError, match="needs at least"):
+        matrixopt.build_optimizer(model, "muon", lr=1e-2, offload=offload)
+    monkeypatch.setattr(offload_module, "available_host_bytes", lambda: needed)
+    matrixopt.build_optimizer(model, "muon", lr=1e-2, offload=offload)
+
+
 def test_the_memory_check_counts_pinned_blocks_pytorch_holds_unused(monkeypatch):
     """Pinned blocks an earlier offloaded optimizer freed stay in PyTorch's host cache, which MemAvailable counts as
     used: the check returns them to the system and looks again before it refuses."""
