@@ -110,7 +110,7 @@ class Offload:
         except (RuntimeError, MemoryError) as e:
             kind = "pinned " if self.pin_memory else ""
             raise MemoryError(
-                f"offload='cpu' could not allocate {nbytes / 2**20:.1f} MiB of {kind}CPU memory for optimizer state "
+                f"offload='cpu' could not allocate {_size(nbytes)} of {kind}CPU memory for optimizer state "
                 f"(tensor {tuple(shape)} {dtype}; {self.host_bytes / 2**30:.2f} GiB already held: the state twice "
                 f"and a copy of the parameters). Free host memory, use state_dtype='bf16' or 'int8', or turn "
                 f"offload off. ({e})") from e
@@ -256,6 +256,14 @@ class Offload:
             out[k] = o if isinstance(o, Tensor) and o.shape == v.shape and o.dtype == v.dtype else self.empty(
                 v.shape, v.dtype)
         return out
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` for a message: in bytes, KiB, MiB or GiB, whichever reads best."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
 
 
 def available_host_bytes() -> int | None:
