@@ -139,6 +139,12 @@ def bucket_keys(params: list[Tensor], grads: list[Tensor]) -> list[list[tuple]]:
     return out
 
 
+def views_in_place(param: Tensor, t: Tensor) -> bool:
+    """Whether :func:`matrix_pieces` of ``t`` (``param``'s shape) alias it: a matrix, stacked experts or a
+    contiguous tensor; not, e.g., a channels_last conv kernel, which :func:`momentum_buckets` copies."""
+    return t.ndim == 2 or bool(getattr(param, _EXPERTS, False)) or t.is_contiguous()
+
+
 def momentum_buckets(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor],
                      extras: list[list[Tensor]] | None = None,
                      keys: list[list[tuple]] | None = None) -> tuple[list[Bucket], list[tuple[Tensor, Tensor]]]:
@@ -155,7 +161,7 @@ def momentum_buckets(params: list[Tensor], grads: list[Tensor], bufs: list[Tenso
     for j, (p, g, b) in enumerate(zip(params, grads, bufs)):
         targets = []
         for t in (p, b):
-            if not (t.ndim == 2 or getattr(p, _EXPERTS, False) or t.is_contiguous()):
+            if not views_in_place(p, t):
                 copies.append((t, t.contiguous()))
                 t = copies[-1][1]
             targets.append(t)

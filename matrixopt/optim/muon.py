@@ -33,12 +33,12 @@ from matrixopt.linalg.ortho import DEFAULT_SCHEDULE, NewtonSchulzConfig, newton_
 from matrixopt.optim.base import MatrixOptimizer, _check_finite, _pack, adamw_group_defaults, check_decay, check_lr
 from matrixopt.optim.graphed import CapturedMuonStep
 from matrixopt.optim.layout import (
-    _EXPERTS,
     Bucket,
     bucket_keys,
     momentum_buckets,
     orthogonalized_momentum_step,
     orthogonalized_update,
+    views_in_place,
 )
 from matrixopt.optim.offload import Offload, StagedStep
 
@@ -111,9 +111,8 @@ class Muon(MatrixOptimizer):
         state_dtype: how the momentum (and the AdamW groups' moments, and AdaMuon's second moment) is stored:
             None (default, float32), ``torch.bfloat16`` or ``"bf16"`` (2 bytes a value instead of 4), or ``"int8"``
             (the AdamW groups' moments in 1 byte and a float32 scale per 256 values, the momentum in bfloat16).
-            Stochastically rounded, so the rounding error is carried
-            in expectation; every step computes in float32 (:mod:`matrixopt.optim.state`, which has the table of
-            bytes per parameter).
+            Stochastically rounded, so the rounding error is carried in expectation; every step computes in
+            float32 (:mod:`matrixopt.optim.state`, which has the table of bytes per parameter).
         offload: None (default) or ``"cpu"``: the optimizer state lives in CPU memory (pinned where CUDA is
             available); each step brings one chunk of it to the parameters' device at a time, overlapped with the
             previous chunk's update, and stores it back. With float32 state the parameters are bit for bit those of
@@ -268,7 +267,7 @@ class Muon(MatrixOptimizer):
         copies (a channels_last conv kernel)."""
         if self.offload is None or not self.streams_state or not group[self.matrix_flag]:
             return None
-        if any(not (p.ndim == 2 or getattr(p, _EXPERTS, False) or p.is_contiguous()) for p in params):
+        if not all(views_in_place(p, p) for p in params):
             return None
         units = _pack([[i] for i in range(len(params))], [p.numel() for p in params])
         return units if len(units) > 1 else None
