@@ -25,6 +25,9 @@ from matrixopt.optim.layout import _EXPERTS
 PEER_MUON_LR = 0.02
 EMERGING = "emerging_optimizers Muon"
 EMERGING_SYRK = "emerging_optimizers Muon, SYRK"
+TORCH_MUON = "torch.optim.Muon"
+PEER_NAMES = (TORCH_MUON, EMERGING, EMERGING_SYRK)
+"""The keys of :func:`peer_muons`."""
 
 
 class Stepper:
@@ -91,7 +94,7 @@ def peer_muons(model: nn.Module, *, ns_steps: int = 5, adamw_lr: float = 1e-3,
                                  foreach=None if fused else True)
 
     out: dict[str, Callable[[], Stepper] | str] = {
-        "torch.optim.Muon": lambda: Stepper(torch.optim.Muon(hidden, lr=PEER_MUON_LR, ns_steps=ns_steps), adamw()),
+        TORCH_MUON: lambda: Stepper(torch.optim.Muon(hidden, lr=PEER_MUON_LR, ns_steps=ns_steps), adamw()),
     }
     eo = emerging_optimizers()
     if isinstance(eo, str):

@@ -32,7 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from matrixopt.bench.common import PEAK_BF16_TFLOPS, environment, kernel_choices, table
-from matrixopt.bench.peers import EMERGING, EMERGING_SYRK, peer_muons
+from matrixopt.bench.peers import EMERGING, PEER_NAMES, peer_muons
 from matrixopt.device import resolve_device, time_ms
 from matrixopt.distributed.parallelism import Parallelism, SingleProcess
 from matrixopt.optim.registry import OPTIMIZERS, accepted
@@ -56,7 +56,6 @@ VARIANTS = {"eager": {"cuda_graph": False}, "standard": {"ns_method": "standard"
 # the variants that set where and how the state is kept: passed as they are (an optimizer without them is an error,
 # not a silent row of the plain optimizer)
 STATE_VARIANTS = ("offload", "bf16", "int8")
-PEERS = ("torch.optim.Muon", EMERGING, EMERGING_SYRK)  # the names of :func:`matrixopt.bench.peers.peer_muons`
 MEMORY = ("peak_gb", "step_extra_gb", "state_gpu_gb", "optimizer_gpu_gb")  # each row's memory fields (see memory)
 QK_CLIP_TAU = 100.0  # Kimi K2's threshold
 # the default row: AdamW, ours (and three variants), and the peers (emerging_optimizers recorded as missing where it
@@ -166,7 +165,7 @@ def _options(name: str) -> tuple[str, dict[str, Any]]:
     base, *variants = name.split("+")
     if base not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {base!r} in {name!r}; use a registered one ({', '.join(OPTIMIZERS)}) "
-                         f"or a peer ({', '.join(map(repr, PEERS))})")
+                         f"or a peer ({', '.join(map(repr, PEER_NAMES))})")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown optimizer variant(s) {unknown} in {name!r}; use +{', +'.join(VARIANTS)}")
@@ -202,7 +201,7 @@ def run(model: str = "gpt2-small",
     shape = dict(PRESETS[model], block_size=T)
     cfg = GPTConfig(vocab_size=vocab, tie_embeddings=False, **shape)
     for name in optimizers:  # misspelled names and variants fail now, not after the rows before them
-        if name not in PEERS and name != "adamw":
+        if name not in PEER_NAMES and name != "adamw":
             _options(name)
     results: dict[str, Any] = {}
     for name in optimizers:
