@@ -122,9 +122,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens per GPU per step (default 4096)")
     p.add_argument("--micro-batch", type=int, default=None, metavar="ROWS",
                    help="rows per micro-batch: gradient accumulation over the step's rows (default: one micro-batch)")
-    p.add_argument("--iters", type=int, default=10, help="timed steps, and as many profiled (default 10)")
+    p.add_argument("--iters", type=int, default=10,
+                   help="timed steps, and as many profiled with --exposed-comm (default 10)")
     p.add_argument("--phases", action="store_true", help="also print the step's forward/backward/clip/step timeline")
-    p.add_argument("--trace", metavar="DIR", help="write each rank's profiler trace here (CUDA; chrome://tracing)")
+    p.add_argument("--exposed-comm", action="store_true",
+                   help="profile --iters more steps for the share of NCCL time no compute overlaps (CUDA; slow: "
+                        "minutes per configuration at 1.3B)")
+    p.add_argument("--trace", metavar="DIR", help="write each rank's profiler trace here (CUDA; chrome://tracing; "
+                                                  "implies --exposed-comm)")
 
     p = sub.add_parser("tp", parents=[ranks], help="tensor-parallel Newton–Schulz in each mode (torchrun)")
     p.add_argument("--shapes", type=_matrix, nargs="+", default=None, metavar="MxN",
@@ -177,7 +182,8 @@ def run_ranks(args: argparse.Namespace) -> NoReturn:
     warmup = args.warmup if args.warmup is not None else 1 if args.toy else 3
     if args.bench == "scale":
         settings = scale.Settings(toy=args.toy, ep=args.ep, tokens_per_gpu=args.tokens_per_gpu,
-                                  micro_batch=args.micro_batch, iters=args.iters, warmup=warmup, trace=args.trace)
+                                  micro_batch=args.micro_batch, iters=args.iters, warmup=warmup,
+                                  exposed_comm=args.exposed_comm, trace=args.trace)
         record = scale.run(args.configs, args.presets, settings)
         text = scale.format_tables(record, phases=args.phases)
     else:

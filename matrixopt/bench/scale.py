@@ -31,8 +31,10 @@ topk of each layer's experts). Per configuration, the slowest rank's figures:
   optimizer, no expert dispatch) times the tokens/s per GPU;
 - the optimizer step: the median time ``optimizer.step()`` occupies the compute stream (slowest and fastest
   rank), and each rank's optimizer state (MiB) and peak memory;
-- exposed communication (CUDA): from a profiler trace of ``--iters`` more steps, the time NCCL kernels run while
-  no compute kernel does, as a share of those steps' wall time (``--trace DIR`` writes each rank's trace);
+- exposed communication (CUDA, with ``--exposed-comm`` or ``--trace DIR``): from a profiler trace of ``--iters``
+  more steps, the time NCCL kernels run while no compute kernel does, as a share of those steps' wall time
+  (``--trace DIR`` also writes each rank's trace, host activity included). Off by default: reading the trace of a
+  1.3B model's steps takes minutes per configuration;
 - ``--phases``: the step's timeline, per phase (forward, backward, clip, step): the device time (events on the
   compute stream, so waits on other streams count) and the host's time issuing it;
 - layer-wise: the same optimizer stepping the whole model on one GPU (every GPU at once, gradients random), the
@@ -98,11 +100,13 @@ class Settings:
     micro_batch: int | None = None
     """Rows per micro-batch (gradient accumulation over a step's rows); None: one micro-batch."""
     iters: int = 10
-    """Timed steps, and as many profiled."""
+    """Timed steps, and as many profiled (``exposed_comm``)."""
     warmup: int = 3
     """Untimed steps first."""
+    exposed_comm: bool = False
+    """Profile ``iters`` more steps (CUDA) for the exposed-communication share."""
     trace: str | None = None
-    """A folder for each rank's profiler trace (CUDA), or None."""
+    """A folder for each rank's profiler trace (CUDA), or None; implies ``exposed_comm``."""
 
     def __post_init__(self) -> None:
         if self.ep < 1:
@@ -336,8 +340,10 @@ def run_config(par: Parallelism, config: ScaleConfig, preset: str, settings: Set
                step_ms=step_ms, opt_step_ms=phases["step"]["device"], phases=phases, state_mb=state_mb(opt),
                peak_mem_mb=peak_mem_mb(device), comm_s=None, exposed_comm_s=None, profiled_wall_s=None,
                **owner_summary(opt, owner_timers, settings.iters))
-    if device.type == "cuda":
-        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    if device.type == "cuda" and (settings.exposed_comm or settings.trace):
+        acts = [torch.profiler.ProfilerActivity.CUDA]  # NCCL and compute kernels are all the share needs
+        if settings.trace:
+            acts.append(torch.profiler.ProfilerActivity.CPU)
         with torch.profiler.profile(activities=acts) as prof:
             t0 = time.perf_counter()
             for _ in range(settings.iters):
@@ -414,6 +420,7 @@ def run(configs: Sequence[ScaleConfig] = tuple(map(parse_config, CONFIGS)), pres
     per_config, singles = [], {}
     for preset in presets:
         for config in configs:
+            t_config = time.perf_counter()
             par = make_parallelism(config.parallel, device=device_name, tp=config.tp, tp_mode=config.tp_mode,
                                    bf16=bf16, tp_plan=GPT_TP, ep=settings.ep)
             if isinstance(par, Layerwise) and (preset, config.optimizer) not in singles:
@@ -424,7 +431,8 @@ def run(configs: Sequence[ScaleConfig] = tuple(map(parse_config, CONFIGS)), pres
             per_config.append(ranks)
             if par.rank == 0:
                 print(f"{preset} {config}: step {max(r['step_ms'] for r in ranks):.1f} ms, optimizer step "
-                      f"{max(r['opt_step_ms'] for r in ranks):.2f} ms", flush=True)
+                      f"{max(r['opt_step_ms'] for r in ranks):.2f} ms ({time.perf_counter() - t_config:.0f} s to "
+                      f"build and time)", flush=True)
     return dict(benchmark="scale", env=environment(par.device), world_size=par.world, backend=dist.get_backend(),
                 **dataclasses.asdict(settings),
                 summary=summarize(per_config, comm.all_gather_object(singles, None), par.world), per_rank=per_config)

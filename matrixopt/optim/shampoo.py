@@ -66,7 +66,7 @@ from matrixopt.optim.base import (
     check_decay,
     check_lr,
 )
-from matrixopt.optim.layout import matrix_pieces
+from matrixopt.optim.layout import capped_runs, matrix_pieces
 from matrixopt.optim.offload import Offload
 
 GRAFTINGS = ("adam", "none")
@@ -519,14 +519,15 @@ class Shampoo(KroneckerOptimizer):
                 for side in ("left", "right")[0 if b.left else 1:2 if b.right else 1]:
                     buckets[(st[f"{side}{k}"].shape[0], r if b.left and b.right else r // 2)].append((st, k, side))
         out = []
-        for (_, p), jobs in buckets.items():
-            A = torch.stack([st[f"{side}{k}"] for st, k, side in jobs]).float()  # (b, d, d) snapshot
-            dsts = [st[f"{side}_root{k}"] for st, k, side in jobs]
-            if sync:
-                out.append((dsts, A, inverse_root(A, p, group["damping"], self._root_config(group)), p))
-            else:
-                X, conv = newton_inverse_root(A, p, group["damping"], self._root_config(group), early_exit=False)
-                out.append((dsts, A, (X, conv), p))
+        for (d, p), all_jobs in buckets.items():
+            for jobs in capped_runs(all_jobs, d * d):  # bounded workspace
+                A = torch.stack([st[f"{side}{k}"] for st, k, side in jobs]).float()  # (b, d, d) snapshot
+                dsts = [st[f"{side}_root{k}"] for st, k, side in jobs]
+                if sync:
+                    out.append((dsts, A, inverse_root(A, p, group["damping"], self._root_config(group)), p))
+                else:
+                    X, conv = newton_inverse_root(A, p, group["damping"], self._root_config(group), early_exit=False)
+                    out.append((dsts, A, (X, conv), p))
         return out
 
     def _install_roots(self, group: dict[str, Any], handle: list[Any]) -> None:

@@ -54,6 +54,7 @@ from torch import Tensor
 from matrixopt.linalg.roots import eigenbasis, refresh_eigenbasis
 from matrixopt.optim.adam import adam_direction, adam_moments_
 from matrixopt.optim.base import adamw_group_defaults
+from matrixopt.optim.layout import capped_runs
 from matrixopt.optim.offload import Offload
 from matrixopt.optim.shampoo import Block, KroneckerOptimizer, Layout, accumulate, block_views
 
@@ -267,6 +268,11 @@ class SOAP(KroneckerOptimizer):
                     jobs[st[f"{side}{k}"].shape[0]].append((st, k, side, mviews[k], vviews[k]))
         return jobs
 
+    def _factor_runs(self, items: list[tuple[Tensor, list[Block], dict[str, Any]]]) -> list[list[tuple]]:
+        """:meth:`_factor_jobs` of each size in batches of bounded workspace
+        (:func:`~matrixopt.optim.layout.capped_runs`)."""
+        return [run for d, jobs in self._factor_jobs(items).items() for run in capped_runs(jobs, d * d)]
+
     @staticmethod
     def _stack(jobs: list[tuple], name: str) -> Tensor:
         return torch.stack([st[f"{side}{name}{k}"] for st, k, side, *_ in jobs]).float()
@@ -277,7 +283,7 @@ class SOAP(KroneckerOptimizer):
         torch._foreach_copy_(dsts, list(X.to(dsts[0].dtype).unbind(0)))
 
     def _first_bases(self, group: dict[str, Any], items: list[tuple[Tensor, list[Block], dict[str, Any]]]) -> None:
-        for jobs in self._factor_jobs(items).values():
+        for jobs in self._factor_runs(items):
             F = self._stack(jobs, "")
             Q, ok = eigenbasis(F)
             self._write(jobs, "_basis", Q)
@@ -287,7 +293,7 @@ class SOAP(KroneckerOptimizer):
 
     def _launch_bases(self, items: list[tuple[Tensor, list[Block], dict[str, Any]]]) -> list[Any]:
         out = []
-        for jobs in self._factor_jobs(items).values():
+        for jobs in self._factor_runs(items):
             F, Q = self._stack(jobs, ""), self._stack(jobs, "_basis")  # snapshots
             out.append((jobs, F, Q, *refresh_eigenbasis(F, Q)))
         return out

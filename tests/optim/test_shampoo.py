@@ -259,3 +259,32 @@ def test_side_stream_on_cpu_is_synchronous():
     a, _ = run(W0, grads, **kwargs(HP), side_stream=True)
     b, _ = run(W0, grads, **kwargs(HP))
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_refreshes_stack_factors_in_bounded_batches(monkeypatch, name):
+    """The roots (Shampoo) and eigenbases (SOAP) of many same-size factors are computed in batches of at most
+    ``layout.BUCKET_NUMEL`` values, with the results of one batch over them all."""
+    from matrixopt.optim import layout, shampoo, soap
+
+    def train():
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(8, 8)) for _ in range(5)]
+        cls = Shampoo if name == "shampoo" else matrixopt.SOAP
+        opt = cls(params, lr=0.01, precondition_frequency=2)
+        for _ in range(5):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        return [p.detach().clone() for p in params]
+
+    whole = train()
+    sizes = []
+    mod, fn = (shampoo, "inverse_root") if name == "shampoo" else (soap, "refresh_eigenbasis")
+    real = getattr(mod, fn)
+    monkeypatch.setattr(mod, fn, lambda A, *a, **k: sizes.append(A.shape[0]) or real(A, *a, **k))
+    monkeypatch.setattr(layout, "BUCKET_NUMEL", 2 * 8 * 8)  # two 8 x 8 factors per batch
+    capped = train()
+    assert sizes and max(sizes) == 2 and len(sizes) >= 5  # 10 factors of 8 x 8: 5 batches per refresh
+    for a, b in zip(whole, capped):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
