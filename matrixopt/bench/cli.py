@@ -184,15 +184,15 @@ def run_ranks(args: argparse.Namespace) -> NoReturn:
         settings = scale.Settings(toy=args.toy, ep=args.ep, tokens_per_gpu=args.tokens_per_gpu,
                                   micro_batch=args.micro_batch, iters=args.iters, warmup=warmup,
                                   exposed_comm=args.exposed_comm, trace=args.trace)
-        record = scale.run(args.configs, args.presets, settings)
-        text = scale.format_tables(record, phases=args.phases)
+        record = scale.run(args.configs, args.presets, settings, json_path=args.json)
+        text, path = scale.format_tables(record, phases=args.phases), None  # run() wrote it after each configuration
     else:
         device = tp.join(args.toy)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         shapes = args.shapes or (tp.TOY_SHAPES if args.toy else tp.DEFAULT_SHAPES)
         record = tp.run(shapes, device=device, dtype=dtype, warmup=warmup, reps=args.reps or (3 if args.toy else 10))
-        text = tp.format_tables(record)
+        text, path = tp.format_tables(record), args.json
     if dist.get_rank() == 0:
         print(text)
-        write_json(args.json, record)
+        write_json(path, record)
     comm.leave(0)  # destroys the group; no interpreter teardown (see its docstring)

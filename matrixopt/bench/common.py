@@ -68,12 +68,15 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
 
 
 def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
-    """Write ``payload`` as indented JSON (parents created); nothing when ``path`` is None."""
+    """Write ``payload`` as indented JSON (parents created); nothing when ``path`` is None. The file is replaced
+    whole (written beside it, then renamed), so a process stopped while writing leaves the previous version."""
     if path is None:
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    tmp.replace(path)
 
 
 def exposed_comm(prof) -> tuple[float, float]:

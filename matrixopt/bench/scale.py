@@ -41,7 +41,8 @@ topk of each layer's experts). Per configuration, the slowest rank's figures:
   layer-wise step's and optimizer state's ratios to it, and per rank its owned share of the matrix cost and the
   time of its own chunks' steps.
 
-Rank 0 prints the tables; ``--json`` writes every rank's figures and the summary.
+Rank 0 prints the tables; ``--json`` writes every rank's figures and the summary, after each configuration
+(``"complete": false`` until the last), so a run stopped by a time limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from matrixopt.bench.common import environment, exposed_comm, table
+from matrixopt.bench.common import environment, exposed_comm, table, write_json
 from matrixopt.device import StreamTimer, peak_mem_mb, sync, time_ms
 from matrixopt.distributed import comm
 from matrixopt.distributed.layerwise import LayerwiseOptimizer
@@ -408,34 +409,38 @@ def summarize(per_config: list[list[dict[str, Any]]], singles: list[dict[tuple[s
 
 
 def run(configs: Sequence[ScaleConfig] = tuple(map(parse_config, CONFIGS)), presets: Sequence[str] = PRESETS,
-        settings: Settings = Settings()) -> dict[str, Any]:
+        settings: Settings = Settings(), json_path: str | Path | None = None) -> dict[str, Any]:
     """Time every configuration at every preset on the ranks torchrun started; returns the JSON record (complete
-    on rank 0). Collective."""
+    on rank 0). With ``json_path``, rank 0 also writes the record there after each configuration, marked
+    ``"complete": false`` until the last, so a run stopped early keeps what it measured. Collective."""
     if "RANK" not in os.environ:
         raise ValueError("matrixopt bench scale runs one process per GPU: launch it with `torchrun --nproc-per-node N "
                          "-m matrixopt bench scale ...` (--toy: 2 ranks on the CPU)")
     device_name, bf16 = ("cpu", False) if settings.toy else ("auto", torch.cuda.is_available())
     presets = list(dict.fromkeys(map(toy_preset, presets))) if settings.toy else presets
     check_ep(configs, presets, settings)
-    per_config, singles = [], {}
-    for preset in presets:
-        for config in configs:
-            t_config = time.perf_counter()
-            par = make_parallelism(config.parallel, device=device_name, tp=config.tp, tp_mode=config.tp_mode,
-                                   bf16=bf16, tp_plan=GPT_TP, ep=settings.ep)
-            if isinstance(par, Layerwise) and (preset, config.optimizer) not in singles:
-                singles[preset, config.optimizer] = single_gpu_step(preset, config.optimizer, settings, par.device)
-                free(par.device)
-            ranks = comm.all_gather_object(run_config(par, config, preset, settings), None)
+    per_config, singles, record = [], {}, {}
+    todo = [(preset, config) for preset in presets for config in configs]
+    for n, (preset, config) in enumerate(todo, 1):
+        t_config = time.perf_counter()
+        par = make_parallelism(config.parallel, device=device_name, tp=config.tp, tp_mode=config.tp_mode,
+                               bf16=bf16, tp_plan=GPT_TP, ep=settings.ep)
+        if isinstance(par, Layerwise) and (preset, config.optimizer) not in singles:
+            singles[preset, config.optimizer] = single_gpu_step(preset, config.optimizer, settings, par.device)
             free(par.device)
-            per_config.append(ranks)
-            if par.rank == 0:
-                print(f"{preset} {config}: step {max(r['step_ms'] for r in ranks):.1f} ms, optimizer step "
-                      f"{max(r['opt_step_ms'] for r in ranks):.2f} ms ({time.perf_counter() - t_config:.0f} s to "
-                      f"build and time)", flush=True)
-    return dict(benchmark="scale", env=environment(par.device), world_size=par.world, backend=dist.get_backend(),
-                **dataclasses.asdict(settings),
-                summary=summarize(per_config, comm.all_gather_object(singles, None), par.world), per_rank=per_config)
+        ranks = comm.all_gather_object(run_config(par, config, preset, settings), None)
+        free(par.device)
+        per_config.append(ranks)
+        record = dict(benchmark="scale", env=environment(par.device), world_size=par.world,
+                      backend=dist.get_backend(), **dataclasses.asdict(settings), complete=n == len(todo),
+                      summary=summarize(per_config, comm.all_gather_object(singles, None), par.world),
+                      per_rank=per_config)
+        if par.rank == 0:
+            print(f"{preset} {config}: step {max(r['step_ms'] for r in ranks):.1f} ms, optimizer step "
+                  f"{max(r['opt_step_ms'] for r in ranks):.2f} ms ({time.perf_counter() - t_config:.0f} s to "
+                  f"build and time)", flush=True)
+            write_json(json_path, record)
+    return record
 
 
 COLUMNS = {  # summary key -> table header

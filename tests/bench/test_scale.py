@@ -111,6 +111,7 @@ def toy(tmp_path_factory):
 def test_scale_toy_throughput(toy):
     result, _ = toy
     assert result["benchmark"] == "scale" and result["world_size"] == 2 and result["backend"] == "gloo"
+    assert result["complete"]
     lines = {line["config"]: line for line in result["summary"]}
     assert set(lines) == {"ddp:adamw", "fsdp:adamw", "layerwise:muon", "fsdp:muon", "fsdp:muon:tp2"}
     for line in lines.values():
@@ -125,6 +126,21 @@ def test_scale_toy_throughput(toy):
         assert line["model_tflops_per_gpu"] == pytest.approx(flops * line["tokens_per_s_per_gpu"] / 1e12)
     assert lines["ddp:adamw"]["vs_ddp_adamw"] == 1.0
     assert lines["fsdp:muon"]["vs_ddp_adamw"] > 0 and lines["fsdp:adamw"]["vs_ddp_adamw"] > 0
+
+
+def test_a_run_stopped_early_keeps_the_configurations_it_measured(tmp_path):
+    """The record is written after each configuration: the second one here fails (8-row micro-batches do not divide
+    the 4 rows of a data-parallel rank without TP), and the first one's figures are on disk, marked incomplete."""
+    path = tmp_path / "scale.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "matrixopt",
+           "bench", "scale", "--toy", "--iters", "2", "--warmup", "1", "--tokens-per-gpu", "256", "--micro-batch",
+           "8", "--json", str(path), "--configs", "fsdp:muon:tp2", "ddp:adamw"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert proc.returncode != 0 and "--micro-batch 8 must divide" in proc.stdout + proc.stderr
+    record = json.loads(path.read_text())
+    assert not record["complete"] and [s["config"] for s in record["summary"]] == ["fsdp:muon:tp2"]
+    assert record["summary"][0]["step_ms"] > 0
 
 
 def test_scale_toy_layerwise_against_one_gpu(toy):
