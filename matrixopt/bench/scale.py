@@ -289,7 +289,8 @@ def run_config(par: Parallelism, config: ScaleConfig, preset: str, settings: Set
         raise ValueError(f"--micro-batch {micro} must divide the {rows} rows of {T} tokens each data-parallel rank "
                          f"takes per step (--tokens-per-gpu {settings.tokens_per_gpu}, tp {config.tp}); pick a divisor")
     torch.manual_seed(0)
-    model = GPT(gpt).to(device)
+    with device:  # initialized where it trains: a 1.3B model takes tens of seconds to initialize on one CPU thread
+        model = GPT(gpt)
     flops_per_token = model.estimate_flops_per_token()  # the whole model's (Megatron-LM's model FLOPs)
     params, active = model.num_params(), active_params(model)
     module = par.wrap(model)
@@ -365,7 +366,8 @@ def single_gpu_step(preset: str, optimizer: str, settings: Settings, device: tor
     """Median ms of ``optimizer``'s step over the whole model on this one device (random gradients, the trainer's
     hyperparameters), and its state in MiB: what layer-wise parallelism divides among the ranks."""
     torch.manual_seed(0)
-    model = GPT(model_config(preset, settings.toy).gpt_config(TOY_VOCAB if settings.toy else VOCAB)).to(device)
+    with device:
+        model = GPT(model_config(preset, settings.toy).gpt_config(TOY_VOCAB if settings.toy else VOCAB))
     hparams = OptimConfig(name=optimizer, lr=LR).optimizer_kwargs()
     opt = build_optimizer(model, optimizer, splits=QKV_SPLITS, **hparams)
     for p in model.parameters():
