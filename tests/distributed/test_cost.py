@@ -121,13 +121,15 @@ def test_balancer_packs_on_the_shared_flops():
 
 
 def test_shipped_profiles_and_round_trip(tmp_path):
-    """The H200 profile is the nominal one. The H100 one is measured, with the links and the MFU peak of the nominal
-    one (one rank measures no link), and no rate above the data sheet's: a calibration that counts bytes or FLOPs it
-    does not move fails here."""
+    """The H200 profile is the nominal one. The H100 one is measured, with the inter-node link and the MFU peak of
+    the nominal one (NVLink measured over 2 ranks, no network), and no rate above the data sheet's: a calibration
+    that counts bytes or FLOPs it does not move fails here."""
     assert cost.shipped_profile("h200") == nominal("h200")
     h100, sheet = cost.shipped_profile("h100"), NOMINAL["h100"]
     if h100.source == "measured":
-        assert h100.links == nominal("h100").links and h100.peak_flops == sheet["matmul_flops"] == 989e12
+        assert h100.links["inter"] == nominal("h100").links["inter"]
+        assert h100.peak_flops == sheet["matmul_flops"] == 989e12
+    assert h100.links["intra"].bandwidth <= sheet["nvlink_bytes_per_s"]
     assert max(r for _, r in h100.gemm) <= sheet["matmul_flops"]
     assert max(r for _, r in h100.fp32_gemm) <= sheet["fp32_flops"]
     assert max(r for _, r in h100.elementwise) <= sheet["hbm_bytes_per_s"]
