@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from matrixopt.train.model import PRESETS as GPT_PRESETS
+from matrixopt.train.model import GPTConfig, expert_ffn
 
 GPT_VOCAB = 50304
 
@@ -205,11 +206,14 @@ class ExplicitModel:
 
 def gpt(name: str, *, fused_qkv: bool = False) -> Architecture:
     """The trainer's GPT preset ``name`` as the scale benchmark builds it (untied head, vocab 50304, biases,
-    LayerNorm, learned positions). ``fused_qkv``: the QKV weight as one ``(3d, d)`` matrix, as ``bench step``
-    steps it; the planner's default keeps Q, K and V apart (three ``(d, d)``), as the trainer does."""
-    p = GPT_PRESETS[name]
-    arch = Architecture(name=name, n_layer=p["n_layer"], d_model=p["n_embd"], n_head=p["n_head"], vocab=GPT_VOCAB,
-                        context=p["block_size"], biases=True, position_table=True)
+    LayerNorm, learned positions); a mixture-of-experts preset (``n_expert`` > 0) with its experts, GELU MLPs of
+    width ``expert_ffn`` (the trainer's default, 4 d / topk, where the preset gives none) and no shared expert.
+    ``fused_qkv``: the QKV weight as one ``(3d, d)`` matrix, as ``bench step`` steps it; the planner's default
+    keeps Q, K and V apart (three ``(d, d)``), as the trainer does."""
+    c = GPTConfig(vocab_size=GPT_VOCAB, **GPT_PRESETS[name])
+    moe = dict(n_experts=c.n_expert, top_k=c.topk, expert_ffn=expert_ffn(c)) if c.n_expert else {}
+    arch = Architecture(name=name, n_layer=c.n_layer, d_model=c.n_embd, n_head=c.n_head, vocab=GPT_VOCAB,
+                        context=c.block_size, biases=True, position_table=True, **moe)
     return dataclasses.replace(arch, name=f"{name} (fused QKV)") if fused_qkv else arch
 
 

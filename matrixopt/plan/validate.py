@@ -2,12 +2,12 @@
 files under ``docs/results/`` (``matrixopt plan --validate``).
 
 Each row names its source file and what the model was given. Up to three device profiles are compared: the shipped
-profile of the device the run used (``measured`` for the H100, ``nominal`` for the H200), the nominal one built
-from the data sheet where the shipped one is measured, and ``limits``: the nominal one with the matmul rate and
-copy bandwidth the run's machine measured (the ``env.limits`` every benchmark JSON records) as the achieved rates.
-Where a throughput ratio is predicted, the forward and backward time comes from the measured AdamW step of the
-same run minus the model's AdamW optimizer step (the planner cannot predict MFU); the matrix optimizer's step is
-the prediction.
+profile of the device the run used (:func:`device_of`: ``measured`` for the H100, ``nominal`` for the H200), the
+nominal one built from the data sheet where the shipped one is measured, and ``limits``: the nominal one with the
+matmul rate and copy bandwidth the run's machine measured (the ``env.limits`` every benchmark JSON records) as the
+achieved rates. Where a throughput ratio is predicted, the forward and backward time comes from the measured AdamW
+step of the same run minus the model's AdamW optimizer step (the planner cannot predict MFU); the matrix
+optimizer's step is the prediction.
 """
 
 from __future__ import annotations
@@ -32,22 +32,37 @@ from matrixopt.distributed.cost import (
     shipped_profile,
     tp_ns_times,
 )
-from matrixopt.plan.models import PRESETS, Architecture, Matrix, fused_qkv_matrices, gpt
+from matrixopt.plan.models import GPT_VOCAB, PRESETS, Architecture, Matrix, fused_qkv_matrices, gpt
 from matrixopt.plan.planner import Layout, PlanConfig, predict
+from matrixopt.train.model import PRESETS as GPT_PRESETS
 
 THRESHOLD = 0.15  # the relative error the model aims to stay within
 ROOT = Path(__file__).resolve().parents[2] / "docs" / "results"
+MIB = 2**20  # bench scale records memory in MiB (peak_mem_mb_max); the model and the older records in GB
 
 
-def profiles_for(record: dict[str, Any], device: str) -> dict[str, DeviceProfile]:
-    """The profiles of ``device`` ("h100" or "h200") by label, the shipped one first (labelled by its source):
-    the shipped profile, the nominal one if the shipped one is measured, and the ``limits`` variant of the nominal
-    one from ``record['env']``."""
+def device_of(record: dict[str, Any]) -> str:
+    """The shipped profile's name ("h100" or "h200") of the GPU a benchmark record ran on: torch's device name in
+    ``record['env']['device']`` (``record['device']`` in the older layer-wise record), e.g. "NVIDIA H100 80GB HBM3".
+    ValueError for another device."""
+    name = record.get("env", {}).get("device") or record.get("device") or ""
+    found = [d for d in NOMINAL if d in name.lower()]
+    if len(found) != 1:
+        raise ValueError(f"the record's device {name!r} names none of the profiled GPUs ({', '.join(NOMINAL)}); "
+                         f"validate only records from those, or ship a profile for it")
+    return found[0]
+
+
+def profiles_for(record: dict[str, Any]) -> dict[str, DeviceProfile]:
+    """The profiles of the record's device (:func:`device_of`) by label, the shipped one first (labelled by its
+    source): the shipped profile, the nominal one if the shipped one is measured, and the ``limits`` variant of the
+    nominal one from ``record['env']``."""
+    device = device_of(record)
     shipped = shipped_profile(device)
     out = {shipped.source: shipped}
     if shipped.source != "nominal":
         out["nominal"] = nominal(device)
-    limits = record["env"].get("limits")
+    limits = record.get("env", {}).get("limits")
     if not limits:
         return out
     spec = {**NOMINAL[device], "matmul_flops": limits["peak_bf16_tflops"] * 1e12,
@@ -77,6 +92,18 @@ def _step(profile: DeviceProfile, optimizer: str, groups: list[Shapes], rest: in
             + profile.seconds("elementwise", ADAMW_BYTES * rest))
 
 
+def _gpus(rec: dict[str, Any], n: int) -> str:
+    """"2 H100": ``n`` GPUs of the record's device."""
+    return f"{n} {device_of(rec).upper()}"
+
+
+def _peak_gb(summary: dict[str, Any]) -> float:
+    """A summary row's largest peak memory per GPU in GB: ``peak_mem_gb_max``, or ``peak_mem_mb_max`` in MiB."""
+    if "peak_mem_gb_max" in summary:
+        return summary["peak_mem_gb_max"]
+    return summary["peak_mem_mb_max"] * MIB / 1e9
+
+
 def _row(what: str, source: str, profile: str, predicted: float, measured: float, unit: str) -> dict[str, Any]:
     err = predicted / measured - 1
     return {"what": what, "source": source, "profile": profile, "predicted": predicted, "measured": measured,
@@ -97,81 +124,134 @@ def single_gpu(root: Path) -> list[dict[str, Any]]:
         path = root / "bench" / f"step_{name}.json"
         rec = json.loads(path.read_text())
         groups, rest = _groups(gpt(name), fused=True)  # bench step keeps QKV fused
-        for pname, prof in profiles_for(rec, "h100").items():
+        for pname, prof in profiles_for(rec).items():
             for label, key, opt in (("Muon step", "matrixopt muon, deferred check, CUDA graph", "muon"),
                                     ("AdamW step", "adamw (fused)", "adamw")):
-                rows.append(_row(f"{name}: {label}, 1 H100", path.name, pname, _step(prof, opt, groups, rest) * 1e3,
-                                 rec["results"][key]["ms"]["median"], "ms"))
+                rows.append(_row(f"{name}: {label}, {_gpus(rec, 1)}", path.name, pname,
+                                 _step(prof, opt, groups, rest) * 1e3, rec["results"][key]["ms"]["median"], "ms"))
     path = root / "moe" / "step_qwen3-30b-a3b.json"  # one MoE layer: attention and 128 experts, router on AdamW
     rec = json.loads(path.read_text())
     layer = dataclasses.replace(PRESETS["qwen3-30b-a3b"], n_layer=1)
     groups = _shape_groups(m for m in layer.matrices() if m.name != "moe.router")
-    for pname, prof in profiles_for(rec, "h100").items():
+    for pname, prof in profiles_for(rec).items():
         for label, key, opt in (("Muon step", "matrixopt muon, deferred check, CUDA graph", "muon"),
                                 ("AdamW step", "adamw (fused)", "adamw")):
             predicted = _step(prof, opt, groups, rec["limit"]["adamw_params"]) * 1e3
-            rows.append(_row(f"qwen3-30b-a3b layer: {label}, 1 H100", path.name, pname, predicted,
+            rows.append(_row(f"qwen3-30b-a3b layer: {label}, {_gpus(rec, 1)}", path.name, pname, predicted,
                              rec["results"][key]["ms"]["median"], "ms"))
     path = root / "bench" / "shampoo_step_gpt2-small.json"
     rec = json.loads(path.read_text())
     groups, rest = _groups(gpt("gpt2-small"), fused=True)
-    for pname, prof in profiles_for(rec, "h100").items():
+    for pname, prof in profiles_for(rec).items():
         for opt in ("shampoo", "soap"):
             for f in (1, 10):
                 measured = rec["results"][f"{opt}, frequency {f}"]["median"]
-                rows.append(_row(f"gpt2-small: {opt} step, roots every {f}, 1 H100", path.name, pname,
+                rows.append(_row(f"gpt2-small: {opt} step, roots every {f}, {_gpus(rec, 1)}", path.name, pname,
                                  _step(prof, opt, groups, rest, f) * 1e3, measured, "ms"))
     for name in ("gpt2-small", "gpt2-medium"):
         path = root / "bench" / f"train_{name}.json"
         rec = json.loads(path.read_text())
         groups, rest = _groups(gpt(name), fused=False)  # the trainer splits Q, K and V
         adamw_ms = rec["results"]["adamw"]["step_ms"]["median"]
-        for pname, prof in profiles_for(rec, "h100").items():
+        for pname, prof in profiles_for(rec).items():
             fwd_bwd = adamw_ms - _step(prof, "adamw", groups, rest) * 1e3
             ratio = adamw_ms / (fwd_bwd + _step(prof, "muon", groups, rest) * 1e3)
-            rows.append(_row(f"{name}: Muon/AdamW tokens/s, training, 1 H100", path.name, pname, ratio,
+            rows.append(_row(f"{name}: Muon/AdamW tokens/s, training, {_gpus(rec, 1)}", path.name, pname, ratio,
                              rec["results"]["muon"]["vs_adamw"], "x"))
     return rows
 
 
-def _scale_rows(path: Path, summary: list[dict[str, Any]], world: int, tokens: int,
-                pairs: list[tuple[str, str, Layout]]) -> list[dict[str, Any]]:
-    """Rows for ``(muon config, its AdamW config, layout)`` of one scaling record."""
+def _scale_rows(path: Path, pairs: list[tuple[str, str, Layout]]) -> list[dict[str, Any]]:
+    """Rows for ``(matrix optimizer's config, its AdamW config, layout)`` of one ``bench scale`` record: the
+    planner given the record's GPUs, tokens per GPU, micro-batches per step and expert-parallel degree."""
     rec = json.loads(path.read_text())
+    world, tokens = rec["world_size"], rec["tokens_per_gpu"]
     rows = []
-    by = {(s["preset"], s["config"]): s for s in summary}
-    for preset in sorted({s["preset"] for s in summary}):
+    by = {(s["preset"], s["config"]): s for s in rec["summary"]}
+    for preset in sorted({s["preset"] for s in rec["summary"]}):
         arch = gpt(preset)
         for muon_cfg, adamw_cfg, layout in pairs:
             mu, ad = by.get((preset, muon_cfg)), by.get((preset, adamw_cfg))
             if mu is None or ad is None:
                 continue
-            for pname, prof in profiles_for(rec, "h200").items():
-                cfg = PlanConfig(model=arch, gpus=world, tokens_per_gpu=tokens)
+            cfg = PlanConfig(model=arch, gpus=world, tokens_per_gpu=tokens, grad_accum=mu.get("micro_batches", 1),
+                             ep=layout.ep if layout.ep > 1 else None)
+            where = f"{preset}, {_gpus(rec, world)}, {tokens // 1024}k tokens per GPU, {layout.label}"
+            for pname, prof in profiles_for(rec).items():
                 p = predict(layout, cfg, prof)
                 fwd_bwd = ad["step_ms"] - (p.adamw_step_s - p.fwd_bwd_s) * 1e3  # measured AdamW step less its model
                 muon_step = fwd_bwd + (p.step_s - p.fwd_bwd_s) * 1e3
-                where = f"{preset}, {world} H200, {layout.kind}"
                 rows += [_row(f"{where}: Muon optimizer step", path.name, pname, p.opt_step_s * 1e3,
                               mu["opt_step_ms_max"], "ms"),
                          _row(f"{where}: Muon training step", path.name, pname, muon_step, mu["step_ms"], "ms"),
                          _row(f"{where}: Muon/AdamW tokens/s", path.name, pname, ad["step_ms"] / muon_step,
                               ad["step_ms"] / mu["step_ms"], "x"),
                          _row(f"{where}: Muon peak memory per GPU", path.name, pname, p.memory.total / 1e9,
-                              mu["peak_mem_gb_max"], "GB"),
+                              _peak_gb(mu), "GB"),
                          _row(f"{where}: AdamW peak memory per GPU", path.name, pname, p.adamw_memory.total / 1e9,
-                              ad["peak_mem_gb_max"], "GB")]
+                              _peak_gb(ad), "GB")]
     return rows
 
 
-def layerwise_owners(root: Path) -> list[dict[str, Any]]:
-    """The layer-wise balancer's assignment of the 1.3B GPT over 2 ranks (QKV fused as the trainer owns it, split
-    in three for Newton–Schulz), each owner's step predicted by the cost model: its slowest/mean owner step and its
-    largest state share against the measured ones."""
-    path = root / "distributed" / "layerwise_1.3b_2gpu.json"
+def _ddp_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows for DDP Muon against DDP AdamW of one ``bench scale`` record: the planner has no DDP layout, so the
+    cost model's step of one process (:func:`_step`) on what a rank steps: every dense matrix and, under expert
+    parallelism, its ``1 / ep`` of the expert matrices; the router, tables and vectors on AdamW (as the trainer
+    routes them)."""
     rec = json.loads(path.read_text())
-    world, shape = rec["world_size"], rec["shape"]
-    d, L, V, T = shape["n_embd"], shape["n_layer"], shape["vocab_size"], shape["block_size"]
+    world, tokens, ep = rec["world_size"], rec["tokens_per_gpu"], rec.get("ep", 1)
+    by = {(s["preset"], s["config"]): s for s in rec["summary"]}
+    rows = []
+    for preset in sorted({s["preset"] for s in rec["summary"]}):
+        mu, ad = by.get((preset, "ddp:muon")), by.get((preset, "ddp:adamw"))
+        if mu is None or ad is None:
+            continue
+        arch = gpt(preset)
+        mats = [dataclasses.replace(m, count=m.count // ep) if m.expert else m
+                for m in arch.matrices() if m.name != "moe.router"]
+        groups = _shape_groups(mats)
+        local = arch.total_params() - sum(m.numel for m in arch.matrices() if m.expert) * (ep - 1) // ep
+        rest = local - sum(g.numel for g in groups)
+        where = f"{preset}, {_gpus(rec, world)}, {tokens // 1024}k tokens per GPU, ddp" + (f" ep{ep}" if ep > 1 else "")
+        for pname, prof in profiles_for(rec).items():
+            muon, adamw = _step(prof, "muon", groups, rest) * 1e3, _step(prof, "adamw", groups, rest) * 1e3
+            muon_step = ad["step_ms"] - adamw + muon
+            rows += [_row(f"{where}: Muon optimizer step", path.name, pname, muon, mu["opt_step_ms_max"], "ms"),
+                     _row(f"{where}: AdamW optimizer step", path.name, pname, adamw, ad["opt_step_ms_max"], "ms"),
+                     _row(f"{where}: Muon training step", path.name, pname, muon_step, mu["step_ms"], "ms"),
+                     _row(f"{where}: Muon/AdamW tokens/s", path.name, pname, ad["step_ms"] / muon_step,
+                          ad["step_ms"] / mu["step_ms"], "x")]
+    return rows
+
+
+def _single_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows for the single-GPU reference of one ``bench scale`` record (``single_gpu_step_ms`` of a layer-wise
+    line: the matrix optimizer stepping the whole model in one process): the cost model's step of one process on
+    every matrix, the router, tables and vectors on AdamW."""
+    rec = json.loads(path.read_text())
+    rows = []
+    for line in rec["summary"]:
+        if "single_gpu_step_ms" not in line or not line["config"].endswith(":muon"):
+            continue
+        arch = gpt(line["preset"])
+        groups = _shape_groups(m for m in arch.matrices() if m.name != "moe.router")
+        rest = arch.total_params() - sum(g.numel for g in groups)
+        for pname, prof in profiles_for(rec).items():
+            rows.append(_row(f"{line['preset']}, {_gpus(rec, 1)}: Muon step, whole model (the record's single-GPU "
+                             f"reference)", path.name, pname, _step(prof, "muon", groups, rest) * 1e3,
+                             line["single_gpu_step_ms"], "ms"))
+    return rows
+
+
+def layerwise_owners(path: Path, rec: dict[str, Any], preset: str, steps_ms: list[float],
+                     state_ratio: float) -> list[dict[str, Any]]:
+    """The layer-wise balancer's assignment of GPT ``preset`` (untied head, vocab 50304, learned positions) over
+    the record's ranks (QKV fused as the trainer owns it, split in three for Newton–Schulz), each owner's step
+    predicted by the cost model with the shipped profile of the record's device: its slowest/mean owner step and
+    its largest state share against the measured ones (``steps_ms``: each rank's own optimizer step)."""
+    world = rec["world_size"]
+    shape = GPT_PRESETS[preset]
+    d, L, V, T = shape["n_embd"], shape["n_layer"], GPT_VOCAB, shape["block_size"]
     pieces = [[(d, d)] * 3, [(d, d)], [(4 * d, d)], [(d, 4 * d)]] * L  # c_attn (three pieces), c_proj, c_fc, proj
     costs = [sum(balance.muon_cost(m, n) for m, n in ps) for ps in pieces]
     sizes = [4 * sum(m * n for m, n in ps) for ps in pieces]  # Muon momentum, fp32
@@ -183,7 +263,7 @@ def layerwise_owners(root: Path) -> list[dict[str, Any]]:
     table_owner, _ = balance.lpt([float(b) for b in tables], world, state)
     owner = balance.rebalance_state(owner + table_owner, costs + [0.0] * 3, sizes + tables, world,
                                     (1 + balance.COST_TOLERANCE) * max(compute))
-    prof = shipped_profile("h200")
+    prof = shipped_profile(device_of(rec))
     step, held = [0.0] * world, [0] * world
     for r in range(world):
         stacks: dict[tuple[int, int], int] = {}
@@ -195,25 +275,43 @@ def layerwise_owners(root: Path) -> list[dict[str, Any]]:
         rest = sum(b // 8 for b, o in zip(tables, owner[len(pieces):]) if o == r)
         step[r] = _step(prof, "muon", groups, rest)
         held[r] = sum(b for b, o in zip(sizes + tables, owner) if o == r)
-    measured_steps = [p["layerwise_step_ms"] for p in rec["per_rank"]]
-    return [_row("1.3b, 2 H200, layer-wise owners: slowest / mean owner step", path.name, prof.source,
-                 max(step) / (sum(step) / world), max(measured_steps) / (sum(measured_steps) / world), "x"),
-            _row("1.3b, 2 H200, layer-wise owners: largest state / single-process state", path.name, prof.source,
-                 max(held) / sum(held), rec["state_ratio"], "x")]
+    where = f"{preset}, {_gpus(rec, world)}, layer-wise owners"
+    return [_row(f"{where}: slowest / mean owner step", path.name, prof.source,
+                 max(step) / (sum(step) / world), max(steps_ms) / (sum(steps_ms) / world), "x"),
+            _row(f"{where}: largest state / single-process state", path.name, prof.source,
+                 max(held) / sum(held), state_ratio, "x")]
 
 
 def scaling(root: Path) -> list[dict[str, Any]]:
+    """The 2- and 4-H200 records (one micro-batch of 4096 tokens per GPU)."""
     lw, fsdp = Layout(kind="layerwise"), Layout(kind="fsdp")
-    rows = layerwise_owners(root)
-    two = json.loads((root / "distributed" / "scale_1.3b_2gpu.json").read_text())
-    two_fsdp = json.loads((root / "distributed" / "scale_1.3b_2gpu_fsdp.json").read_text())
-    rows += _scale_rows(root / "distributed" / "scale_1.3b_2gpu.json", two["summary"], 2, two["tokens_per_gpu"],
-                        [("layerwise:muon", "ddp:adamw", lw)])
-    rows += _scale_rows(root / "distributed" / "scale_1.3b_2gpu_fsdp.json", two_fsdp["summary"], 2,
-                        two_fsdp["tokens_per_gpu"], [("fsdp:muon", "fsdp:adamw", fsdp)])
-    four = json.loads((root / "distributed" / "scale_4gpu.json").read_text())
-    rows += _scale_rows(root / "distributed" / "scale_4gpu.json", four["summary"], 4, four["tokens_per_gpu"],
-                        [("layerwise:muon", "ddp:adamw", lw), ("fsdp:muon", "fsdp:adamw", fsdp)])
+    dist = root / "distributed"
+    rec = json.loads((dist / "layerwise_1.3b_2gpu.json").read_text())
+    rows = layerwise_owners(dist / "layerwise_1.3b_2gpu.json", rec, "1.3b",
+                            [p["layerwise_step_ms"] for p in rec["per_rank"]], rec["state_ratio"])
+    rows += _scale_rows(dist / "scale_1.3b_2gpu.json", [("layerwise:muon", "ddp:adamw", lw)])
+    rows += _scale_rows(dist / "scale_1.3b_2gpu_fsdp.json", [("fsdp:muon", "fsdp:adamw", fsdp)])
+    rows += _scale_rows(dist / "scale_4gpu.json", [("layerwise:muon", "ddp:adamw", lw),
+                                                   ("fsdp:muon", "fsdp:adamw", fsdp)])
+    return rows
+
+
+def scaling_h100(root: Path) -> list[dict[str, Any]]:
+    """The 2-H100 records: 1.3B at 16k and 64k tokens per GPU in micro-batches of two rows, moe-2b with expert
+    parallelism 2 at 16k, and the single-GPU step each record took as its reference."""
+    lw, fsdp = Layout(kind="layerwise"), Layout(kind="fsdp")
+    dist = root / "distributed"
+    path = dist / "scale_1.3b_16k_2xh100.json"
+    rec = json.loads(path.read_text())
+    (layerwise,) = [ranks for ranks in rec["per_rank"] if ranks[0]["config"] == "layerwise:muon"]
+    (line,) = [s for s in rec["summary"] if s["config"] == "layerwise:muon"]
+    rows = layerwise_owners(path, rec, "1.3b", [r["inner_step_ms"] for r in layerwise], line["state_vs_single_gpu"])
+    for name in ("scale_1.3b_16k_2xh100.json", "scale_1.3b_64k_2xh100.json"):
+        rows += _single_rows(dist / name)
+        rows += _scale_rows(dist / name, [("layerwise:muon", "ddp:adamw", lw), ("fsdp:muon", "fsdp:adamw", fsdp)])
+    moe = dist / "scale_moe-2b_ep2_16k_2xh100.json"
+    rows += _single_rows(moe) + _ddp_rows(moe)
+    rows += _scale_rows(moe, [("layerwise:muon", "ddp:adamw", Layout(kind="layerwise", ep=2))])
     return rows
 
 
@@ -229,14 +327,14 @@ def tensor_parallel(root: Path) -> list[dict[str, Any]]:
         path = root / "distributed" / f"tp_ns_{world}gpu.json"
         rec = json.loads(path.read_text())
         steps = rec["env"].get("ns_steps", 5)
-        prof = shipped_profile("h200")
+        prof = shipped_profile(device_of(rec))
         times = functools.partial(_tp_times, prof, world, steps)
 
         best: dict[tuple, dict[str, float]] = {}
         for e in rec["newton_schulz"]:
             m, n = e["shape"]
             if e["shard_dim"] is None:
-                rows.append(_row(f"NS {m}x{n}, 1 H200", path.name, prof.source,
+                rows.append(_row(f"NS {m}x{n}, {_gpus(rec, 1)}", path.name, prof.source,
                                  newton_schulz_time(prof, 1, m, n, steps) * 1e3, e["median_ms"], "ms"))
                 continue
             if e["mode"] == "distributed" and e["chunks"] != 4:
@@ -260,7 +358,8 @@ def tensor_parallel(root: Path) -> list[dict[str, Any]]:
 
 
 SECTIONS: dict[str, Callable[[Path], list[dict[str, Any]]]] = {
-    "single GPU": single_gpu, "scaling": scaling, "tensor-parallel Newton-Schulz": tensor_parallel}
+    "single GPU": single_gpu, "scaling": scaling, "scaling, 2 H100": scaling_h100,
+    "tensor-parallel Newton-Schulz": tensor_parallel}
 
 
 def validate(root: Path = ROOT) -> dict[str, list[dict[str, Any]]]:

@@ -7,7 +7,7 @@ import pytest
 from matrixopt import cli
 from matrixopt.distributed.cost import shipped_profile
 from matrixopt.plan import planner, validate
-from matrixopt.plan.models import PRESETS, Architecture, load_model
+from matrixopt.plan.models import PRESETS, Architecture, gpt, load_model
 
 H100 = shipped_profile("h100")
 
@@ -18,6 +18,13 @@ def test_presets_have_the_published_sizes():
     assert PRESETS["qwen3-30b-a3b"].total_params() == pytest.approx(30.5e9, rel=0.01)  # "30B-A3B"
     assert PRESETS["qwen3-30b-a3b"].active_matmul_params() == pytest.approx(3.0e9, rel=0.1)
     assert PRESETS["kimi-k2-like"].total_params() == pytest.approx(1.03e12, rel=0.02)  # "1T total"
+
+
+def test_gpt_keeps_a_mixture_of_experts_preset():
+    moe = gpt("moe-2b")
+    assert (moe.n_experts, moe.top_k, moe.expert_ffn) == (128, 8, 384)
+    # bench scale's record counts 2,624,898,048 without biases; gpt() adds the attention, router and norm biases
+    assert moe.total_params() == 2624898048 + 24 * (4 * 1024 + 128) + 49 * 1024
 
 
 def test_plan_is_deterministic_and_marks_the_best():
@@ -139,4 +146,25 @@ def test_validation_reads_the_committed_results():
     sections = validate.validate()
     rows = [r for rs in sections.values() for r in rs]
     assert len(rows) > 50 and all(r["source"].endswith(".json") for r in rows)
+    assert all("H100" in r["what"] and r["source"].endswith("2xh100.json") for r in sections["scaling, 2 H100"])
     assert "| measurement |" in validate.format_validation(sections)
+
+
+@pytest.mark.parametrize("record, device", [
+    ({"env": {"device": "NVIDIA H100 80GB HBM3"}}, "h100"),
+    ({"env": {"device": "NVIDIA H200"}}, "h200"),
+    ({"device": "NVIDIA H200"}, "h200"),  # the older layer-wise record keeps it at the top
+])
+def test_validation_reads_the_device_of_a_record(record, device):
+    assert validate.device_of(record) == device
+    assert next(iter(validate.profiles_for(record).values())).device == validate.shipped_profile(device).device
+
+
+def test_validation_rejects_an_unprofiled_device():
+    with pytest.raises(ValueError, match="'NVIDIA A100-SXM4-80GB' names none of the profiled GPUs"):
+        validate.device_of({"env": {"device": "NVIDIA A100-SXM4-80GB"}})
+
+
+def test_validation_reads_peak_memory_in_gb_or_mib():
+    assert validate._peak_gb({"peak_mem_gb_max": 35.5}) == 35.5
+    assert validate._peak_gb({"peak_mem_mb_max": 1000.0}) == pytest.approx(1.048576)  # MiB
