@@ -195,6 +195,17 @@ def parse_pairs(items: list[str], flag: str) -> dict[str, object]:
     return pairs
 
 
+def per_optimizer(items: list[str], flag: str) -> dict[str, dict[str, object]]:
+    """``["muon.momentum=0.9", ...]`` -> ``{"muon": {"momentum": 0.9}}``: hyperparameters of one optimizer each."""
+    hparams: dict[str, dict[str, object]] = {}
+    for key, value in parse_pairs(items, flag).items():
+        name, dot, field = key.partition(".")
+        if not dot:
+            raise ValueError(f"{flag} {key}=... needs an optimizer prefix, e.g. {flag} muon.{key}=...")
+        hparams.setdefault(name, {})[field] = value
+    return hparams
+
+
 def set_path(d: dict, path: str, value) -> None:
     *parents, leaf = path.split(".")
     for key in parents:
@@ -266,13 +277,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for name, lr in lrs.items():
         if not isinstance(lr, (int, float)):
             raise ValueError(f"--lr {name}={lr!r} is not a number")
-    hparams: dict = {}
-    for key, value in parse_pairs(args.opt, "--opt").items():
-        name, dot, field = key.partition(".")
-        if not dot:
-            raise ValueError(f"--opt {key}=... needs an optimizer prefix, e.g. --opt muon.{key}=...")
-        hparams.setdefault(name, {})[field] = value
-    configs = run_configs(base, names, {k: float(v) for k, v in lrs.items()}, hparams)
+    configs = run_configs(base, names, {k: float(v) for k, v in lrs.items()}, per_optimizer(args.opt, "--opt"))
     summary = compare(configs, args.out, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
                       target=args.target)
     if summary is not None:  # rank 0 (or the only process) writes the report

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from matrixopt.bench import kernels, ns, plots, profile, scale, step, tp, train
 from matrixopt.bench.common import write_json
+from matrixopt.cli import per_optimizer
 from matrixopt.device import resolve_device
 from matrixopt.distributed import comm
 from matrixopt.train.model import PRESETS
@@ -125,6 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=10,
                    help="timed steps, and as many profiled with --exposed-comm (default 10)")
     p.add_argument("--phases", action="store_true", help="also print the step's forward/backward/clip/step timeline")
+    p.add_argument("--opt", action="append", default=[], metavar="NAME.KEY=VALUE",
+                   help="a hyperparameter of one optimizer over the trainer's, e.g. --opt muon.cuda_graph=true "
+                        "(repeatable)")
     p.add_argument("--exposed-comm", action="store_true",
                    help="profile --iters more steps for the share of NCCL time no compute overlaps (CUDA; slow: "
                         "minutes per configuration at 1.3B)")
@@ -183,7 +187,8 @@ def run_ranks(args: argparse.Namespace) -> NoReturn:
     if args.bench == "scale":
         settings = scale.Settings(toy=args.toy, ep=args.ep, tokens_per_gpu=args.tokens_per_gpu,
                                   micro_batch=args.micro_batch, iters=args.iters, warmup=warmup,
-                                  exposed_comm=args.exposed_comm, trace=args.trace)
+                                  exposed_comm=args.exposed_comm, trace=args.trace,
+                                  hparams=per_optimizer(args.opt, "--opt"))
         record = scale.run(args.configs, args.presets, settings, json_path=args.json)
         text, path = scale.format_tables(record, phases=args.phases), None  # run() wrote it after each configuration
     else:

@@ -108,6 +108,8 @@ class Settings:
     """Profile ``iters`` more steps (CUDA) for the exposed-communication share."""
     trace: str | None = None
     """A folder for each rank's profiler trace (CUDA), or None; implies ``exposed_comm``."""
+    hparams: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Per optimizer name, hyperparameters over the trainer's (``--opt muon.cuda_graph=true``)."""
 
     def __post_init__(self) -> None:
         if self.ep < 1:
@@ -117,6 +119,10 @@ class Settings:
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"--micro-batch must be a positive number of rows, got {self.micro_batch}; leave it out "
                              f"for one micro-batch per step")
+        unknown = sorted(set(self.hparams) - set(OPTIMIZERS))
+        if unknown:
+            raise ValueError(f"--opt names unknown optimizers {unknown}; write NAME.KEY=VALUE with NAME one of "
+                             f"{', '.join(sorted(OPTIMIZERS))}")
         if self.iters < 2 or self.warmup < 0:
             raise ValueError(f"--iters must be >= 2 (quantiles need two steps) and --warmup >= 0, got --iters "
                              f"{self.iters} --warmup {self.warmup}")
@@ -294,7 +300,8 @@ def run_config(par: Parallelism, config: ScaleConfig, preset: str, settings: Set
     flops_per_token = model.estimate_flops_per_token()  # the whole model's (Megatron-LM's model FLOPs)
     params, active = model.num_params(), active_params(model)
     module = par.wrap(model)
-    hparams = OptimConfig(name=config.optimizer, lr=LR).optimizer_kwargs()  # the trainer's
+    hparams = (OptimConfig(name=config.optimizer, lr=LR).optimizer_kwargs()  # the trainer's, then --opt's
+               | settings.hparams.get(config.optimizer, {}))
     opt = par.build_optimizer(model, config.optimizer, splits=QKV_SPLITS, **hparams)
     n_global = rows * par.world // config.tp
     g = torch.Generator(device).manual_seed(1)  # the same global batch on every rank; each takes its rows
@@ -368,7 +375,7 @@ def single_gpu_step(preset: str, optimizer: str, settings: Settings, device: tor
     torch.manual_seed(0)
     with device:
         model = GPT(model_config(preset, settings.toy).gpt_config(TOY_VOCAB if settings.toy else VOCAB))
-    hparams = OptimConfig(name=optimizer, lr=LR).optimizer_kwargs()
+    hparams = OptimConfig(name=optimizer, lr=LR).optimizer_kwargs() | settings.hparams.get(optimizer, {})
     opt = build_optimizer(model, optimizer, splits=QKV_SPLITS, **hparams)
     for p in model.parameters():
         p.grad = torch.randn_like(p)

@@ -71,6 +71,7 @@ def test_bad_config_is_an_argument_error(capsys):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(tokens_per_gpu=0), "--tokens-per-gpu"), (dict(micro_batch=0), "--micro-batch"),
     (dict(iters=1), "--iters must be >= 2"), (dict(warmup=-1), "--warmup >= 0"), (dict(ep=0), "--ep must be"),
+    (dict(hparams={"muom": {"momentum": 0.9}}), r"--opt names unknown optimizers \['muom'\]"),
 ])
 def test_settings_check_themselves(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -103,7 +104,7 @@ def toy(tmp_path_factory):
     micro-batches."""
     path = tmp_path_factory.mktemp("scale") / "scale.json"
     proc = torchrun_bench(["scale", "--toy", "--iters", "2", "--warmup", "1", "--tokens-per-gpu", "256",
-                           "--micro-batch", "2", "--phases", "--json", str(path),
+                           "--micro-batch", "2", "--phases", "--json", str(path), "--opt", "muon.momentum=0.9",
                            "--configs", *CONFIGS, "fsdp:muon:tp2"], timeout=300)
     return json.loads(path.read_text()), proc.stdout
 
@@ -111,7 +112,7 @@ def toy(tmp_path_factory):
 def test_scale_toy_throughput(toy):
     result, _ = toy
     assert result["benchmark"] == "scale" and result["world_size"] == 2 and result["backend"] == "gloo"
-    assert result["complete"]
+    assert result["complete"] and result["hparams"] == {"muon": {"momentum": 0.9}}
     lines = {line["config"]: line for line in result["summary"]}
     assert set(lines) == {"ddp:adamw", "fsdp:adamw", "layerwise:muon", "fsdp:muon", "fsdp:muon:tp2"}
     for line in lines.values():
@@ -141,6 +142,16 @@ def test_a_run_stopped_early_keeps_the_configurations_it_measured(tmp_path):
     record = json.loads(path.read_text())
     assert not record["complete"] and [s["config"] for s in record["summary"]] == ["fsdp:muon:tp2"]
     assert record["summary"][0]["step_ms"] > 0
+
+
+def test_opt_reaches_the_optimizer(tmp_path):
+    """``--opt NAME.KEY=VALUE`` is passed to that optimizer's constructor: an unknown keyword is refused there."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "matrixopt",
+           "bench", "scale", "--toy", "--iters", "2", "--warmup", "1", "--tokens-per-gpu", "128",
+           "--opt", "muon.not_a_setting=1", "--configs", "ddp:muon"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert proc.returncode != 0 and "not_a_setting" in proc.stdout + proc.stderr
 
 
 def test_scale_toy_layerwise_against_one_gpu(toy):
