@@ -78,6 +78,9 @@ SWITCHES = [
     ("--untied", "model.tie_embeddings", "separate lm_head weight (sets tie_embeddings false)"),
     ("--compile", "compile", "torch.compile the model"),
     ("--shared-expert", "model.shared_expert", "MoE: a shared expert every token goes through"),
+    ("--fsdp-gather-once", "fsdp_gather_once", "with --parallel fsdp and --grad-accum > 1: gather the parameters "
+                                               "once per step and keep them until the last micro-batch (fewer "
+                                               "all-gathers, the gathered model in memory)"),
 ]
 
 
@@ -230,7 +233,7 @@ def run_config(args: argparse.Namespace):
         if (dest := flag[2:].replace("-", "_")) in given:
             set_path(values, path, given[dest])
     for flag, path, _ in SWITCHES:
-        if flag[2:] in given:
+        if flag[2:].replace("-", "_") in given:  # argparse's dest of --shared-expert is shared_expert
             set_path(values, path, flag != "--untied")
     if "betas" in given:
         try:

@@ -129,6 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--opt", action="append", default=[], metavar="NAME.KEY=VALUE",
                    help="a hyperparameter of one optimizer over the trainer's, e.g. --opt muon.cuda_graph=true "
                         "(repeatable)")
+    p.add_argument("--fsdp-gather-once", action="store_true",
+                   help="fsdp configurations: gather parameters once per step under accumulation (as the trainer's "
+                        "--fsdp-gather-once)")
     p.add_argument("--exposed-comm", action="store_true",
                    help="profile --iters more steps for the share of NCCL time no compute overlaps (CUDA; slow: "
                         "minutes per configuration at 1.3B)")
@@ -188,7 +191,7 @@ def run_ranks(args: argparse.Namespace) -> NoReturn:
         settings = scale.Settings(toy=args.toy, ep=args.ep, tokens_per_gpu=args.tokens_per_gpu,
                                   micro_batch=args.micro_batch, iters=args.iters, warmup=warmup,
                                   exposed_comm=args.exposed_comm, trace=args.trace,
-                                  hparams=per_optimizer(args.opt, "--opt"))
+                                  fsdp_gather_once=args.fsdp_gather_once, hparams=per_optimizer(args.opt, "--opt"))
         record = scale.run(args.configs, args.presets, settings, json_path=args.json)
         text, path = scale.format_tables(record, phases=args.phases), None  # run() wrote it after each configuration
     else:

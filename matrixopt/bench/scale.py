@@ -108,6 +108,9 @@ class Settings:
     """Profile ``iters`` more steps (CUDA) for the exposed-communication share."""
     trace: str | None = None
     """A folder for each rank's profiler trace (CUDA), or None; implies ``exposed_comm``."""
+    fsdp_gather_once: bool = False
+    """FSDP2 configurations gather parameters once per step under accumulation (the trainer's
+    ``--fsdp-gather-once``)."""
     hparams: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """Per optimizer name, hyperparameters over the trainer's (``--opt muon.cuda_graph=true``)."""
 
@@ -433,7 +436,8 @@ def run(configs: Sequence[ScaleConfig] = tuple(map(parse_config, CONFIGS)), pres
     for n, (preset, config) in enumerate(todo, 1):
         t_config = time.perf_counter()
         par = make_parallelism(config.parallel, device=device_name, tp=config.tp, tp_mode=config.tp_mode,
-                               bf16=bf16, tp_plan=GPT_TP, ep=settings.ep)
+                               bf16=bf16, tp_plan=GPT_TP, ep=settings.ep,
+                               gather_once=settings.fsdp_gather_once and config.parallel == "fsdp")
         if isinstance(par, Layerwise) and (preset, config.optimizer) not in singles:
             singles[preset, config.optimizer] = single_gpu_step(preset, config.optimizer, settings, par.device)
             free(par.device)

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from matrixopt.device import resolve_device
@@ -469,7 +469,12 @@ class FSDP(MultiProcess):
     DTensors: the Muon family orthogonalizes each local expert's matrix (ShardedMuon's plain-tensor path), AdamW
     takes them as a group of their own. Clipping takes the global norm, every expert counted once. Checkpoints hold
     the whole stacks (:func:`~matrixopt.distributed.checkpoint.block_shard`), so they resume at any ep and number of
-    ranks. Experts take the Muon family or AdamW, without tensor parallelism."""
+    ranks. Experts take the Muon family or AdamW, without tensor parallelism.
+
+    ``gather_once``: under gradient accumulation, gather the parameters once per step: the micro-batches before
+    the last (inside :meth:`no_sync`) neither reduce gradients nor reshard parameters, so only the first forward
+    and the last backward all-gather (2 gathers of each block per step instead of 2 per micro-batch). Costs the
+    whole model's gathered parameters (bf16 under ``bf16``) in memory between micro-batches; the same result."""
 
     name = "fsdp"
     checkpoint_name = "ckpt"
@@ -479,8 +484,9 @@ class FSDP(MultiProcess):
     expert_optimizers: ClassVar[tuple[str, ...]] = ("muon", "normuon", "adamuon", "adamw")  # step plain stacks
 
     def __init__(self, device: str | torch.device = "auto", *, bf16: bool = False, tp: int = 1,
-                 tp_mode: str = "auto", tp_plan: TPPlan | None = None, ep: int = 1) -> None:
+                 tp_mode: str = "auto", tp_plan: TPPlan | None = None, ep: int = 1, gather_once: bool = False) -> None:
         self.check(tp=tp, tp_mode=tp_mode, ep=ep)
+        self.gather_once = gather_once
         if tp > 1 and tp_plan is None:
             raise ValueError(f"tp={tp} needs a tp_plan (how to shard the model over the TP ranks), e.g. "
                              f"matrixopt.train.parallelize.GPT_TP")
@@ -539,7 +545,7 @@ class FSDP(MultiProcess):
         return OPTIMIZERS["adamw"](groups, **hparams)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
-        return _fsdp_no_sync(self.module)
+        return _fsdp_no_sync(self.module, keep_unsharded=self.gather_once)
 
     def sync_grads(self) -> None:
         if self.expert_params:
@@ -623,39 +629,67 @@ def any_rank(flag: bool, host_group: dist.ProcessGroup) -> bool:
 
 
 @contextlib.contextmanager
-def _fsdp_no_sync(module: nn.Module):
+def _fsdp_no_sync(module: nn.Module, keep_unsharded: bool = False):
+    """FSDP2 without gradient reduction; with ``keep_unsharded``, also without resharding: parameters gathered by
+    the first micro-batch stay gathered until the last, which runs outside (every block as :func:`apply_fsdp`
+    shards it, resharding after forward and backward). Left by an exception, the parameters are resharded, so no
+    stale gathered copy outlives an optimizer step."""
+    blocks = [m for m in module.modules() if isinstance(m, FSDPModule) and m is not module]
     module.set_requires_gradient_sync(False)
+    if keep_unsharded:
+        _set_resharding(module, blocks, False)
     try:
         yield
+    except BaseException:
+        if keep_unsharded:
+            module.reshard()
+            for block in blocks:
+                block.reshard()
+        raise
     finally:
         module.set_requires_gradient_sync(True)
+        if keep_unsharded:
+            _set_resharding(module, blocks, True)
+
+
+def _set_resharding(root: nn.Module, blocks: list[nn.Module], on: bool) -> None:
+    """Reshard (or keep) every block's parameters after backward and the blocks' after forward; the root's
+    resharding after forward is FSDP2's own choice (off) and left alone."""
+    root.set_reshard_after_backward(on)
+    for block in blocks:
+        block.set_reshard_after_forward(on, recurse=False)
 
 
 PARALLELISMS: dict[str, type[Parallelism]] = {"none": SingleProcess, "ddp": DDP, "layerwise": Layerwise,
                                              "fsdp": FSDP}
 
 
-def parallelism_class(mode: str, *, tp: int = 1, tp_mode: str = "auto", ep: int = 1) -> type[Parallelism]:
+def parallelism_class(mode: str, *, tp: int = 1, tp_mode: str = "auto", ep: int = 1,
+                      gather_once: bool = False) -> type[Parallelism]:
     """The class of parallel ``mode``, after checking the settings it is given (no process group needed: configs
     call it to validate themselves). ValueError names a bad one."""
     if mode not in PARALLELISMS:
         raise ValueError(f"parallel must be one of {', '.join(PARALLELISMS)}, got {mode!r}")
     cls = PARALLELISMS[mode]
     cls.check(tp=tp, tp_mode=tp_mode, ep=ep)
+    if gather_once and cls is not FSDP:
+        raise ValueError(f"gathering parameters once per step (--fsdp-gather-once) is FSDP2's; --parallel {mode} "
+                         f"does not shard them, so drop it or use --parallel fsdp")
     return cls
 
 
 def make_parallelism(mode: str, *, device: str | torch.device = "auto", tp: int = 1, tp_mode: str = "auto",
-                     bf16: bool = False, tp_plan: TPPlan | None = None, ep: int = 1) -> Parallelism:
+                     bf16: bool = False, tp_plan: TPPlan | None = None, ep: int = 1,
+                     gather_once: bool = False) -> Parallelism:
     """The :class:`Parallelism` of ``mode`` ("none", "ddp", "layerwise" or "fsdp"), joined to the process group
     where it has several ranks. ``device``: "auto" (CUDA when available), "cpu", "cuda" or a torch.device.
     ``bf16``: the run computes in bf16 (autocast, or FSDP2's mixed precision). ``tp``, ``tp_mode``, ``tp_plan``:
     tensor parallelism under "fsdp" (see :class:`FSDP`). ``ep``: expert parallelism under "ddp", "layerwise" or
     "fsdp" (see :class:`DDP`, :class:`Layerwise`, :class:`FSDP`); ValueError unless it divides the number of
-    ranks."""
-    cls = parallelism_class(mode, tp=tp, tp_mode=tp_mode, ep=ep)
-    if cls.tensor_parallel:
-        return cls(device, bf16=bf16, tp=tp, tp_mode=tp_mode, tp_plan=tp_plan, ep=ep)
+    ranks. ``gather_once``: FSDP2 keeps gathered parameters between micro-batches (:class:`FSDP`)."""
+    cls = parallelism_class(mode, tp=tp, tp_mode=tp_mode, ep=ep, gather_once=gather_once)
+    if cls.tensor_parallel:  # FSDP
+        return cls(device, bf16=bf16, tp=tp, tp_mode=tp_mode, tp_plan=tp_plan, ep=ep, gather_once=gather_once)
     if cls.expert_parallel:
         return cls(device, bf16=bf16, ep=ep)
     return cls(device, bf16=bf16)

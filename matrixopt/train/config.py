@@ -171,6 +171,11 @@ class TrainConfig:
     rank and each rank steps its own expert stacks, kept out of FSDP2 (the Muon family or AdamW, tp 1). A checkpoint
     resumes at any ep and world size of its mode (it holds the single-process layout)."""
 
+    fsdp_gather_once: bool = False
+    """Under 'fsdp' with grad_accum > 1: gather each block's parameters once per step and keep them gathered until
+    the last micro-batch (2 all-gathers of each block per step instead of 2 per micro-batch), at the cost of the
+    whole model's gathered parameters in memory between micro-batches. The same result."""
+
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_iters", "log_every"):
             if getattr(self, name) < 1:
@@ -184,7 +189,8 @@ class TrainConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        parallelism_class(self.parallel, tp=self.tp, tp_mode=self.tp_mode, ep=self.ep)  # checks parallel, tp, ep
+        parallelism_class(self.parallel, tp=self.tp, tp_mode=self.tp_mode, ep=self.ep,
+                          gather_once=self.fsdp_gather_once)  # checks parallel, tp, ep and the FSDP2 option
         gpt = self.model.gpt_config(vocab_size=1)
         n_head = gpt.n_head
         if self.ep > 1 and (not gpt.n_expert or gpt.n_expert % self.ep):

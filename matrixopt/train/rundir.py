@@ -16,8 +16,9 @@ from matrixopt.train.config import TrainConfig, from_dict
 
 # Config fields a run may change between resumes: no effect on results (tp, ep: as the number of ranks, the same
 # losses within fp32 reduction order; checkpoints hold the fused QKV rows and whole expert stacks in
-# single-process order; optim.offload: where the state lives, the same steps bit for bit).
-FREE_TO_CHANGE = ("ckpt_every", "threads", "tp", "ep", "optim.offload")
+# single-process order; optim.offload: where the state lives, the same steps bit for bit; fsdp_gather_once: when
+# FSDP2 gathers parameters, the same steps).
+FREE_TO_CHANGE = ("ckpt_every", "threads", "tp", "ep", "optim.offload", "fsdp_gather_once")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

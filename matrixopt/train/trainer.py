@@ -136,7 +136,8 @@ def train(
     gpt_config = cfg.model.gpt_config(ds.vocab_size)
     check_lengths(ds, gpt_config.block_size, cfg.data.data)
     par = make_parallelism(cfg.parallel, device=cfg.device, tp=cfg.tp, tp_mode=cfg.tp_mode,
-                           bf16=uses_bf16(cfg.dtype, cfg.device), tp_plan=GPT_TP, ep=cfg.ep)
+                           bf16=uses_bf16(cfg.dtype, cfg.device), tp_plan=GPT_TP, ep=cfg.ep,
+                           gather_once=cfg.fsdp_gather_once)
     rows = par.batch_rows(cfg.batch_size)  # this rank's rows of every global micro-batch
     prepare_device(par.device, cfg.threads)
     torch.manual_seed(cfg.seed)

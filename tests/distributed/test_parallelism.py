@@ -2,6 +2,7 @@
 builds, clips and checkpoints as torch does, and on 2 gloo ranks every mode splits batches, agrees on flags and
 rank 0's results, and round-trips its checkpoint."""
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -127,3 +128,70 @@ def _every_mode(rank: int, world: int, tmp: str) -> None:
 
 def test_every_mode_on_two_ranks(tmp_path):
     run(_every_mode, 2, str(tmp_path), timeout=240)
+
+
+class Blocks(nn.Module):
+    """Embedding, two blocks in a ModuleList (each its own FSDP2 group, as apply_fsdp shards them), head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def _gather_once(rank: int, world: int) -> None:
+    """Two steps of three micro-batches under FSDP2, gathering once per step or per micro-batch: the same
+    parameters, fewer all-gathers; an exception inside ``no_sync`` leaves the parameters sharded."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    gathers = {"n": 0}
+    real = dist.all_gather_single
+
+    def counted(*args, **kwargs):
+        gathers["n"] += 1
+        return real(*args, **kwargs)
+
+    dist.all_gather_single = counted
+    results = {}
+    for once in (False, True):
+        par = make_parallelism("fsdp", device="cpu", gather_once=once)
+        net = Blocks()
+        module = par.wrap(net)
+        opt = par.build_optimizer(net, "adamw", lr=1e-2)
+        gathers["n"] = 0
+        for step in range(2):
+            for i in range(3):
+                torch.manual_seed(10 * step + i + rank)
+                idx = torch.randint(0, 16, (2, 3))
+                with par.no_sync() if i < 2 else contextlib.nullcontext():
+                    module(idx).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        results[once] = ([p.detach().full_tensor() for p in net.parameters()], gathers["n"])
+        if once:
+            with pytest.raises(RuntimeError, match="stopped"), par.no_sync():
+                module(idx).square().mean().backward()
+                raise RuntimeError("stopped")
+            assert all(isinstance(p, DTensor) for p in net.parameters())  # none left gathered
+    dist.all_gather_single = real
+    (per_micro, n_per_micro), (once, n_once) = results[False], results[True]
+    for a, b in zip(per_micro, once):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert n_once < n_per_micro, (n_once, n_per_micro)
+
+
+def test_fsdp_gather_once_matches_and_gathers_less():
+    run(_gather_once, 2, timeout=240)
+
+
+def test_gather_once_is_fsdp_only():
+    with pytest.raises(ValueError, match="--fsdp-gather-once"):
+        parallelism_class("ddp", gather_once=True)

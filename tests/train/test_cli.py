@@ -128,10 +128,25 @@ def test_not_reached_is_reported(tmp_path, tiny, capsys):
         (["train", "--optimizer", "muon", "--opt", "momentumm=0.9"], "rejected its hyperparameters"),
         (["compare", "--lr", "sgd=1e-3"], "names optimizer 'sgd', which is not in --optimizers adamw,muon"),
         (["report", "/nonexistent/dir"], "report folder /nonexistent/dir does not exist"),
+        (["train", "--fsdp-gather-once"], "--fsdp-gather-once) is FSDP2's; --parallel none does not shard them"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(tmp_path, tiny, capsys, args, message):
     expect_error([*args, *(["--out", tmp_path / "o", *tiny] if args[0] != "report" else [])], capsys, message)
+
+
+@pytest.mark.parametrize("flag, field", [("--shared-expert", "model.shared_expert"), ("--bias", "model.bias"),
+                                         ("--untied", "model.tie_embeddings"),
+                                         ("--fsdp-gather-once", "fsdp_gather_once")])
+def test_switches_reach_the_config(flag, field):
+    """Every on/off flag sets its config field, hyphenated names included."""
+    from matrixopt.cli import build_parser, run_config
+
+    cfg = run_config(build_parser().parse_args(["train", "--model", "moe-tiny", "--parallel", "fsdp", flag]))
+    obj = cfg
+    for part in field.split("."):
+        obj = getattr(obj, part)
+    assert obj is (flag != "--untied")
 
 
 def test_bad_data_files_exit_2(tmp_path, tiny, capsys):
