@@ -431,7 +431,7 @@ def run(configs: Sequence[ScaleConfig] = tuple(map(parse_config, CONFIGS)), pres
     device_name, bf16 = ("cpu", False) if settings.toy else ("auto", torch.cuda.is_available())
     presets = list(dict.fromkeys(map(toy_preset, presets))) if settings.toy else presets
     check_ep(configs, presets, settings)
-    per_config, singles, record = [], {}, {}
+    per_config, singles, record, env = [], {}, {}, None
     todo = [(preset, config) for preset in presets for config in configs]
     for n, (preset, config) in enumerate(todo, 1):
         t_config = time.perf_counter()
@@ -444,7 +444,8 @@ def run(configs: Sequence[ScaleConfig] = tuple(map(parse_config, CONFIGS)), pres
         ranks = comm.all_gather_object(run_config(par, config, preset, settings), None)
         free(par.device)
         per_config.append(ranks)
-        record = dict(benchmark="scale", env=environment(par.device), world_size=par.world,
+        env = env or environment(par.device)  # once: it asks git and the device
+        record = dict(benchmark="scale", env=env, world_size=par.world,
                       backend=dist.get_backend(), **dataclasses.asdict(settings), complete=n == len(todo),
                       summary=summarize(per_config, comm.all_gather_object(singles, None), par.world),
                       per_rank=per_config)

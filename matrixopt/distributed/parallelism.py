@@ -634,7 +634,7 @@ def _fsdp_no_sync(module: nn.Module, keep_unsharded: bool = False):
     the first micro-batch stay gathered until the last, which runs outside (every block as :func:`apply_fsdp`
     shards it, resharding after forward and backward). Left by an exception, the parameters are resharded, so no
     stale gathered copy outlives an optimizer step."""
-    blocks = [m for m in module.modules() if isinstance(m, FSDPModule) and m is not module]
+    blocks = [m for m in module.modules() if isinstance(m, FSDPModule) and m is not module] if keep_unsharded else []
     module.set_requires_gradient_sync(False)
     if keep_unsharded:
         _set_resharding(module, blocks, False)
