@@ -74,7 +74,7 @@ from matrixopt.distributed.parallelism import (
     make_parallelism,
     parallelism_class,
 )
-from matrixopt.optim.registry import OPTIMIZERS, build_optimizer
+from matrixopt.optim.registry import OPTIMIZERS, accepted, build_optimizer
 from matrixopt.train.config import ModelConfig, OptimConfig
 from matrixopt.train.model import GPT, QKV_SPLITS
 from matrixopt.train.model import PRESETS as MODEL_PRESETS
@@ -378,7 +378,9 @@ def single_gpu_step(preset: str, optimizer: str, settings: Settings, device: tor
     torch.manual_seed(0)
     with device:
         model = GPT(model_config(preset, settings.toy).gpt_config(TOY_VOCAB if settings.toy else VOCAB))
-    hparams = OptimConfig(name=optimizer, lr=LR).optimizer_kwargs() | settings.hparams.get(optimizer, {})
+    # the options the optimizer itself takes: --opt may also set the layer-wise wrapper's own (muon.step_chunks=1)
+    hparams = accepted(optimizer, **OptimConfig(name=optimizer, lr=LR).optimizer_kwargs()
+                       | settings.hparams.get(optimizer, {}))
     opt = build_optimizer(model, optimizer, splits=QKV_SPLITS, **hparams)
     for p in model.parameters():
         p.grad = torch.randn_like(p)

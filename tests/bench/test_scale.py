@@ -22,6 +22,7 @@ from matrixopt.bench.scale import (
     check_ep,
     parse_config,
     run,
+    single_gpu_step,
     toy_preset,
 )
 from matrixopt.train.model import GPT, PRESETS, GPTConfig
@@ -251,3 +252,11 @@ def test_scale_toy_mixture_of_experts_over_two_ranks(tmp_path):
         assert line["model_tflops_per_gpu"] == pytest.approx(flops * line["tokens_per_s_per_gpu"] / 1e12)
         assert all(r["ep"] == 2 and r["tokens_per_rank"] == 256 for r in ranks)
     assert "active per token, expert parallelism 2" in proc.stdout
+
+
+def test_single_gpu_reference_ignores_the_layerwise_options():
+    """``--opt muon.step_chunks=1`` sets the layer-wise wrapper's option; the one-GPU reference step, a plain
+    optimizer, is built without it instead of failing on it."""
+    settings = Settings(toy=True, iters=2, warmup=0, hparams={"muon": {"step_chunks": 1, "momentum": 0.9}})
+    out = single_gpu_step("tiny-cpu", "muon", settings, torch.device("cpu"))
+    assert out["step_ms"] > 0 and out["state_mb"] > 0
