@@ -40,7 +40,8 @@ stack): Muon (:func:`newton_schulz_time` plus its elementwise passes), AdamW, Sh
 products every step, their roots or eigenbases every ``precondition_frequency`` steps, amortized).
 :func:`matrix_step_flops` gives the FLOPs of one step on one matrix, which the balancer packs on.
 
-**Tensor-parallel Newton–Schulz** (:func:`tp_ns_times`): the three modes of :mod:`.tp` and what they overlap.
+**Tensor-parallel Newton–Schulz** (:func:`tp_ns_times`): the three modes of :mod:`.tp` and what they overlap;
+``distributed`` always runs the standard form with plain ``bmm`` products, so at the ``gemm`` rate.
 
 **Memory** (:class:`Memory`): parameters, gradients, optimizer state, buffers and activations per rank, in bytes;
 the per-parameter byte counts are the constants below.
@@ -299,7 +300,7 @@ def collective_time(kind: str, nbytes: float, parts: int, link: Link) -> float:
         raise ValueError(f"unknown collective {kind!r}; use one of {COLLECTIVES}")
     if parts < 1:
         raise ValueError(f"a collective needs >= 1 rank, got {parts}")
-    if parts == 1:
+    if parts == 1 or nbytes <= 0:
         return 0.0
     a, b, frac = link.latency, 1.0 / link.bandwidth, (parts - 1) / parts
     steps = math.ceil(math.log2(parts))
@@ -435,24 +436,25 @@ def preconditioner_state_bytes(optimizer: str, m: int, n: int) -> int:
 
 def tp_ns_times(rows: int, cols: int, parts: int, *, batch: int = 1, steps: int = NS_STEPS, itemsize: int = 2,
                 chunks: int = 4, link: Link, ns: Callable[[int, int, int], float],
-                gemm: Callable[[float], float], gram: Callable[[float], float] | None = None) -> dict[str, float]:
+                gemm: Callable[[float], float]) -> dict[str, float]:
     """Seconds of the three TP Newton–Schulz modes of :mod:`matrixopt.distributed.tp` for ``batch`` matrices of
     ``(rows, cols)`` whose columns (the contracted dim) are split over ``parts`` ranks on ``link``.
 
-    ns(s, l, batch): seconds of a whole local Newton–Schulz on ``(batch, s, l)``; gemm(flops) and gram(flops):
-    seconds of one product and of one Gram product (default ``gemm``).
+    ns(s, l, batch): seconds of a whole local Newton–Schulz on ``(batch, s, l)``; gemm(flops): seconds of one
+    product.
 
     - duplicated: all-gather of the matrix, then the whole iteration on every rank;
     - distributed: two one-element all-reduces (max-abs and norm), then per step the local Gram product, its
-      all-reduce of ``rows^2`` elements and the local rest (``A A`` and ``B X``). With ``chunks > 1`` the Gram
-      all-reduce runs in row blocks behind the Gram compute, so only the longer of the two counts;
+      all-reduce of ``rows^2`` elements and the local rest (``A A`` and ``B X``), always in the standard form and
+      every product a plain ``torch.bmm``/``baddbmm`` (:func:`matrixopt.distributed.tp.gram_rows` computes both
+      triangles of the Gram matrix), so all three at the ``gemm`` rate. With ``chunks > 1`` the Gram all-reduce
+      runs in row blocks behind the Gram compute, so only the longer of the two counts;
     - blockwise: the local shard alone, no communication.
     """
-    gram = gram or gemm
     local_cols = -(-cols // parts)
     gather = collective_time("all_gather", batch * rows * cols * itemsize, parts, link)
     duplicated = gather + ns(min(rows, cols), max(rows, cols), batch)
-    g = gram(2.0 * batch * rows * rows * local_cols)
+    g = gemm(2.0 * batch * rows * rows * local_cols)
     rest = gemm(2.0 * batch * rows**3) + gemm(2.0 * batch * rows * rows * local_cols)
     reduce = collective_time("all_reduce", batch * rows * rows * itemsize, parts, link)
     per_step = rest + (max(g, reduce) if chunks > 1 else g + reduce)

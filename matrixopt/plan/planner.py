@@ -17,9 +17,14 @@ flops_per_token`) and an assumed MFU (forward a third, backward two thirds). The
   Owners are chosen by LPT (:func:`matrixopt.distributed.balance.lpt`) on each matrix's predicted time, so the
   step is the slowest owner's.
 - ``fsdp`` (FSDP2 with ShardedMuon): parameters, gradients and state sharded over the data-parallel ranks;
-  FSDP's all-gathers hide behind forward and backward, its reduce-scatter behind backward. The step gathers each
-  matrix to one owner and scatters the update back (two all-to-alls), pipelined over the shape buckets, so the
-  all-to-alls hide behind the owners' Newton–Schulz except for one bucket's share.
+  FSDP's all-gathers hide behind forward and backward, its reduce-scatter behind backward. With
+  ``grad_accum > 1`` the trainer turns gradient sync off for all but the last micro-batch
+  (``set_requires_gradient_sync(False)``): every micro-batch gathers the parameters in forward and backward,
+  only the last reduce-scatters, and in between FSDP2 keeps each parameter's gradient unsharded, upcast to the
+  fp32 reduce dtype (torch's ``FSDPParam.to_accumulated_grad_if_needed``; the trainer's policy is bf16
+  parameters, fp32 reduction), so the gradients take 4 bytes per unsharded parameter instead of per shard. The
+  step gathers each matrix to one owner and scatters the update back (two all-to-alls), pipelined over the shape
+  buckets, so the all-to-alls hide behind the owners' Newton–Schulz except for one bucket's share.
 - ``tpK <mode>``: FSDP over world/K with each block's matrices split over K ranks of a node (Megatron layout); the
   per-layer activation all-reduces (two in forward, two in backward, not overlapped) and Muon's TP Newton–Schulz in
   ``duplicated``, ``distributed`` or ``blockwise`` mode (:func:`matrixopt.distributed.cost.tp_ns_times`).
@@ -53,6 +58,7 @@ from matrixopt.distributed.cost import (
     preconditioner_state_bytes,
     tp_ns_times,
 )
+from matrixopt.linalg.ortho import check_method
 from matrixopt.plan.models import Architecture, ExplicitModel, Matrix
 
 OPTIMIZERS = ("muon", "shampoo", "soap")
@@ -75,8 +81,8 @@ class PlanConfig:
     """Tokens whose forward and backward one GPU computes per optimizer step (a TP group shares TP times as
     many), over all ``grad_accum`` micro-batches."""
     grad_accum: int = 1
-    """Micro-batches per optimizer step: activations hold one micro-batch; FSDP gathers and reduce-scatters per
-    micro-batch, layer-wise reduces only after the last (``no_sync``)."""
+    """Micro-batches per optimizer step: activations hold one micro-batch; FSDP gathers per micro-batch,
+    FSDP and layer-wise reduce only after the last (``no_sync``)."""
     tp: int | None = None
     """Tensor-parallel degree; None tries 1 and each power of two up to a node that divides the heads."""
     ep: int | None = None
@@ -87,6 +93,9 @@ class PlanConfig:
     mfu: float = 0.4
     """Model FLOPs utilization of forward and backward, against the profile's ``peak_flops``."""
     ns_steps: int = 5
+    ns_method: str = "auto"
+    """Muon's Newton–Schulz form (:func:`matrixopt.linalg.ortho.newton_schulz`): "auto" (the Gram form for
+    matrices at least ``GRAM_MIN_ASPECT`` times longer than wide), "standard" or "gram"."""
     precondition_frequency: int = 10
     memory_fraction: float = 0.9
     recompute: bool = False
@@ -101,6 +110,7 @@ class PlanConfig:
         if self.tokens_per_gpu % self.grad_accum:
             raise ValueError(f"tokens_per_gpu {self.tokens_per_gpu} must split into grad_accum {self.grad_accum} "
                              f"equal micro-batches")
+        check_method(self.ns_method)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if not 0 < self.mfu <= 1:
@@ -297,19 +307,19 @@ def _matrix_time(profile: DeviceProfile, cfg: PlanConfig, mat: Matrix, batch: in
         shard = Shapes(rows, -(-cols // tp), batch)
         t = matrix_step_time(profile, cfg.optimizer, [shard], precondition_frequency=cfg.precondition_frequency)
         return t - profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * shard.numel), 0.0
+    def ns(s: int, l: int, b: int) -> float:
+        return newton_schulz_time(profile, b, s, l, cfg.ns_steps, cfg.ns_method)
+
     if tp == 1:
-        return newton_schulz_time(profile, batch, rows, cols, cfg.ns_steps), 0.0
+        return ns(rows, cols, batch), 0.0
     link = profile.link(tp, 1, cfg.gpus_per_node)
-    times = tp_ns_times(rows, cols, tp, batch=batch, steps=cfg.ns_steps, link=link,
-                        ns=lambda s, l, b: newton_schulz_time(profile, b, s, l, cfg.ns_steps),
-                        gemm=lambda f: profile.seconds("gemm", f), gram=lambda f: profile.seconds("syrk", f))
+    times = tp_ns_times(rows, cols, tp, batch=batch, steps=cfg.ns_steps, link=link, ns=ns,
+                        gemm=lambda f: profile.seconds("gemm", f))
     t = times[mode]
-    compute = {"duplicated": newton_schulz_time(profile, batch, rows, cols, cfg.ns_steps), "blockwise": t,
-               "distributed": None}[mode]
+    compute = {"duplicated": ns(rows, cols, batch), "blockwise": t, "distributed": None}[mode]
     if compute is None:  # distributed: what the same schedule costs on a free network
         free = tp_ns_times(rows, cols, tp, batch=batch, steps=cfg.ns_steps, link=dataclasses.replace(
-            link, latency=0.0, bandwidth=1e300), ns=lambda s, l, b: 0.0, gemm=lambda f: profile.seconds("gemm", f),
-            gram=lambda f: profile.seconds("syrk", f))
+            link, latency=0.0, bandwidth=1e300), ns=lambda s, l, b: 0.0, gemm=lambda f: profile.seconds("gemm", f))
         compute = free["distributed"]
     return t, max(0.0, t - compute)
 
@@ -376,7 +386,9 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
                   + collective_time("all_gather", 2 * expert_el, edp, edp_link))
         rs = (collective_time("reduce_scatter", 4 * (dense_el + rest_el), dp, dp_link)
               + collective_time("reduce_scatter", 4 * expert_el, edp, edp_link))
-        sync = acc * (max(0.0, gather - fwd) + max(0.0, gather + rs - bwd))
+        # every micro-batch gathers in forward and again in backward; only the last reduce-scatters (no_sync)
+        sync = acc * (max(0.0, gather - fwd) + max(0.0, gather - bwd)) - max(0.0, gather - bwd)
+        sync += max(0.0, gather + rs - bwd)
         adamw_sync = sync
         ns_d, comm_d, _ = _owner_load(profile, cfg, dense, dp, tp, layout.tp_mode)
         ns_e, comm_e, _ = _owner_load(profile, cfg, experts, edp, 1, None)
@@ -396,8 +408,11 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
                  + 8 * local_rest)
         transient = 2 * 2 * layer_el  # two layers' bf16 parameters gathered (current and prefetched)
         ws = max(_workspace(dense, dp, tp), _workspace(experts, edp, 1))  # gathered stacks, one bucket at a time
+        grads = 4 * (dense_shard + expert_shard)
+        if acc > 1:  # between micro-batches FSDP2 keeps every gradient unsharded, upcast to the fp32 reduce dtype
+            grads = 4 * params_el
         memory = Memory(params=4 * (dense_shard + expert_shard) + transient,
-                        grads=4 * (dense_shard + expert_shard) + transient, optimizer_state=state, buffers=ws,
+                        grads=grads + transient, optimizer_state=state, buffers=ws,
                         activations=_activations(model, mb, tp, cfg.recompute))
         adamw_memory = dataclasses.replace(memory, optimizer_state=8 * (dense_shard + expert_shard), buffers=0.0)
         if tp > 1 and cfg.optimizer == "muon":

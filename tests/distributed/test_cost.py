@@ -184,3 +184,18 @@ def test_calibrate_on_cpu_writes_the_shipped_format(tmp_path):
     assert all(math.isfinite(r) and r > 0 for _, r in p.gemm + p.syrk + p.qr + p.elementwise)
     p.save(tmp_path / "cpu.json")
     assert DeviceProfile.load(tmp_path / "cpu.json") == p
+
+
+def test_distributed_tp_gram_runs_at_the_gemm_rate():
+    """Distributed mode's Gram rows are plain ``torch.bmm`` products (both triangles), so only ``gemm`` is used:
+    a slower product rate slows every product of the step, hand-computed at TP 2 on (64, 256), one chunk."""
+    link = Link(latency=0.0, bandwidth=1e300)
+    t = cost.tp_ns_times(64, 256, 2, steps=5, chunks=1, link=link, ns=lambda s, l, b: 0.0,
+                         gemm=lambda f: f / 1e12)
+    gram, square, apply = 2 * 64 * 64 * 128, 2 * 64**3, 2 * 64 * 64 * 128  # X_p X_p^T, A A, B X_p
+    assert t["distributed"] == pytest.approx(5 * (gram + square + apply) / 1e12)
+
+
+def test_a_collective_of_no_bytes_costs_nothing():
+    """No bytes, no collective (e.g. the expert gathers of a dense model): no latency charged either."""
+    assert all(collective_time(k, 0, 8, LINK) == 0.0 for k in cost.COLLECTIVES)

@@ -168,3 +168,56 @@ def test_validation_rejects_an_unprofiled_device():
 def test_validation_reads_peak_memory_in_gb_or_mib():
     assert validate._peak_gb({"peak_mem_gb_max": 35.5}) == 35.5
     assert validate._peak_gb({"peak_mem_mb_max": 1000.0}) == pytest.approx(1.048576)  # MiB
+
+
+def test_ns_method_reaches_the_step():
+    """``ns_method="standard"`` prices every stack in the standard form: the layer-wise owner's step on 1 GPU is
+    the standard-form Newton–Schulz of each shape plus the elementwise passes, and slower than the Gram form's."""
+    model = gpt("gpt2-small")
+    auto, std = (planner.predict(planner.Layout(kind="layerwise"), planner.PlanConfig(
+        model=model, gpus=1, gpus_per_node=8, ns_method=m), H100) for m in ("auto", "standard"))
+    from matrixopt.distributed.cost import newton_schulz_time
+    ns = {m: sum(newton_schulz_time(H100, x.count, x.m, x.n, 5, m) for x in model.matrices()) for m in
+          ("auto", "standard")}
+    assert std.opt_step_s - auto.opt_step_s == pytest.approx(ns["standard"] - ns["auto"])
+    assert ns["standard"] > ns["auto"]
+    with pytest.raises(ValueError, match="Unknown Newton–Schulz method 'fast'"):
+        planner.PlanConfig(model=model, gpus=8, ns_method="fast")
+
+
+def test_fsdp_accumulation_keeps_fp32_unsharded_gradients_and_reduces_once():
+    """Under gradient accumulation FSDP2 holds every gradient unsharded in fp32 between micro-batches (4 bytes per
+    parameter of the rank before sharding) and reduce-scatters once, after the last micro-batch; it gathers in
+    every micro-batch's forward and backward. Hand-computed on a slow link, where every collective is exposed."""
+    from matrixopt.distributed.cost import Link, collective_time
+    slow = H100.with_network(Link(latency=1e-3, bandwidth=1e8))
+    model = gpt("gpt2-small")
+    base = dict(model=model, gpus=16, gpus_per_node=8)
+    one = planner.predict(planner.Layout(kind="fsdp"), planner.PlanConfig(tokens_per_gpu=2048, **base), slow)
+    four = planner.predict(planner.Layout(kind="fsdp"), planner.PlanConfig(tokens_per_gpu=8192, grad_accum=4,
+                                                                           **base), slow)
+    params = model.total_params()
+    transient = 2 * 2 * params / model.n_layer
+    assert one.memory.grads == pytest.approx(4 * params / 16 + transient)
+    assert four.memory.grads == pytest.approx(4 * params + transient)
+    link = slow.link(16, 1, 8)
+    gather = collective_time("all_gather", 2 * params, 16, link)
+    rs = collective_time("reduce_scatter", 4 * params, 16, link)
+    fwd, bwd = four.fwd_bwd_s / 3 / 4, 2 * four.fwd_bwd_s / 3 / 4
+    assert gather > fwd and gather > bwd  # everything exposed: the hand sum below holds
+    sync = 4 * (gather - fwd) + 3 * (gather - bwd) + (gather + rs - bwd)
+    assert four.adamw_step_s - four.fwd_bwd_s - four.adamw_opt_step_s == pytest.approx(sync)
+
+
+def test_validation_prices_records_before_the_gram_form_in_the_standard_form():
+    before, after = ({"env": {"git_commit": c}} for c in (next(iter(validate.BEFORE_GRAM)), "fb53580"))
+    assert validate.ns_method(before) == "standard" and validate.ns_method(after) == "auto"
+
+
+def test_excluded_rows_are_listed_but_not_counted():
+    rows = [validate._row("a", "scale_4gpu.json", "nominal", 2.0, 1.0, "ms"),
+            validate._row("b", "scale_4gpu.json", "nominal", 2.0, 1.0, "GB"),  # memory rows still count
+            validate._row("c", "other.json", "nominal", 1.0, 1.0, "ms")]
+    assert rows[0]["excluded"] and not rows[1]["excluded"] and not rows[2]["excluded"]
+    text = validate.format_validation({"s": rows})
+    assert "(+100.0%, excluded)" in text and "1 of 2 rows within 15%" in text and "1 shipped-profile rows" in text
