@@ -37,21 +37,6 @@ def new_group(timeout: timedelta) -> Group:
     return dist.new_group(timeout=timeout)
 
 
-def limited_copy(group: Group, max_ctas: int, timeout: timedelta) -> Group:
-    """A second group over ``group``'s ranks whose NCCL collectives run on at most ``max_ctas`` thread blocks (each
-    holds one SM for as long as the collective runs, waiting for its peers included), so that they take fewer SMs
-    from the kernels they overlap. On another backend (gloo), a plain second group. Collective over ``group``'s
-    ranks only."""
-    require_initialized()
-    ranks = list(group_ranks(group))
-    options = None
-    if dist.get_backend(group) == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options.config.max_ctas = max_ctas
-    return dist.new_group(ranks, timeout=timeout, backend=dist.get_backend(group), pg_options=options,
-                          use_local_synchronization=True)
-
-
 def rank(group: Group | None) -> int:
     return dist.get_rank(group)
 

@@ -146,11 +146,6 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         step_chunks: the owner runs its step in this many chunks and broadcasts after each (1 = no overlap of
             the broadcasts with the owner's compute, only with the next forward).
         reduce_dtype: dtype of the gradient reduction (None: the parameter dtype, as DDP does).
-        broadcast_ctas: with NCCL, the most thread blocks (SMs) the parameter broadcasts after a step may hold (None:
-            NCCL's choice). The broadcasts run beside the owners' step and the next forward, and each block NCCL
-            holds, waiting for its peers included, is an SM those kernels lose; fewer blocks move the bytes more
-            slowly. They then run in a process group of their own over the same ranks (the gradient reductions
-            keep ``process_group``). Expert blocks' broadcasts (``blocks``) stay in their replica groups.
         broadcast_dtype: dtype the matrix optimizer's parameters are broadcast in after a step (None: their own).
             ``torch.bfloat16`` halves the broadcast of fp32 matrices: the other ranks then hold the owner's value
             rounded to bf16, while the owner keeps the exact one (what it steps from, and what checkpoints save).
@@ -170,7 +165,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, name: str, *, process_group: comm.Group | None = None,
                  timeout: timedelta = timedelta(minutes=10), bucket_cap_mb: float = 25.0, step_chunks: int = 2,
                  reduce_dtype: torch.dtype | None = None, broadcast_dtype: torch.dtype | None = None,
-                 broadcast_ctas: int | None = None, cost: Callable[[int, int], float] | None = None,
+                 cost: Callable[[int, int], float] | None = None,
                  adamw: Sequence[str] = (), matrix: Sequence[str] = (),
                  splits: Mapping[str, int | Sequence[int]] | None = None, experts: Sequence[str] = (),
                  blocks: Blocks | None = None, verbose: bool = False, **hparams: Any) -> None:
@@ -184,12 +179,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                                                 and broadcast_dtype.is_floating_point):
             raise ValueError(f"broadcast_dtype must be a floating-point torch.dtype (e.g. torch.bfloat16), got "
                              f"{broadcast_dtype!r}")
-        if broadcast_ctas is not None and (not isinstance(broadcast_ctas, int) or broadcast_ctas < 1):
-            raise ValueError(f"broadcast_ctas must be an int >= 1 (thread blocks NCCL may use) or None, got "
-                             f"{broadcast_ctas!r}")
         self.group = process_group if process_group is not None else comm.new_group(timeout)
-        self._broadcast_group = (self.group if broadcast_ctas is None
-                                 else comm.limited_copy(self.group, broadcast_ctas, timeout))
         self.rank, self.world_size = comm.rank(self.group), comm.world_size(self.group)
         self.name = name
         factory = OPTIMIZERS[name]
@@ -663,19 +653,15 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         for b in self.buckets[start:end]:
             if len(b.params) == 1 and b.params[0].is_contiguous() and b.wire is None:
                 b.param_buffer = None
-                b.param_work = comm.broadcast_from_owner(b.params[0].data.view(-1), b.owner, self._broadcasts(b))
+                b.param_work = comm.broadcast_from_owner(b.params[0].data.view(-1), b.owner, b.group)
                 continue
             wire = b.wire or b.params[0].dtype
             if b.owned:
                 b.param_buffer = torch.cat([p.detach().reshape(-1).to(wire) for p in b.params])
             else:
                 b.param_buffer = torch.empty(b.numel, dtype=wire, device=b.params[0].device)
-            b.param_work = comm.broadcast_from_owner(b.param_buffer, b.owner, self._broadcasts(b))
+            b.param_work = comm.broadcast_from_owner(b.param_buffer, b.owner, b.group)
         return max(start, end)
-
-    def _broadcasts(self, b: Bucket) -> comm.Group:
-        """The group bucket ``b``'s parameters are broadcast in (``broadcast_ctas``)."""
-        return self._broadcast_group if b.group is self.group else b.group
 
     def _wait_bucket(self, b: Bucket) -> None:
         if b.param_work is None:

@@ -354,34 +354,6 @@ def test_bf16_broadcast_changes_no_result_under_autocast():
     run(_bf16_broadcast_worker, 2)
 
 
-def _broadcast_ctas_worker(rank: int, world: int) -> None:
-    """Broadcasts in a group of their own (``broadcast_ctas``) give the same parameters as in the reduction group."""
-    runs = []
-    for ctas in (None, 2):
-        torch.manual_seed(0)
-        model, opt = mdist.layerwise(Net(), "muon", lr=DEFAULT_LR, bucket_cap_mb=0.001, broadcast_ctas=ctas)
-        for s in range(3):
-            x = torch.randint(0, VOCAB, (8, 6), generator=torch.Generator().manual_seed(s))
-            model(x[mdist.batch_slice(8)]).square().mean().backward()
-            opt.step()
-        opt.wait_params()
-        assert (opt._broadcast_group is opt.group) == (ctas is None)
-        runs.append(model)
-    same_on_every_rank(runs[1])
-    for (n, p), q in zip(runs[1].named_parameters(), runs[0].parameters()):
-        assert torch.equal(p, q), f"{n} differs with broadcast_ctas"
-
-
-def test_broadcasts_in_their_own_group_change_nothing():
-    run(_broadcast_ctas_worker, 2)
-
-
-@pytest.mark.parametrize("ctas", [0, 2.5, "4"])
-def test_broadcast_ctas_must_be_a_positive_int(ctas):
-    with pytest.raises(ValueError, match="broadcast_ctas must be an int >= 1"):
-        mdist.layerwise(Net(), "muon", broadcast_ctas=ctas)
-
-
 def test_broadcast_dtype_must_be_floating():
     with pytest.raises(ValueError, match="broadcast_dtype must be a floating-point torch.dtype"):
         mdist.layerwise(Net(), "muon", broadcast_dtype=torch.int8)
