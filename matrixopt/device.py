@@ -37,6 +37,17 @@ def peak_mem_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def allocator_calls(device: torch.device) -> dict[str, int]:
+    """The caching allocator's calls to the driver so far on ``device``: ``cudaMalloc`` and ``cudaFree`` (each
+    may synchronise the device and stall the host) and retries after a failed allocation (each frees the whole
+    cache); zeros off CUDA. Differences between two readings count a stretch of work."""
+    if device.type != "cuda":
+        return {"device_allocs": 0, "device_frees": 0, "alloc_retries": 0}
+    stats = torch.cuda.memory_stats(device)
+    return {"device_allocs": stats.get("num_device_alloc", 0), "device_frees": stats.get("num_device_free", 0),
+            "alloc_retries": stats.get("num_alloc_retries", 0)}
+
+
 def sync(device: torch.device) -> None:
     """Wait for the work queued on ``device`` (a no-op off CUDA)."""
     if device.type == "cuda":

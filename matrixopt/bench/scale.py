@@ -31,6 +31,8 @@ topk of each layer's experts). Per configuration, the slowest rank's figures:
   optimizer, no expert dispatch) times the tokens/s per GPU;
 - the optimizer step: the median time ``optimizer.step()`` occupies the compute stream (slowest and fastest
   rank), and each rank's optimizer state (MiB) and peak memory;
+- the caching allocator's calls to the driver during the timed steps (``allocator``: cudaMalloc, cudaFree and
+  retries, most on any rank): in a steady state there are none, and each one can stall the host;
 - exposed communication (CUDA, with ``--exposed-comm`` or ``--trace DIR``): from a profiler trace of ``--iters``
   more steps, the time NCCL kernels run while no compute kernel does, as a share of those steps' wall time
   (``--trace DIR`` also writes each rank's trace, host activity included). Off by default: reading the trace of a
@@ -63,7 +65,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from matrixopt.bench.common import environment, exposed_comm, table, write_json
-from matrixopt.device import StreamTimer, peak_mem_mb, sync, time_ms
+from matrixopt.device import StreamTimer, allocator_calls, peak_mem_mb, sync, time_ms
 from matrixopt.distributed import comm
 from matrixopt.distributed.layerwise import LayerwiseOptimizer
 from matrixopt.distributed.parallelism import (
@@ -338,11 +340,13 @@ def run_config(par: Parallelism, config: ScaleConfig, preset: str, settings: Set
     owner_timers = time_owner_steps(opt, device)  # after warm-up: the first step builds the chunks
     par.barrier()
     sync(device)
+    calls = allocator_calls(device)
     t0 = time.perf_counter()
     for _ in range(settings.iters):
         step()
     sync(device)
     step_ms = (time.perf_counter() - t0) * 1e3 / settings.iters
+    allocator = {k: v - calls[k] for k, v in allocator_calls(device).items()}
     routing = moe.metrics() if moe is not None else None
     timed = slice(settings.warmup, settings.warmup + settings.iters)
     phases = timeline.per_step_ms(timed, {"forward": len(batches), "backward": len(batches)})
@@ -350,7 +354,8 @@ def run_config(par: Parallelism, config: ScaleConfig, preset: str, settings: Set
                flops_per_token=flops_per_token, expert_max_load=routing["expert_max_load"] if routing else None,
                tokens_per_rank=rows * T // config.tp, micro_batches=len(batches),
                step_ms=step_ms, opt_step_ms=phases["step"]["device"], phases=phases, state_mb=state_mb(opt),
-               peak_mem_mb=peak_mem_mb(device), comm_s=None, exposed_comm_s=None, profiled_wall_s=None,
+               peak_mem_mb=peak_mem_mb(device), allocator=allocator, comm_s=None, exposed_comm_s=None,
+               profiled_wall_s=None,
                **owner_summary(opt, owner_timers, settings.iters))
     if device.type == "cuda" and (settings.exposed_comm or settings.trace):
         acts = [torch.profiler.ProfilerActivity.CUDA]  # NCCL and compute kernels are all the share needs
@@ -405,6 +410,7 @@ def summarize(per_config: list[list[dict[str, Any]]], singles: list[dict[tuple[s
                     opt_step_ms_min=min(r["opt_step_ms"] for r in ranks),
                     state_mb_max=max(r["state_mb"] for r in ranks),
                     peak_mem_mb_max=max(r["peak_mem_mb"] for r in ranks),
+                    allocator={k: max(r["allocator"][k] for r in ranks) for k in r0["allocator"]},
                     exposed_comm_share=max(shares) if shares else None,
                     expert_max_load=r0["expert_max_load"],  # averaged over the data-parallel ranks: alike on all
                     phases={p: {w: max(r["phases"][p][w] for r in ranks) for w in ("device", "host")} for p in PHASES})

@@ -159,6 +159,7 @@ def test_scale_toy_layerwise_against_one_gpu(toy):
     result, stdout = toy
     line = next(s for s in result["summary"] if s["config"] == "layerwise:muon")
     assert line["single_gpu_step_ms"] > 0
+    assert line["allocator"] == {"device_allocs": 0, "device_frees": 0, "alloc_retries": 0}  # no CUDA allocator
     for key in ("opt_step_vs_single_gpu", "vs_ddp_adamw", "state_vs_single_gpu"):
         assert line[key] > 0, key
     # two ranks each hold about half of the single-process optimizer state
