@@ -366,7 +366,7 @@ class ShardedNorMuon(_ShardedSecondMoment, NorMuon):
 
     def _shard_moments(self, group: dict[str, Any], O: Tensor, state: list[Tensor], row_group: ProcessGroup | None,
                        cols: int) -> tuple[None, Tensor, Tensor]:
-        sumsq = row_sums_of_squares(O, list(O.unbind(0)), transpose=False)[:, :O.shape[1]]  # this rank's columns
+        sumsq = row_sums_of_squares(O, [O], transpose=False)[:, :O.shape[1]]  # this rank's columns
         full = sumsq
         if row_group is not None:
             full = sumsq.clone()

@@ -11,6 +11,10 @@ r"""Muon's elementwise passes around Newton–Schulz: the dispatch between the f
 - :func:`row_sums_of_squares`: the sum of squares of each row of each stacked matrix as it lies (NorMuon's).
 - :func:`nonfinite_flags`: which gradients hold a NaN or an Inf (the optimizers' check before a step).
 
+Each pass takes its matrices as a list of tensors, each one ``(m, n)`` matrix or a stack ``(E, m, n)`` of E
+matrices of one shape (stacked experts, :func:`matrixopt.optim.layout.mark_experts`), k matrices in all, in stack
+order: the host's work grows with the tensors, not with the matrices in them.
+
 Dispatch: these run the Triton kernels for CUDA tensors they can take (see :func:`fusable`) outside
 ``torch.compile``, and the torch references otherwise (the CPU, no Triton). :func:`elementwise_backend` forces one
 for a block of code (benchmarks; tests, where ``"triton"`` on CPU tensors runs Triton's interpreter under
@@ -42,10 +46,20 @@ def fused_kernels() -> ModuleType | None:
     return muon_fused
 
 
+def matrix_count(t: Tensor) -> int:
+    """How many matrices ``t`` holds: E for a stack ``(E, m, n)``, 1 for a matrix ``(m, n)``."""
+    return t.shape[0] if t.ndim == 3 else 1
+
+
+def as_stack(t: Tensor) -> Tensor:
+    """``t`` as a stack of matrices: ``(E, m, n)`` as it is, a matrix ``(m, n)`` as a ``(1, m, n)`` view."""
+    return t if t.ndim == 3 else t.unsqueeze(0)
+
+
 def fusable(*tensors: Sequence[Tensor]) -> bool:
-    """Whether the fused kernels take these lists of ``(m, n)`` matrices: 2-D, unit column stride, a supported
-    dtype (Triton itself is checked by the dispatch)."""
-    return all(t.ndim == 2 and t.stride(-1) == 1 and t.dtype in KERNEL_DTYPES for ts in tensors for t in ts)
+    """Whether the fused kernels take these lists of ``(m, n)`` matrices and ``(E, m, n)`` stacks: unit column
+    stride, a supported dtype (Triton itself is checked by the dispatch)."""
+    return all(t.ndim in (2, 3) and t.stride(-1) == 1 and t.dtype in KERNEL_DTYPES for ts in tensors for t in ts)
 
 
 def _dense_layout(X: Tensor) -> Tensor | None:
@@ -73,7 +87,13 @@ def frobenius_normalize_reference(X: Tensor, dtype: torch.dtype, parts: Tensor |
 
 
 def _transposed(m: Tensor, transpose: bool | None) -> bool:
-    return m.size(0) > m.size(1) if transpose is None else transpose
+    return m.size(-2) > m.size(-1) if transpose is None else transpose
+
+
+def _slots(like: Sequence[Tensor], X: Tensor) -> list[Tensor]:
+    """The blocks of the stack ``X (k, s, l)`` that the matrices and stacks ``like`` fill, in order: each
+    ``(E, s, l)`` (``(1, s, l)`` for a matrix), views of X."""
+    return list(X.split([matrix_count(t) for t in like]))
 
 
 def momentum_pack_reference(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, momentum: float,
@@ -87,21 +107,22 @@ def momentum_pack_reference(grads: Sequence[Tensor], bufs: Sequence[Tensor], out
     updates = torch._foreach_lerp(g32, list(bufs), momentum) if nesterov else bufs
     if sign:
         updates = torch._foreach_sign(updates)
-    torch.stack([u.mT if _transposed(u, transpose) else u for u in updates], out=out)
+    torch.cat([as_stack(u).mT if _transposed(u, transpose) else as_stack(u) for u in updates], out=out)
 
 
 def apply_update_reference(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int], float],
                            lr: float | Tensor, weight_decay: float, transpose: bool | None = None,
                            decay_mode: str = "decoupled", row_scale: Tensor | None = None) -> None:
     """``muon_fused.apply_update_triton`` with foreach ops (any device, any strides)."""
-    params = list(params)
     if isinstance(lr, Tensor):
         lr = lr.to(Y.device)
-    ys = [(y.mT if _transposed(p, transpose) else y) for p, y in zip(params, Y.unbind(0))]
+    ys = [(y.mT if _transposed(p, transpose) else y) for p, y in zip(params, _slots(params, Y))]  # (E, m, n) each
     if row_scale is not None:  # per row of each W_i as it lies
-        ys = [y.float() * r[:y.shape[0], None] for y, r in zip(ys, row_scale.unbind(0))]
+        ys = [y.float() * r[:, :y.shape[1], None] for y, r in zip(ys, _slots(params, row_scale))]
+    params = [as_stack(p) for p in params]
     decay_(params, lr, weight_decay, decay_mode, ys)
-    updates = [y.to(p.dtype) * (-scale(*p.shape) * lr) for p, y in zip(params, ys)]  # in the parameter's precision
+    # in the parameter's precision
+    updates = [y.to(p.dtype) * (-scale(*p.shape[1:]) * lr) for p, y in zip(params, ys)]
     torch._foreach_add_(params, updates)
 
 
@@ -109,9 +130,8 @@ def second_moment_normalize_reference(O: Tensor, states: Sequence[Tensor], beta2
                                       transpose: bool | None = None, skip: Tensor | None = None) -> Tensor:
     """``muon_fused.second_moment_normalize_triton`` with foreach ops (any device, any strides); ``skip`` by a
     select, without a host sync."""
-    k, s, l = O.shape
-    states = list(states)
-    views = [o.mT if _transposed(v, transpose) else o for o, v in zip(O.unbind(0), states)]  # as each V_i lies
+    states = [as_stack(v) for v in states]
+    views = [o.mT if _transposed(v, transpose) else o for o, v in zip(_slots(states, O), states)]  # as each V_i lies
     o32 = [o.float() for o in views]
     new = torch._foreach_mul(states, beta2)
     torch._foreach_addcmul_(new, o32, o32, value=1 - beta2)
@@ -126,9 +146,9 @@ def row_sums_of_squares_reference(O: Tensor, like: Sequence[Tensor], transpose: 
     """``muon_fused.row_sums_of_squares_triton`` in torch (any device, any strides)."""
     k, s, l = O.shape
     rows = torch.zeros((k, max(s, l)), dtype=torch.float32, device=O.device)
-    for i, (o, m) in enumerate(zip(O.unbind(0), like)):
-        o = o.mT if _transposed(m, transpose) else o
-        rows[i, :o.shape[0]] = torch.linalg.vector_norm(o, dim=-1, dtype=torch.float32).square()
+    for r, o, m in zip(_slots(like, rows), _slots(like, O), like):
+        o = o.mT if _transposed(m, transpose) else o  # (E, rows, cols)
+        r[:, :o.shape[1]] = torch.linalg.vector_norm(o, dim=-1, dtype=torch.float32).square()
     return rows
 
 
@@ -165,14 +185,15 @@ def momentum_pack(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: Tensor, 
                   grad_scale: Tensor | None = None, sign: bool = False) -> Tensor | None:
     """Momentum step on every matrix and its update packed short side first (module docstring).
 
-    grads: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, one float dtype. bufs: their fp32 momentum,
-    same shapes, updated in place. out: ``(k, s, l)`` contiguous; ``out[i]`` receives matrix i's update
-    ``G + mu (B - G)`` (Nesterov) or ``B`` in out's dtype, transposed when tall (``transpose=None``; then
-    ``s <= l``), or transposed for every matrix (``True``) or none (``False``), as a sharded stack that must be
-    laid out alike on every rank needs. skip: a 0-d float32 device flag, nonzero to write nothing; only where
-    :func:`skips_on_device` holds (else ValueError). grad_scale: a 0-d float32 tensor the gradients are multiplied
-    by first (gradient clipping's coefficient; the gradients are not written). sign: pack the update's sign (+1,
-    -1 or 0; AdaMuon's Newton–Schulz input) instead of the update.
+    grads: matrices ``(m_i, n_i)`` or stacks ``(E, m_i, n_i)`` of them, k matrices in all (module docstring), with
+    ``{m_i, n_i} = {s, l}``, one float dtype. bufs: their fp32 momentum, same shapes, updated in place.
+    out: ``(k, s, l)`` contiguous; ``out[i]`` receives matrix i's update ``G + mu (B - G)`` (Nesterov) or ``B`` in
+    out's dtype, transposed when tall (``transpose=None``; then ``s <= l``), or transposed for every matrix
+    (``True``) or none (``False``), as a sharded stack that must be laid out alike on every rank needs. skip: a 0-d
+    float32 device flag, nonzero to write nothing; only where :func:`skips_on_device` holds (else ValueError).
+    grad_scale: a 0-d float32 tensor the gradients are multiplied by first (gradient clipping's coefficient; the
+    gradients are not written). sign: pack the update's sign (+1, -1 or 0; AdaMuon's Newton–Schulz input) instead
+    of the update.
 
     Returns, from the fused kernel, ``(k, T)`` float64 partial sums of squares of the packed values (rows summing to
     each ``||out[i]||_F^2``) for :func:`frobenius_normalize`'s ``parts``, which then skips a pass over the stack;
@@ -196,7 +217,8 @@ def apply_update(params: Sequence[Tensor], Y: Tensor, scale: Callable[[int, int]
     (:mod:`matrixopt.kernels.decay`; ``"cautious"`` masks it by the sign of ``Y[i] * W_i``). ``row_scale``:
     ``(k, l)`` float32, or None: row r of ``W_i`` (as it lies) takes its update times ``row_scale[i, r]``.
 
-    params: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, one float dtype. Y: ``(k, s, l)``, any float
+    params: matrices ``(m_i, n_i)`` or stacks ``(E, m_i, n_i)`` of them, k matrices in all, with
+    ``{m_i, n_i} = {s, l}``, one float dtype. Y: ``(k, s, l)``, any float
     dtype and strides. lr: a float, or a 0-d tensor (no host sync on the GPU). skip: as in :func:`momentum_pack`."""
     fused = _kernels(_on_gpu(params) and fusable(params))
     if fused:
@@ -214,12 +236,12 @@ def second_moment_normalize(O: Tensor, states: Sequence[Tensor], beta2: float, e
 
         V_i <- beta2 V_i + (1 - beta2) O_i * O_i;    O_i <- O_i / (sqrt(V_i) + eps)
 
-    O: ``(k, s, l)`` stack, any float dtype and strides. states: k float32 matrices ``V_i``, each ``O[i]`` as it
-    lies or transposed: transposed when tall (``transpose=None``; then ``s <= l``), or as ``transpose`` says for
-    every matrix, as in :func:`momentum_pack`. skip: a 0-d float32 device flag, nonzero to leave the moments as
-    they were. Returns ``(k, max(s, l))`` float32: per row of the normalized ``O_i`` as ``V_i`` lies, its sum of
-    squares (of the values as stored), zero past ``V_i``'s rows. The fused kernel reads and writes each element
-    once (12 bytes per bf16 element)."""
+    O: ``(k, s, l)`` stack, any float dtype and strides. states: float32 matrices ``V_i`` or stacks of them, k
+    matrices in all, each ``O[i]`` as it lies or transposed: transposed when tall (``transpose=None``; then
+    ``s <= l``), or as ``transpose`` says for every matrix, as in :func:`momentum_pack`. skip: a 0-d float32 device
+    flag, nonzero to leave the moments as they were. Returns ``(k, max(s, l))`` float32: per row of the normalized
+    ``O_i`` as ``V_i`` lies, its sum of squares (of the values as stored), zero past ``V_i``'s rows. The fused kernel
+    reads and writes each element once (12 bytes per bf16 element)."""
     fused = _kernels(_on_gpu(states, [O]) and fusable(states) and O.dtype in KERNEL_DTYPES)
     if fused is None:
         return second_moment_normalize_reference(O, states, beta2, eps, transpose, skip)
@@ -229,7 +251,8 @@ def second_moment_normalize(O: Tensor, states: Sequence[Tensor], beta2: float, e
 def row_sums_of_squares(O: Tensor, like: Sequence[Tensor], transpose: bool | None = None) -> Tensor:
     """``(k, max(s, l))`` float32: per row of each ``O[i]`` as matrix ``like[i]`` lies (``O[i]`` transposed for a
     tall one, or as ``transpose`` says, as in :func:`momentum_pack`), its sum of squares; zero past its rows.
-    O: ``(k, s, l)``, any float dtype and strides; ``like``: k matrices, only their shapes are read. The fused
+    O: ``(k, s, l)``, any float dtype and strides; ``like``: matrices or stacks of them, k matrices in all;
+    only their shapes are read. The fused
     kernel reads O once, tall and wide matrices alike (NorMuon's per-neuron statistics)."""
     fused = _kernels(_on_gpu([O]) and O.dtype in KERNEL_DTYPES)
     if fused is None:

@@ -24,7 +24,9 @@ work as separate foreach ops, ``cat`` and casts. Tall matrices are transposed on
 The matrices of one launch live in separate allocations: their addresses and row strides travel in a small
 int64 table, and each program reads its matrix's row, casts the address to a typed pointer and works on one
 ``BLOCK_R x BLOCK_C`` tile. Tall and wide matrices take separate launches (the transpose is a compile-time
-choice), so each launch reads and writes along rows.
+choice), so each launch reads and writes along rows. The host builds a table from runs (:data:`Run`): the E
+matrices of an expert stack ``(E, m, n)`` are E rows a fixed stride apart, one run, so its cost grows with the
+tensors of a launch, not with their matrices, and it is cached by the runs (the addresses, strides and slots).
 
 Blocked algorithm, one program per (tile, matrix)::
 
@@ -43,7 +45,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -258,16 +260,32 @@ def _scale_kernel(x_ptr, partial_ptr, out_ptr, N, T, FLT_MAX, BLOCK: tl.constexp
 # ----------------------------------------------------------------------------------------------- launchers
 
 
+Run = tuple[tuple[int, ...], tuple[int, ...], int]
+"""A run of rows of an address table, ``(base, step, count)``: the ``count`` rows ``base + i * step``, i < count.
+A stack ``(E, m, n)`` is one run of E rows (its matrices lie a fixed stride apart and take consecutive slots), a
+matrix a run of one, so a table costs the host a few values per tensor, not per matrix."""
+
+
+def table_rows(runs: Sequence[Run]) -> Tensor:
+    """The int64 table ``(rows, columns)`` (on the host) that ``runs`` stand for, in order."""
+    counts = torch.tensor([count for _, _, count in runs])  # (P,)
+    base = torch.tensor([b for b, _, _ in runs], dtype=torch.int64)  # (P, columns)
+    step = torch.tensor([st for _, st, _ in runs], dtype=torch.int64)
+    run = torch.repeat_interleave(counts)  # (rows,) the run of each row
+    i = torch.arange(len(run)) - (counts.cumsum(0) - counts)[run]  # each row's index in its run
+    return base[run] + i[:, None] * step[run]
+
+
 _TABLES: OrderedDict[tuple, Tensor] = OrderedDict()
 _CAPTURED: dict[tuple, Tensor] = {}  # tables that captured graphs read: never evicted
 _TABLES_KEPT = 256  # gradients are usually reallocated at the same addresses step after step: keep their tables
 
 
-def _table(rows: list[list[int]], device: torch.device) -> Tensor:
-    """The int64 table as a device tensor: cached by content, else a small asynchronous copy from pageable
-    memory (the driver stages it at once, so the host list may go). During CUDA graph capture it must be cached
-    already (by the same launch before capture), and stays so for good."""
-    key = (device, *(v for row in rows for v in row))
+def _table(runs: tuple[Run, ...], device: torch.device) -> Tensor:
+    """The int64 table of ``runs`` as a device tensor: cached by the runs (which fix its content), else a small
+    asynchronous copy from pageable memory (the driver stages it at once, so the host tensor may go). During CUDA
+    graph capture it must be cached already (by the same launch before capture), and stays so for good."""
+    key = (device, runs)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # graphs read it at every replay: kept
         table = _TABLES.pop(key, None)
         table = _CAPTURED.setdefault(key, table) if table is not None else _CAPTURED.get(key)
@@ -277,7 +295,7 @@ def _table(rows: list[list[int]], device: torch.device) -> Tensor:
         return table
     table = _TABLES.get(key)
     if table is None:
-        table = _TABLES[key] = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        table = _TABLES[key] = table_rows(runs).to(device, non_blocking=True)
         if len(_TABLES) > _TABLES_KEPT:
             _TABLES.popitem(last=False)
     else:
@@ -285,46 +303,61 @@ def _table(rows: list[list[int]], device: torch.device) -> Tensor:
     return table
 
 
-def _orientations(shapes: Sequence[torch.Size], transpose: bool | None) -> dict[bool, list[int]]:
-    groups: dict[bool, list[int]] = {False: [], True: []}
-    for i, (m, n) in enumerate(shapes):
-        groups[m > n if transpose is None else transpose].append(i)
-    return groups
+def _stride(t: Tensor) -> int:
+    """Bytes from one matrix of a stack ``(E, m, n)`` to the next; 0 for a matrix."""
+    return t.stride(0) * t.element_size() if t.ndim == 3 else 0
 
 
-def _check_slots(what: str, shapes: Sequence[torch.Size], s: int, l: int, transpose: bool | None) -> None:
-    """Every matrix must fill an ``(s, l)`` slot as it lies or transposed, as ``transpose`` says."""
-    for shape in shapes:
-        m, n = shape
-        fits = {(s, l), (l, s)} if transpose is None else {(l, s) if transpose else (s, l)}
+def _layout(what: str, mats: Sequence[Tensor], k: int, s: int, l: int, transpose: bool | None,
+            runs: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[tuple[bool, tuple[Run, ...]]]:
+    """A launch's tables as runs, ``(transposed, runs)`` per orientation present: ``runs[j]`` is ``(base, step)``
+    of the matrix or stack ``mats[j]``, to which the slot column is added (each matrix's place in the stack,
+    counted over ``mats`` in order). Checks that ``mats`` hold ``k`` matrices, each filling an ``(s, l)`` slot as
+    it lies or transposed, as ``transpose`` says."""
+    fits = {(s, l), (l, s)} if transpose is None else {(l, s) if transpose else (s, l)}
+    groups: dict[bool, list[Run]] = {False: [], True: []}
+    slot = 0
+    for t, (base, step) in zip(mats, runs):
+        *stack, m, n = t.shape  # stack: (E,) or ()
         if (m, n) not in fits:
             how = "" if transpose is None else (" transposed" if transpose else " as it lies")
             raise ValueError(f"{what}: a {(m, n)} matrix does not fill a ({s}, {l}) slot{how}")
+        count = stack[0] if stack else 1
+        if count:
+            groups[m > n if transpose is None else transpose].append(((*base, slot), (*step, 1), count))
+        slot += count
+    if slot != k:
+        raise ValueError(f"{what}: {slot} matrices for a stack of {k}")
+    return [(tall, tuple(rs)) for tall, rs in groups.items() if rs]
 
 
-def pack_rows(grads: Sequence[Tensor], bufs: Sequence[Tensor], s: int, l: int,
-              transpose: bool | None = None) -> list[tuple[bool, list[list[int]]]]:
-    """The tables of :func:`momentum_pack_triton` for an ``(s, l)`` stack: ``(transposed, rows)`` per orientation
-    present, each row ``[gradient address, momentum address, their row strides, slot]``. Checks the shapes."""
+def pack_runs(grads: Sequence[Tensor], bufs: Sequence[Tensor], k: int, s: int, l: int,
+              transpose: bool | None = None) -> list[tuple[bool, tuple[Run, ...]]]:
+    """The tables of :func:`momentum_pack_triton` for a ``(k, s, l)`` stack, as runs (:func:`table_rows` expands
+    them): ``(transposed, runs)`` per orientation present, each row ``[gradient address, momentum address, their
+    row strides, slot]``. Checks the shapes."""
     if len(grads) != len(bufs):
         raise ValueError(f"momentum_pack: {len(grads)} gradients but {len(bufs)} momentum buffers")
     for g, b in zip(grads, bufs):
         if g.shape != b.shape or b.dtype != torch.float32:
             raise ValueError(f"momentum_pack: gradient {tuple(g.shape)} and fp32 momentum {tuple(b.shape)} "
                              f"({b.dtype}) must match in shape")
-    _check_slots("momentum_pack", [g.shape for g in grads], s, l, transpose)
-    return [(tall, [[grads[i].data_ptr(), bufs[i].data_ptr(), grads[i].stride(0), bufs[i].stride(0), i]
-                    for i in idx])
-            for tall, idx in _orientations([g.shape for g in grads], transpose).items() if idx]
+    return _layout("momentum_pack", grads, k, s, l, transpose,
+                   (((g.data_ptr(), b.data_ptr(), g.stride(-2), b.stride(-2)), (_stride(g), _stride(b), 0, 0))
+                    for g, b in zip(grads, bufs)))
 
 
-def apply_rows(params: Sequence[Tensor], s: int, l: int,
-               transpose: bool | None = None) -> list[tuple[bool, list[list[int]]]]:
-    """The tables of :func:`apply_update_triton` for an ``(s, l)`` stack: ``(transposed, rows)`` per orientation
-    present, each row ``[parameter address, row stride, slot]``. Checks the shapes."""
-    _check_slots("apply_update", [p.shape for p in params], s, l, transpose)
-    return [(tall, [[params[i].data_ptr(), params[i].stride(0), i] for i in idx])
-            for tall, idx in _orientations([p.shape for p in params], transpose).items() if idx]
+def apply_runs(params: Sequence[Tensor], k: int, s: int, l: int,
+               transpose: bool | None = None) -> list[tuple[bool, tuple[Run, ...]]]:
+    """The tables of :func:`apply_update_triton` for a ``(k, s, l)`` stack, as runs: ``(transposed, runs)`` per
+    orientation present, each row ``[parameter address, row stride, slot]``. Checks the shapes."""
+    return _layout("apply_update", params, k, s, l, transpose,
+                   (((p.data_ptr(), p.stride(-2)), (_stride(p), 0)) for p in params))
+
+
+def _rows(runs: Sequence[Run]) -> int:
+    """The rows of a table: a launch's matrices (its grid's second dimension)."""
+    return sum(count for _, _, count in runs)
 
 
 def pack_tiles(s: int, l: int) -> int:
@@ -339,30 +372,30 @@ def momentum_pack_triton(grads: Sequence[Tensor], bufs: Sequence[Tensor], out: T
                          sign: bool = False) -> None:
     """Momentum step on every matrix and its update packed short side first, by the Triton kernel.
 
-    grads: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, ``s <= l``, all of one dtype (fp32, bf16 or
-    fp16), unit column stride. bufs: their fp32 momentum, same shapes and unit column stride; updated in place.
-    out: ``(k, s, l)`` contiguous, any supported dtype; ``out[i]`` receives matrix i's update, transposed when tall
-    (``transpose=None``) or as ``transpose`` says for every matrix. tables: device copies of :func:`pack_rows`'
-    tables to read instead (static ones, for CUDA graphs). skip: a 0-d float32 device flag; where nonzero at run
-    time, nothing is read or written (momentum and stack stay as they were). parts: a contiguous ``(k,
-    pack_tiles(s, l))`` float64 tensor that receives per-tile sums of squares of the packed values, each row summing
-    to ``||out[i]||_F^2`` (zeros where skipped): :func:`frobenius_normalize_triton` then skips its own pass.
-    grad_scale: a 0-d float32 device tensor every gradient is multiplied by as it is read (gradient clipping's
-    coefficient, applied here instead of in a pass of its own); the gradients themselves are left as they are.
+    grads: matrices ``(m_i, n_i)`` or stacks ``(E, m_i, n_i)`` of them, k matrices in all, with
+    ``{m_i, n_i} = {s, l}``, ``s <= l``, all of one dtype (fp32, bf16 or fp16), unit column stride. bufs: their
+    fp32 momentum, same shapes and unit column stride; updated in place. out: ``(k, s, l)`` contiguous, any
+    supported dtype; ``out[i]`` receives matrix i's update, transposed when tall (``transpose=None``) or as
+    ``transpose`` says for every matrix. tables: device copies of :func:`pack_runs`' tables to read instead
+    (static ones, for CUDA graphs). skip: a 0-d float32 device flag; where nonzero at run time, nothing is read or
+    written (momentum and stack stay as they were). parts: a contiguous ``(k, pack_tiles(s, l))`` float64 tensor
+    that receives per-tile sums of squares of the packed values, each row summing to ``||out[i]||_F^2`` (zeros
+    where skipped): :func:`frobenius_normalize_triton` then skips its own pass. grad_scale: a 0-d float32 device
+    tensor every gradient is multiplied by as it is read (gradient clipping's coefficient, applied here instead of
+    in a pass of its own); the gradients themselves are left as they are.
     sign: pack the update's sign (+1, -1, 0) instead of the update; ``parts`` are then the sign's."""
     k, s, l = out.shape
-    if not out.is_contiguous() or len(grads) != k:
-        raise ValueError(f"momentum_pack needs k={len(grads)} gradients and a contiguous (k, s, l) output; got out "
-                         f"{tuple(out.shape)} with strides {out.stride()}")
+    if not out.is_contiguous():
+        raise ValueError(f"momentum_pack needs a contiguous (k, s, l) output; got out {tuple(out.shape)} with "
+                         f"strides {out.stride()}")
     if parts is not None and (parts.shape != (k, pack_tiles(s, l)) or parts.dtype != torch.float64
                               or not parts.is_contiguous()):
         raise ValueError(f"momentum_pack: parts must be a contiguous float64 ({k}, {pack_tiles(s, l)}) tensor; got "
                          f"{tuple(parts.shape)} {parts.dtype}")
-    layout = pack_rows(grads, bufs, s, l, transpose)
-    for j, (tall, rows) in enumerate(layout):
+    for j, (tall, runs) in enumerate(pack_runs(grads, bufs, k, s, l, transpose)):
         R, C = (l, s) if tall else (s, l)
-        table = tables[j] if tables is not None else _table(rows, out.device)
-        grid = (triton.cdiv(R, TILE_ROWS) * triton.cdiv(C, TILE_COLS), len(rows))
+        table = tables[j] if tables is not None else _table(runs, out.device)
+        grid = (triton.cdiv(R, TILE_ROWS) * triton.cdiv(C, TILE_COLS), _rows(runs))
         _momentum_pack_kernel[grid](table, out, R, C, 1.0 - momentum, momentum, table if skip is None else skip,
                                     table if parts is None else parts, table if grad_scale is None else grad_scale,
                                     G_DTYPE=_TL_DTYPES[grads[0].dtype], NESTEROV=nesterov, TALL=tall,
@@ -378,9 +411,10 @@ def apply_update_triton(params: Sequence[Tensor], Y: Tensor, scale: Callable[[in
     """``W_i <- (1 - lr wd) W_i - lr scale(m_i, n_i) Y[i]`` (``Y[i]^T`` for tall ``W_i``, or for every ``W_i`` as
     ``transpose`` says), in place, by the Triton kernel.
 
-    params: k matrices ``(m_i, n_i)`` with ``{m_i, n_i} = {s, l}``, all of one dtype, unit column stride.
+    params: matrices ``(m_i, n_i)`` or stacks ``(E, m_i, n_i)`` of them, k matrices in all, with
+    ``{m_i, n_i} = {s, l}``, all of one dtype, unit column stride.
     Y: ``(k, s, l)``, any float dtype and strides. lr: a float, or a 0-d tensor on Y's device (no host sync).
-    tables: device copies of :func:`apply_rows`' tables to read instead (static ones, for CUDA graphs). skip: a
+    tables: device copies of :func:`apply_runs`' tables to read instead (static ones, for CUDA graphs). skip: a
     0-d float32 device flag; where nonzero at run time, no parameter is written. decay_mode: one of
     :data:`matrixopt.kernels.decay.WEIGHT_DECAY_MODES`. row_scale: ``(k, l)`` float32 contiguous, or None: row r of
     ``W_i`` (as it lies) takes its update times ``row_scale[i, r]`` (NorMuon's per-neuron normalization)."""
@@ -390,13 +424,11 @@ def apply_update_triton(params: Sequence[Tensor], Y: Tensor, scale: Callable[[in
                                   or not row_scale.is_contiguous()):
         raise ValueError(f"apply_update: row_scale must be a contiguous float32 ({k}, {l}) tensor, got "
                          f"{tuple(row_scale.shape)} {row_scale.dtype}")
-    if len(params) != k:
-        raise ValueError(f"apply_update: {len(params)} parameters for a stack of {k}")
     lr_ptr = isinstance(lr, Tensor)
-    for j, (tall, rows) in enumerate(apply_rows(params, s, l, transpose)):
+    for j, (tall, runs) in enumerate(apply_runs(params, k, s, l, transpose)):
         R, C = (l, s) if tall else (s, l)
-        table = tables[j] if tables is not None else _table(rows, Y.device)
-        grid = (triton.cdiv(R, TILE_ROWS) * triton.cdiv(C, TILE_COLS), len(rows))
+        table = tables[j] if tables is not None else _table(runs, Y.device)
+        grid = (triton.cdiv(R, TILE_ROWS) * triton.cdiv(C, TILE_COLS), _rows(runs))
         _apply_update_kernel[grid](table, Y, Y.stride(0), Y.stride(1), Y.stride(2), R, C,
                                    lr if lr_ptr else float(lr), float(weight_decay), float(scale(R, C)),
                                    table if skip is None else skip,
@@ -413,11 +445,12 @@ def second_moment_normalize_triton(O: Tensor, states: Sequence[Tensor], beta2: f
     """AdaMuon's element-wise second moment and normalization in one pass, by the Triton kernel:
     ``V_i <- beta2 V_i + (1 - beta2) O_i * O_i`` and ``O_i <- O_i / (sqrt(V_i) + eps)`` in place.
 
-    O: ``(k, s, l)`` stack, fp32, bf16 or fp16, any strides. states: k fp32 matrices with unit column stride,
-    each ``O[i]`` as it lies or transposed, as in :func:`momentum_pack_triton` (``transpose``). tables: device
-    copies of :func:`apply_rows`' tables of ``states`` (static ones, for CUDA graphs). skip: a 0-d float32 device
-    flag; where nonzero at run time nothing is read or written. Returns ``(k, max(s, l))`` float32: row r of the
-    normalized ``O_i`` as ``V_i`` lies, its sum of squares (zero past ``V_i``'s rows)."""
+    O: ``(k, s, l)`` stack, fp32, bf16 or fp16, any strides. states: fp32 matrices or stacks of them, k matrices in
+    all, with unit column stride, each ``O[i]`` as it lies or transposed, as in :func:`momentum_pack_triton`
+    (``transpose``). tables: device copies of :func:`apply_runs`' tables of ``states`` (static ones, for CUDA
+    graphs). skip: a 0-d float32 device flag; where nonzero at run time nothing is read or written. Returns
+    ``(k, max(s, l))`` float32: row r of the normalized ``O_i`` as ``V_i`` lies, its sum of squares (zero past
+    ``V_i``'s rows)."""
     if any(v.dtype != torch.float32 for v in states):
         raise ValueError("second_moment_normalize: the second moments must be float32")
     return _row_pass(O, states, transpose, tables, skip, beta2, eps)
@@ -426,7 +459,8 @@ def second_moment_normalize_triton(O: Tensor, states: Sequence[Tensor], beta2: f
 def row_sums_of_squares_triton(O: Tensor, like: Sequence[Tensor], transpose: bool | None = None) -> Tensor:
     """``(k, max(s, l))`` float32: the sum of squares of each row of ``O[i]`` as matrix ``like[i]`` lies
     (``O[i]`` transposed as in :func:`momentum_pack_triton`), zero past its rows; one read of O, any strides,
-    no copy of a transposed stack. ``like``: k matrices of the stack's shapes, only their shapes are read."""
+    no copy of a transposed stack. ``like``: matrices or stacks of them, k matrices in all, of the stack's shapes;
+    only their shapes are read."""
     return _row_pass(O, like, transpose, None, None, None, 0.0)
 
 
@@ -435,15 +469,13 @@ def _row_pass(O: Tensor, mats: Sequence[Tensor], transpose: bool | None, tables:
     """The second-moment kernel over ``O`` with the matrices ``mats`` as they lie: with their second moments
     (``beta2`` a float) or only the row sums (None)."""
     k, s, l = O.shape
-    if len(mats) != k:
-        raise ValueError(f"second_moment_normalize: {len(mats)} matrices for a stack of {k}")
     rmax = max(s, l)
     n_c = triton.cdiv(rmax, TILE_COLS)
     rows_sq = torch.zeros((k, n_c, rmax), dtype=torch.float32, device=O.device)
-    for j, (tall, rows) in enumerate(apply_rows(mats, s, l, transpose)):
+    for j, (tall, runs) in enumerate(apply_runs(mats, k, s, l, transpose)):
         R, C = (l, s) if tall else (s, l)
-        table = tables[j] if tables is not None else _table(rows, O.device)
-        grid = (triton.cdiv(R, TILE_ROWS) * triton.cdiv(C, TILE_COLS), len(rows))
+        table = tables[j] if tables is not None else _table(runs, O.device)
+        grid = (triton.cdiv(R, TILE_ROWS) * triton.cdiv(C, TILE_COLS), _rows(runs))
         _second_moment_kernel[grid](table, O, O.stride(0), O.stride(1), O.stride(2), R, C, float(beta2 or 0.0),
                                     float(eps), table if skip is None else skip, rows_sq, n_c, rmax,
                                     TALL=tall, HAS_SKIP=skip is not None, HAS_V=beta2 is not None,
@@ -526,7 +558,7 @@ def nonfinite_flags_triton(grads: Sequence[Tensor]) -> Tensor:
     numels = tuple(g.numel() for g in grads)
     chunks = _chunk_table(numels, flags.device)
     if len(chunks):
-        table = _table([[g.data_ptr(), n] for g, n in zip(grads, numels)], flags.device)
+        table = _table(tuple(((g.data_ptr(), n), (0, 0), 1) for g, n in zip(grads, numels)), flags.device)
         _nonfinite_kernel[(len(chunks),)](table, chunks, flags, G_DTYPE=_TL_DTYPES[grads[0].dtype],
                                           BLOCK=CHECK_BLOCK, CHUNK=CHECK_CHUNK, num_warps=4)
     return flags

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from matrixopt.kernels.muon_elementwise import row_sums_of_squares, second_moment_normalize
+from matrixopt.kernels.muon_elementwise import matrix_count, row_sums_of_squares, second_moment_normalize
 from matrixopt.linalg.ortho import DEFAULT_SCHEDULE
 from matrixopt.optim.base import _check_finite
 from matrixopt.optim.layout import Bucket, matrix_pieces, row_pieces, row_state
@@ -172,35 +172,40 @@ class NorMuon(_SecondMomentMuon):
                    skip: Tensor | None) -> tuple[Tensor, Tensor]:
         b, s, l = O.shape
         sumsq_all = row_sums_of_squares(O, bk.params)  # (b, l): per row of each W_i as it lies, one read of O
-        tall = [bk.tall(i) for i in range(b)]
-        scales: dict[int, Tensor] = {}
+        counts = [matrix_count(p) for p in bk.params]  # the stack's slots, view by view
+        sums = sumsq_all.split(counts)
+        tall = [bk.tall(j) for j in range(len(counts))]
+        scales: dict[int, Tensor] = {}  # view -> its (E, l) block of the kernel's row scale
         for is_tall in sorted(set(tall)):  # one batch per orientation: a tall matrix's rows are the stack's columns
-            idx = [i for i, t in enumerate(tall) if t == is_tall]
+            views = [j for j, t in enumerate(tall) if t == is_tall]
             r, c = (l, s) if is_tall else (s, l)
-            sumsq = sumsq_all[:, :r] if len(idx) == b else torch.stack([sumsq_all[i, :r] for i in idx])  # capturable
-            inv, row_sq = self._row_step(group, sumsq, c, [bk.extra[i] for i in idx], skip)
+            # slices, not an index tensor: capturable in a CUDA graph
+            sumsq = sumsq_all[:, :r] if len(views) == len(counts) else torch.cat([sums[j][:, :r] for j in views])
+            inv, row_sq = self._row_step(group, sumsq, c, [bk.extra[j] for j in views], skip)
             norm = row_sq.sum(-1, keepdim=True).sqrt_()  # (k, 1): the normalized update's Frobenius norm
             scale = inv * torch.where(norm > 0, s**0.5 / norm, 0.0)  # (k, r)
-            scales.update(zip(idx, torch.nn.functional.pad(scale, (0, l - r)).unbind(0)))  # the kernel's (k, l)
-        return O, torch.stack([scales[i] for i in range(b)])  # O itself is not rewritten
+            padded = torch.nn.functional.pad(scale, (0, l - r))  # (k, l): the kernel's
+            scales.update(zip(views, padded.split([counts[j] for j in views])))
+        return O, torch.cat([scales[j] for j in range(len(counts))])  # (b, l); O itself is not rewritten
 
     def _moments(self, group: dict[str, Any], O: Tensor, state: list[Tensor],
                  skip: Tensor | None) -> tuple[None, Tensor, Tensor]:
-        sumsq = row_sums_of_squares(O, list(O.unbind(0)), transpose=False)[:, :O.shape[1]]
+        sumsq = row_sums_of_squares(O, [O], transpose=False)[:, :O.shape[1]]
         return None, *self._row_step(group, sumsq, O.shape[2], state, skip)
 
     def _row_step(self, group: dict[str, Any], sumsq: Tensor, cols: int, state: list[Tensor],
                   skip: Tensor | None) -> tuple[Tensor, Tensor]:
         """The per-row second moments stepped from ``sumsq (k, r)``, the sums of squares of the rows (``cols``
-        long) of k matrices, with ``state`` their k ``(r,)`` views: returns ``(inv, row_sq)``, the
-        normalization diag(sqrt(v) + eps)^-1 and the normalized rows' sums of squares, both ``(k, r)``. All of it
-        comes from the sums (||D O_r||^2 = d_r^2 ||O_r||^2 for a diagonal D), and the update kernel applies the
-        scale per row as it writes W: O itself is never rewritten."""
-        old = torch.stack(state)  # (k, r)
+        long) of k matrices, with ``state`` their ``(r,)`` views, or ``(E, r)`` for a stack of E: returns
+        ``(inv, row_sq)``, the normalization diag(sqrt(v) + eps)^-1 and the normalized rows' sums of squares, both
+        ``(k, r)``. All of it comes from the sums (||D O_r||^2 = d_r^2 ||O_r||^2 for a diagonal D), and the update
+        kernel applies the scale per row as it writes W: O itself is never rewritten."""
+        rows = [v.reshape(-1, v.shape[-1]) for v in state]  # (E, r) views of the state, (1, r) for a matrix
+        old = torch.cat(rows)  # (k, r)
         new = old.lerp(sumsq / cols, 1 - group["beta2"])
         if skip is not None:  # a skipped step's O is not even finite: keep the moments, without a host sync
             new = torch.where(skip != 0, old, new)
-        torch._foreach_copy_(state, list(new.unbind(0)))
+        torch._foreach_copy_(rows, list(new.split([v.shape[0] for v in rows])))
         inv = new.sqrt_().add_(group["eps"]).reciprocal_()
         return inv, inv.square() * sumsq
 

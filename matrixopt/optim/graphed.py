@@ -49,8 +49,8 @@ class CapturedMuonStep:
         self.skip = torch.zeros((), dtype=torch.float32, device=device)
         self.grad_scale = torch.ones((), dtype=torch.float32, device=device)
         self._layouts = [self._layout(bk) for bk in buckets]
-        self._tables = [tuple([torch.tensor(rows, dtype=torch.int64, device=device) for _, rows in part]
-                              for part in layout) for layout in self._layouts]
+        self._tables = [tuple([muon_fused.table_rows(runs).to(device) for _, runs in part] for part in layout)
+                        for layout in self._layouts]
         # Before capture, on a side stream as torch.cuda.graph's documentation asks: the momentum pass with the
         # skip flag set (it writes nothing), fn once more (zero stacks; fn is pure), and the update kernel in its
         # device-lr variant with lr = 0 and no decay, which leaves every parameter as it is: every kernel variant
@@ -60,8 +60,8 @@ class CapturedMuonStep:
         skip_all = torch.ones((), dtype=torch.float32, device=device)
         with torch.cuda.stream(side), for_cuda_graphs():  # Newton–Schulz paths chosen by their GPU time
             for bk, (pack_tables, apply_tables) in zip(buckets, self._tables):
-                X = torch.zeros((len(bk.params), bk.s, bk.l), dtype=dtype, device=device)
-                parts = torch.zeros((len(bk.params), muon_fused.pack_tiles(bk.s, bk.l)), dtype=torch.float64,
+                X = torch.zeros((bk.count, bk.s, bk.l), dtype=dtype, device=device)
+                parts = torch.zeros((bk.count, muon_fused.pack_tiles(bk.s, bk.l)), dtype=torch.float64,
                                     device=device)
                 muon_fused.momentum_pack_triton(bk.grads, bk.bufs, X, momentum, nesterov, tables=pack_tables,
                                                 skip=skip_all, parts=parts, grad_scale=self.grad_scale, sign=sign)
@@ -75,8 +75,8 @@ class CapturedMuonStep:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             for bk, (pack_tables, apply_tables) in zip(buckets, self._tables):
-                X = torch.empty((len(bk.params), bk.s, bk.l), dtype=dtype, device=device)
-                parts = torch.empty((len(bk.params), muon_fused.pack_tiles(bk.s, bk.l)), dtype=torch.float64,
+                X = torch.empty((bk.count, bk.s, bk.l), dtype=dtype, device=device)
+                parts = torch.empty((bk.count, muon_fused.pack_tiles(bk.s, bk.l)), dtype=torch.float64,
                                     device=device)
                 muon_fused.momentum_pack_triton(bk.grads, bk.bufs, X, momentum, nesterov, tables=pack_tables,
                                                 skip=self.skip, parts=parts, grad_scale=self.grad_scale, sign=sign)
@@ -87,8 +87,10 @@ class CapturedMuonStep:
                                                skip=self.skip, decay_mode=decay_mode, row_scale=row_scale)
 
     def _layout(self, bk: Bucket) -> tuple[list, list]:
-        """The pack and update tables' rows for this step's tensors."""
-        return self._fused.pack_rows(bk.grads, bk.bufs, bk.s, bk.l), self._fused.apply_rows(bk.params, bk.s, bk.l)
+        """The pack and update tables' runs for this step's tensors."""
+        k = bk.count
+        return (self._fused.pack_runs(bk.grads, bk.bufs, k, bk.s, bk.l),
+                self._fused.apply_runs(bk.params, k, bk.s, bk.l))
 
     def replay(self, buckets: list[Bucket] | None, lr: float | Tensor, skip: Tensor | None = None,
                grad_scale: Tensor | None = None) -> None:
@@ -100,8 +102,8 @@ class CapturedMuonStep:
             layout = self._layout(bk)
             if layout != self._layouts[i]:
                 for tables, part in zip(self._tables[i], layout):
-                    for table, (_, rows) in zip(tables, part):
-                        table.copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
+                    for table, (_, runs) in zip(tables, part):
+                        table.copy_(self._fused.table_rows(runs), non_blocking=True)
                 self._layouts[i] = layout
         if isinstance(lr, Tensor):
             self.lr.copy_(lr, non_blocking=True)

@@ -19,7 +19,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from matrixopt.kernels.muon_elementwise import apply_update, momentum_pack
+from matrixopt.kernels.muon_elementwise import apply_update, matrix_count, momentum_pack
 
 T = TypeVar("T")
 
@@ -89,8 +89,10 @@ def matrix_pieces(param: Tensor, t: Tensor) -> list[Tensor]:
 
 @dataclass
 class Bucket:
-    """The ``(s, l)`` matrices of one Newton–Schulz batch: views of parameters, gradients and momentum, each
-    ``(s, l)`` or ``(l, s)``, in stack order."""
+    """The ``(s, l)`` matrices of one Newton–Schulz batch: views of parameters, gradients and momentum, each a
+    matrix ``(s, l)`` or ``(l, s)`` or a stack ``(E, s, l)`` or ``(E, l, s)`` of E of them (stacked experts: one
+    view for all E), in stack order: each view fills its 1 or E slots of the batch's stack after the views before
+    it, :attr:`count` slots in all."""
 
     s: int
     l: int
@@ -101,11 +103,17 @@ class Bucket:
     grads: list[Tensor] = field(default_factory=list)
     bufs: list[Tensor] = field(default_factory=list)
     extra: list[Tensor] = field(default_factory=list)
-    """Views of further per-matrix state in stack order, where the optimizer keeps some (NorMuon's per-row and
-    AdaMuon's per-element second moments): each laid out as its matrix lies, e.g. ``(m,)`` or ``(m, n)``."""
+    """Views of further per-matrix state, one per view of ``params``, where the optimizer keeps some (NorMuon's
+    per-row and AdaMuon's per-element second moments): each laid out as its matrices lie, e.g. ``(m,)`` or
+    ``(m, n)``, with E in front for a stack."""
+
+    @property
+    def count(self) -> int:
+        """The matrices of the batch (its stack's length)."""
+        return sum(matrix_count(p) for p in self.params)
 
     def tall(self, i: int) -> bool:
-        """Whether matrix i lies transposed in the stack (its rows are the stack's columns)."""
+        """Whether the matrices of view i lie transposed in the stack (their rows are the stack's columns)."""
         return bool(self.params[i].shape[-2] > self.params[i].shape[-1])  # a plain bool also under torch.compile
 
 
@@ -162,11 +170,12 @@ def momentum_buckets(params: list[Tensor], grads: list[Tensor], bufs: list[Tenso
                      keys: list[list[tuple]] | None = None) -> tuple[list[Bucket], list[tuple[Tensor, Tensor]]]:
     """Every ``(m, n)`` matrix piece of every parameter, grouped by ``(s, l) = (min(m, n), max(m, n))``, gradient
     dtype, parameter dtype and device, in batches of up to :data:`BUCKET_NUMEL` values (``keys``: each piece's
-    batch, :func:`bucket_keys` of these parameters by default). Also returns ``(tensor, contiguous copy)`` pairs
-    for parameters or momentum buffers without an aliasing matrix view (e.g. a channels_last conv kernel): the
-    pieces view the copies, which the caller writes back after the step. ``extras``: per parameter, views of
-    further state, one per matrix piece in :func:`matrix_pieces` order (a stacked-experts piece carries E in
-    front), which the buckets carry in ``extra``."""
+    batch, :func:`bucket_keys` of these parameters by default); a piece of stacked experts ``(E, m, n)`` joins its
+    batch as one view, not E. Also returns ``(tensor, contiguous copy)`` pairs for parameters or momentum buffers
+    without an aliasing matrix view (e.g. a channels_last conv kernel): the pieces view the copies, which the
+    caller writes back after the step. ``extras``: per parameter, views of further state, one per matrix piece in
+    :func:`matrix_pieces` order (a stacked-experts piece carries E in front), which the buckets carry in
+    ``extra``."""
     keys = bucket_keys(params, grads) if keys is None else keys
     buckets: dict[tuple, Bucket] = {}
     copies = []
@@ -183,12 +192,11 @@ def momentum_buckets(params: list[Tensor], grads: list[Tensor], bufs: list[Tenso
             if key not in buckets:
                 buckets[key] = Bucket(key[0], key[1], p.device, key)
             bucket = buckets[key]
-            experts = pp.ndim == 3  # stacked experts: E matrices
-            bucket.params.extend(pp.unbind(0) if experts else [pp])
-            bucket.grads.extend(gp.unbind(0) if experts else [gp])
-            bucket.bufs.extend(bp.unbind(0) if experts else [bp])
+            bucket.params.append(pp)
+            bucket.grads.append(gp)
+            bucket.bufs.append(bp)
             if xp is not None:
-                bucket.extra.extend(xp.unbind(0) if experts else [xp])
+                bucket.extra.append(xp)
     return list(buckets.values()), copies
 
 
@@ -248,7 +256,7 @@ def orthogonalized_momentum_step(buckets: list[Bucket], copies: list[tuple[Tenso
     if skip is not None and copies:
         raise ValueError("skip needs every matrix viewed in place (no copies written back)")
     for bk in buckets:
-        X = torch.empty((len(bk.params), bk.s, bk.l), dtype=dtype, device=bk.device)
+        X = torch.empty((bk.count, bk.s, bk.l), dtype=dtype, device=bk.device)
         parts = momentum_pack(bk.grads, bk.bufs, X, momentum, nesterov, skip=skip, grad_scale=grad_scale,
                               sign=sign)
         orthogonalized_update(bk, X, parts, fn=fn, scale=scale, lr=lr, weight_decay=weight_decay,

@@ -284,7 +284,7 @@ class Muon(MatrixOptimizer):
         keys = [self._staged_keys[p] for p in params]
         step = self._step_options(group, device)
         whole, _ = momentum_buckets(params, grads, grads, None, keys)  # the batches (gradients stand for momentum)
-        stacks = {bk.key: staged.stack((len(bk.params), bk.s, bk.l), step["dtype"], device) for bk in whole}
+        stacks = {bk.key: staged.stack((bk.count, bk.s, bk.l), step["dtype"], device) for bk in whole}
         filled = dict.fromkeys(stacks, 0)
         parts: dict[tuple, list[Tensor | None]] = {k: [] for k in stacks}
 
@@ -293,7 +293,7 @@ class Muon(MatrixOptimizer):
             staged.stage(ps)
             sub, _ = momentum_buckets(ps, gs, self._momentum_buffers(ps), None, [keys[i] for i in unit])
             for bk in sub:
-                n, start = len(bk.params), filled[bk.key]
+                n, start = bk.count, filled[bk.key]
                 parts[bk.key].append(muon_elementwise.momentum_pack(
                     bk.grads, bk.bufs, stacks[bk.key][start:start + n], step["momentum"], step["nesterov"],
                     grad_scale=self._step_grad_scale, sign=step["sign"]))

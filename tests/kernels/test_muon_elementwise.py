@@ -170,13 +170,66 @@ def test_strided_pieces_are_written_in_place():
     torch.testing.assert_close(W, W0 - 0.2 * 0.5 * G)
 
 
+def _stacks():
+    """One ``(S, L)`` batch as the optimizer hands it over, 11 matrices in 5 tensors: a stack, a stack of column
+    pieces (an offset and a row stride past their width), a tall stack, a matrix and a tall column piece."""
+    return [torch.randn(3, S, L), torch.randn(2, S, 2 * L)[:, :, L:], torch.randn(4, L, S), torch.randn(S, L),
+            torch.randn(L, S + 5)[:, :S]]
+
+
+def _matrices(ts):
+    """The stacks' matrices one by one, as views."""
+    return [m for t in ts for m in (t.unbind(0) if t.ndim == 3 else [t])]
+
+
+def test_a_stacks_table_rows_are_its_matrices_rows():
+    """A stack's table is one run per tensor, which expands to the rows of its matrices one by one: each address a
+    matrix stride past the last, their row strides, consecutive slots; tall and wide in separate tables."""
+    grads = _stacks()
+    bufs = [torch.zeros(t.shape) for t in grads]
+    gs, bs = _matrices(grads), _matrices(bufs)
+    tall = [g.shape[0] > g.shape[1] for g in gs]
+    pack = fused.pack_runs(grads, bufs, len(gs), S, L)
+    assert sum(len(runs) for _, runs in pack) == len(grads)
+    assert {t: fused.table_rows(runs).tolist() for t, runs in pack} == {
+        t: [[g.data_ptr(), b.data_ptr(), g.stride(0), b.stride(0), i] for i, (g, b) in enumerate(zip(gs, bs))
+            if tall[i] == t] for t in (False, True)}
+    assert {t: fused.table_rows(runs).tolist() for t, runs in fused.apply_runs(grads, len(gs), S, L)} == {
+        t: [[g.data_ptr(), g.stride(0), i] for i, g in enumerate(gs) if tall[i] == t] for t in (False, True)}
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_stacks_give_what_their_matrices_give_one_by_one(backend):
+    """Every pass over stacks (views among them) writes, bit for bit, what it writes over their matrices handed
+    over one by one: the fused kernels through their tables, the torch references through their stacked ops."""
+    runs = []
+    for one_by_one in (False, True):
+        torch.manual_seed(5)
+        grads = _stacks()
+        bufs, params, states = ([torch.rand(t.shape) for t in grads] for _ in range(3))
+        row_scale = torch.rand(11, L)
+        mats = _matrices if one_by_one else list
+        out = torch.empty(11, S, L)
+        with ew.elementwise_backend(backend):
+            ew.momentum_pack(mats(grads), mats(bufs), out, 0.9, True)
+            ew.apply_update(mats(params), out, lambda m, n: m / n, 0.1, 0.2, decay_mode="cautious",
+                            row_scale=row_scale)
+            rows = ew.row_sums_of_squares(out, mats(params))
+            moments = ew.second_moment_normalize(out, mats(states), 0.95, 1e-8)
+        runs.append([out, rows, moments, *bufs, *params, *states])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="must match"):
         fused.momentum_pack_triton([torch.randn(S, L)], [torch.randn(S, L + 1)], torch.empty(1, S, L), 0.9, True)
     with pytest.raises(ValueError, match="contiguous"):
         fused.momentum_pack_triton([torch.randn(S, L)], [torch.randn(S, L)], torch.empty(1, L, S).mT, 0.9, True)
-    with pytest.raises(ValueError, match="parameters for a stack"):
+    with pytest.raises(ValueError, match="2 matrices for a stack of 1"):
         fused.apply_update_triton([torch.randn(S, L)] * 2, torch.empty(1, S, L), lambda m, n: 1.0, 0.1, 0.0)
+    with pytest.raises(ValueError, match="3 matrices for a stack of 2"):  # a stack counts its matrices
+        fused.momentum_pack_triton([torch.randn(3, S, L)], [torch.randn(3, S, L)], torch.empty(2, S, L), 0.9, True)
 
 
 def _model():

@@ -10,6 +10,7 @@ from torch import nn
 
 import matrixopt
 from matrixopt import MOP, Muon, NonFiniteGradientError, newton_schulz, polar
+from matrixopt.optim.layout import momentum_buckets
 
 TOL = dict(rtol=2e-5, atol=2e-6)  # float32 optimizer vs float64 reference over a few steps
 
@@ -113,6 +114,34 @@ def test_experts_orthogonalized_per_expert():
     opt.step()
     expected = W0 - 0.1 * 0.2 * math.sqrt(20) * newton_schulz(G)  # batched = per expert
     torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [Muon, matrixopt.NorMuon, matrixopt.AdaMuon])
+def test_expert_stacks_step_as_separate_matrices_bit_for_bit(cls):
+    """A stack of experts joins its Newton–Schulz batch as one view (wide and tall stacks in one batch), and steps
+    its experts, state included, bit for bit as separate parameters in the same order would be."""
+    torch.manual_seed(6)
+    W0 = [torch.randn(4, 12, 20), torch.randn(3, 20, 12)]
+    grads = [[torch.randn(w.shape) for w in W0] for _ in range(3)]
+    stacks = [matrixopt.mark_experts(nn.Parameter(w.clone())) for w in W0]
+    separate = [nn.Parameter(m.clone()) for w in W0 for m in w.unbind(0)]
+    opts = [cls(ps, lr=0.1, weight_decay=0.1) for ps in (stacks, separate)]
+    for gs in grads:
+        for p, g in zip(stacks, gs):
+            p.grad = g.clone()
+        for p, g in zip(separate, [m for stack in gs for m in stack.unbind(0)]):
+            p.grad = g.clone()
+        for opt in opts:
+            opt.step()
+
+    def flat(opt, params, key):
+        return torch.cat([(p.detach() if key == "param" else opt.state[p][key]).flatten() for p in params])
+
+    for key in ["param", *opts[0].state[stacks[0]]]:
+        assert torch.equal(flat(opts[0], stacks, key), flat(opts[1], separate, key)), key
+    buckets, _ = momentum_buckets(stacks, [p.grad for p in stacks], [opts[0].state[p]["momentum_buffer"]
+                                                                     for p in stacks])
+    assert [(len(bk.params), bk.count) for bk in buckets] == [(2, 7)]
 
 
 def test_channels_last_conv_kernel_is_updated_like_a_contiguous_one():
@@ -391,7 +420,6 @@ def test_cuda_graph_replays_again_while_the_tensors_stay_put_on_gpu(monkeypatch)
     Gram form for these small stacks only when replayed from a graph."""
     import matrixopt.optim.muon as muon_mod
     from matrixopt.kernels.ns_step import ns_backend
-    from matrixopt.optim.layout import momentum_buckets
 
     groupings = []
     monkeypatch.setattr(muon_mod, "momentum_buckets", lambda *a: groupings.append(1) or momentum_buckets(*a))

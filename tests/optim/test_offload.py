@@ -100,9 +100,10 @@ def test_large_batches_are_split_and_offloaded_chunks_batch_as_the_whole_step(mo
     assert [k[-1] for ks in keys for k in ks] == [0, 1, 2]  # 768, then 2304 alone, then 768
     bufs = [torch.zeros_like(p) for p in params]
     buckets, _ = layout.momentum_buckets(params, params, bufs)
-    assert [len(b.params) for b in buckets] == [1, 3, 1]
+    assert [b.count for b in buckets] == [1, 3, 1]
+    assert [len(b.params) for b in buckets] == [1, 1, 1]  # the experts are one (3, 48, 16) view
     monkeypatch.setattr(layout, "BUCKET_NUMEL", 3100)
-    assert [len(b.params) for b in layout.momentum_buckets(params, params, bufs)[0]] == [4, 1]  # 768 + 2304, 768
+    assert [b.count for b in layout.momentum_buckets(params, params, bufs)[0]] == [4, 1]  # 768 + 2304, 768
 
     ref, offloaded = _MixedBatches(), _MixedBatches()
     opt_ref = matrixopt.build_optimizer(ref, "muon", lr=1e-2, weight_decay=0.1)
