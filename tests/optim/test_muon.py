@@ -356,13 +356,16 @@ def test_zero_gradient_gives_no_nan():
 
 
 def _graph_run(device, cuda_graph, reload_at=None, steps=6, ns_method="auto", clip=None, move_at=None):
-    """Muon on a small set of matrices (two buckets, tall and wide, a fused split) with a scheduler, fresh
-    gradient tensors every step and, optionally, a state_dict round trip and the optimizer's gradient clipping at
-    ``clip``; returns the parameters. With ``move_at`` (a set of steps) the gradients are written in place, at the
-    same addresses, except at those steps, where they are fresh tensors at new addresses."""
+    """Muon on a small set of matrices (two buckets, tall and wide, a fused split, an expert stack) with a
+    scheduler, fresh gradient tensors every step and, optionally, a state_dict round trip and the optimizer's
+    gradient clipping at ``clip``; returns the parameters. With ``move_at`` (a set of steps) the gradients are
+    written in place, at the same addresses, except at those steps, where they are fresh tensors at new
+    addresses."""
     torch.manual_seed(7)
-    params = [nn.Parameter(torch.randn(s, device=device)) for s in [(48, 80), (80, 48), (32, 32), (96, 32)]]
+    params = [nn.Parameter(torch.randn(s, device=device))
+              for s in [(48, 80), (80, 48), (32, 32), (96, 32), (3, 24, 40)]]
     matrixopt.mark_split(params[3], 3)
+    matrixopt.mark_experts(params[4])  # three (24, 40) experts, each orthogonalized on its own
     opt = Muon(params, lr=0.02, weight_decay=0.1, cuda_graph=cuda_graph, ns_method=ns_method)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
     gen = torch.Generator(device).manual_seed(8)
