@@ -12,8 +12,13 @@ through :func:`matrixopt.distributed.parallelism.make_parallelism` with the trai
 split (on a GPU: bf16 autocast over fp32 parameters, or FSDP2's bf16 parameters with fp32 reduction), then times
 the trainer's step on random tokens: ``--tokens-per-gpu`` tokens per GPU in micro-batches of ``--micro-batch``
 rows (gradient accumulation: only the last backward communicates), global-norm clipping at 1.0 and
-``optimizer.step()``. The model is a preset with an untied head and vocab 50304 (``--toy``: 2 layers of tiny-cpu,
-or of moe-tiny for a mixture-of-experts preset, vocab 512).
+``optimizer.step()``, at learning rate 0: each step does all its work (the learning rate only scales the update),
+and the parameters stay at their initialization, so every configuration computes the same forward and backward. A
+mixture of experts then routes the same tokens to the same experts under every optimizer: with a learning rate,
+AdamW's router and Muon's drifted apart within a few steps on the random tokens (the busiest expert took 8 to 16
+times the mean load under AdamW, 5 under Muon), which changed the work of the expert layers. The model is a
+preset with an untied head and vocab 50304 (``--toy``: 2 layers of tiny-cpu, or of moe-tiny for a
+mixture-of-experts preset, vocab 512).
 
 A mixture of experts (``--presets moe-small moe-2b ...``) routes the random tokens with the load-balancing loss
 on and, after each step, gathers the routing statistics, as the trainer does (the record keeps
@@ -86,7 +91,7 @@ from matrixopt.train.trainer import MoEStats
 CONFIGS = ("ddp:adamw", "fsdp:adamw", "layerwise:muon", "fsdp:muon")
 PRESETS = ("gpt2-medium", "1.3b")
 PHASES = ("forward", "backward", "clip", "step")
-LR = 6e-4  # throughput does not depend on it
+LR = 6e-4  # the trainer's kwargs are built with it; the timed steps run at lr 0 (run_config)
 VOCAB, TOY_VOCAB = 50304, 512
 
 
@@ -308,6 +313,8 @@ def run_config(par: Parallelism, config: ScaleConfig, preset: str, settings: Set
     hparams = (OptimConfig(name=config.optimizer, lr=LR).optimizer_kwargs()  # the trainer's, then --opt's
                | settings.hparams.get(config.optimizer, {}))
     opt = par.build_optimizer(model, config.optimizer, splits=QKV_SPLITS, **hparams)
+    for group in opt.param_groups:  # lr 0: every step does all its work and the parameters stay where they started
+        group["lr"] = 0.0
     n_global = rows * par.world // config.tp
     g = torch.Generator(device).manual_seed(1)  # the same global batch on every rank; each takes its rows
     x = torch.randint(0, gpt.vocab_size, (n_global, T + 1), device=device, generator=g)[par.batch_rows(n_global)]
