@@ -13,7 +13,8 @@ embeddings, head, router, norms and biases to AdamW. Compared on the same parame
 - ``matrixopt <name>``: every matrix optimizer in ``matrixopt.OPTIMIZERS`` through ``build_optimizer``; those with
   a ``precondition_frequency`` (Shampoo, SOAP) as ``matrixopt <name>, frequency F`` for F in 1 and 10,
   preconditioning from the first step and timed in blocks of whole refresh periods, so a figure is the cost per
-  step amortized over the refresh; Muon also with the Newton–Schulz dispatcher forced to cuBLAS or
+  step amortized over the refresh, and each again as ``matrixopt <name>, frequency F, TF32 products``
+  (``matmul_precision="tf32"``); Muon also with the Newton–Schulz dispatcher forced to cuBLAS or
   to Triton, with its elementwise passes as foreach ops instead of the fused kernels, with ``cuda_graph=True``,
   and with ``deferred_nonfinite=True`` (no host sync in the step; what the trainer uses), alone and with the graph.
 
@@ -85,6 +86,7 @@ MODELS: dict[str, tuple[int, int, int, int] | MoELayer] = {
 NS_STEPS = 5
 LR = 1e-3
 PRECONDITION_FREQUENCIES = (1, 10)  # Shampoo's and SOAP's root / eigenbasis refresh: every step, and the default
+MATMUL_PRECISIONS = {"fp32": "", "tf32": ", TF32 products"}  # Shampoo's and SOAP's matmul_precision: row suffix
 
 
 class Block(nn.Module):
@@ -202,9 +204,11 @@ def candidates(ps: ParamSet, device: torch.device) -> dict[str, Candidate | str]
                                                                                   cuda_graph=True)))
             continue
         for freq in PRECONDITION_FREQUENCIES:  # preconditioning from the first step, roots every freq steps
-            hp = {"precondition_frequency": freq} | accepted(name, start_preconditioning_step=1)
-            out[f"matrixopt {name}, frequency {freq}"] = Candidate(
-                lambda name=name, hp=hp: build_optimizer(ps, name, lr=LR, **hp), period=freq)
+            for precision, suffix in MATMUL_PRECISIONS.items():
+                hp = ({"precondition_frequency": freq} | accepted(name, start_preconditioning_step=1)
+                      | accepted(name, matmul_precision=precision))
+                out[f"matrixopt {name}, frequency {freq}{suffix}"] = Candidate(
+                    lambda name=name, hp=hp: build_optimizer(ps, name, lr=LR, **hp), period=freq)
 
     def muon(context=contextlib.nullcontext, **options: Any) -> Candidate:
         return Candidate(lambda: build_optimizer(ps, "muon", lr=LR, **options), context)

@@ -31,8 +31,31 @@ Blocks. A parameter is seen as matrices as in Muon (conv kernels flattened, expe
 With ``one_sided_ratio``, a matrix whose long side exceeds ``one_sided_ratio`` times its short side is
 preconditioned on its short side only, with :math:`L^{-2/r}` (the same degree, -1, in the gradient's scale).
 
-Same-size work is batched: factor updates over all blocks of one shape, roots over all factors of one size.
-Factors and roots are stored in ``factor_dtype`` (float32, or bfloat16 to halve their memory); the math is fp32.
+Same-size work is batched: factor updates and preconditioning over the blocks of one shape, roots over the
+factors of one size, each in batches of at most :data:`matrixopt.optim.layout.BUCKET_NUMEL` values per stacked
+operand (:func:`~matrixopt.optim.layout.capped_runs`), so the workspace stays bounded however many blocks a
+model has. Factors and roots are stored in ``factor_dtype`` (float32, or bfloat16 to halve their memory); the
+math is fp32.
+
+Matrix products on CUDA (``matmul_precision``). ``"fp32"`` (default) runs the optimizer's products in IEEE fp32,
+whatever torch's global setting is; ``"tf32"`` runs the factor products :math:`GG^\top, G^\top G` and the
+preconditioning :math:`\hat L^{-1/r} D \hat R^{-1/r}` on TF32 tensor cores (inputs rounded to 10 mantissa bits,
+fp32 accumulation; about 8 times the fp32 rate on an H100). That is the factor of a gradient perturbed by
+:math:`2^{-11}` relative per entry, and a preconditioned block off by about 3e-4 relative (measured at
+n = 512), less than bfloat16 storage of the roots (``factor_dtype``) already costs. The inverse roots always
+run in fp32: the coupled Newton iteration does not survive TF32 products (simulated at n = 512: its residual
+stalls near 8e-4, above the 1e-5 tolerance, so every root would take the float64 fallback; the root is 2.5% off
+at condition number 1e4 and 50% off at 1e6). The setting is scoped (:func:`cuda_matmul_precision`): torch's
+own is restored after each step, also on an exception, so the model's products never see it. CPU products are
+fp32 either way.
+
+Memory per matrix parameter of a block ``(m, n)`` with both factors, besides the parameter and its gradient:
+state ``8 + 8 (m^2 + n^2) / (m n)`` bytes in float32 (momentum, the graft's second moment, two factors and two
+roots: 24 bytes for a square block; ``factor_dtype=torch.bfloat16`` makes the factor part half, 16 bytes for a
+square block). A step's workspace is three float32 tensors of the parameter's shape (Nesterov momentum, Adam
+direction, update: 12 bytes) plus a few stacked batches, bounded as above. A synchronous refresh computes and
+installs one batch at a time; with ``side_stream`` every factor's fp32 snapshot and new root are held from one
+refresh to the next (another ``8 (m^2 + n^2) / (m n)`` bytes, 16 for a square block).
 A failed root (see :class:`matrixopt.linalg.roots.RootResult`) keeps the previous root; roots that needed the
 float64 fallback are counted in ``root_fallbacks`` and failed ones in ``root_failures``. A non-finite factor
 contribution (fp32 overflow of :math:`GG^\top`) is dropped, and a non-finite preconditioned block falls back to
@@ -46,9 +69,11 @@ not part of ``state_dict()``. On CPU the option is accepted and every refresh is
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +96,36 @@ from matrixopt.optim.offload import Offload
 
 GRAFTINGS = ("adam", "none")
 FACTOR_DTYPES = (torch.float32, torch.bfloat16)
+FACTOR_DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # what a command line passes
+MATMUL_PRECISIONS = ("fp32", "tf32")
+
+
+@contextlib.contextmanager
+def cuda_matmul_precision(precision: str) -> Iterator[None]:
+    """Run the block's float32 CUDA matrix products in ``precision``: ``"fp32"`` (IEEE) or ``"tf32"`` (TF32 tensor
+    cores), then restore torch's setting as it was, also on an exception. The setting is torch's process-wide one
+    (it has no per-thread setting), so it holds for any thread's CUDA products while the block runs; CPU products
+    are unaffected. Uses ``torch.backends.cuda.matmul.fp32_precision`` where torch has it (2.9 and later; setting
+    the legacy ``allow_tf32`` there would make torch refuse to read a state mixed from the two), else
+    ``allow_tf32``."""
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"Invalid matmul_precision: {precision!r} (use one of {MATMUL_PRECISIONS})")
+    matmul = torch.backends.cuda.matmul
+    if hasattr(torch._C, "_get_fp32_precision_getter"):
+        name, value = "fp32_precision", "tf32" if precision == "tf32" else "ieee"
+    else:
+        name, value = "allow_tf32", precision == "tf32"
+    saved = getattr(matmul, name)
+    setattr(matmul, name, value)
+    try:
+        yield
+    finally:
+        setattr(matmul, name, saved)
+
+
+def resolve_factor_dtype(value: Any) -> Any:
+    """``"fp32"`` / ``"bf16"`` as torch dtypes; anything else as it is (validated with the group)."""
+    return FACTOR_DTYPE_NAMES.get(value, value) if isinstance(value, str) else value
 
 
 # ----------------------------------------------------------------------------------------------- blocks
@@ -136,6 +191,16 @@ class Layout:
         for j, (_, _, b) in enumerate(self.entries):
             self.buckets[b.key].append(j)
 
+    def runs(self, params: set[int] | None = None) -> Iterator[tuple[tuple[int, int, bool, bool], list[tuple]]]:
+        """``(key, entries)`` per batch of same-key blocks (of the parameter indices ``params``; default all), in
+        :func:`capped_runs` of a ``(m, n)`` block standing for ``max(m, n)^2`` values, its largest stacked operand
+        (a factor, a root or an eigenbasis): a batch's stacks stay within :data:`~matrixopt.optim.layout.BUCKET_NUMEL`
+        values each."""
+        for key, idx in self.buckets.items():
+            ents = [self.entries[j] for j in idx if params is None or self.entries[j][0] in params]
+            for run in capped_runs(ents, max(key[0], key[1]) ** 2):
+                yield key, run
+
 
 def accumulate(factors: list[Tensor], GG: Tensor, beta: float) -> None:
     """``F = beta F + (1 - beta) GG`` (``F += GG`` for beta = 1) for each factor; a block of GG that is not finite
@@ -180,6 +245,12 @@ class KroneckerOptimizer(MatrixOptimizer):
         """Caches keyed by parameter identity, streams and refreshes in flight do not survive a pickle."""
         super().__setstate__(state)
         self._plans, self._layouts, self._pending, self._side_streams = {}, {}, {}, {}
+        for group in self.param_groups:  # pickled before matmul_precision existed
+            if group[self.matrix_flag]:
+                group.setdefault("matmul_precision", "fp32")
+
+    # group options newer than some saved state dicts: loading one without them keeps this optimizer's values
+    _added_options = ("weight_decay_mode", "matmul_precision")
 
     # ----------------------------------------------------------------------------------- validation
     def _validate_matrix_group(self, group: dict[str, Any]) -> None:
@@ -207,9 +278,13 @@ class KroneckerOptimizer(MatrixOptimizer):
         if r is not None and (not isinstance(r, int | float) or not math.isfinite(r) or r < 1):
             raise ValueError(f"Invalid one_sided_ratio: {r!r} (must be None or a finite number >= 1)")
         if group["factor_dtype"] not in FACTOR_DTYPES:
-            raise ValueError(f"Invalid factor_dtype: {group['factor_dtype']} (use torch.float32 or torch.bfloat16)")
+            raise ValueError(f"Invalid factor_dtype: {group['factor_dtype']!r} (use torch.float32 or torch.bfloat16, "
+                             f"or 'fp32' or 'bf16')")
         if not isinstance(group["side_stream"], bool):
             raise ValueError(f"Invalid side_stream: {group['side_stream']!r} (must be True or False)")
+        if group["matmul_precision"] not in MATMUL_PRECISIONS:
+            raise ValueError(f"Invalid matmul_precision: {group['matmul_precision']!r} (use one of "
+                             f"{MATMUL_PRECISIONS}: the precision of the optimizer's float32 matrix products on CUDA)")
 
     # ----------------------------------------------------------------------------------- blocks and state
     def _block_plan(self, group: dict[str, Any], p: Tensor) -> list[Block]:
@@ -260,42 +335,47 @@ class KroneckerOptimizer(MatrixOptimizer):
 
     def _update_factors(self, group: dict[str, Any], layout: Layout, states: list[dict[str, Any]],
                         gviews: list[list[Tensor]]) -> None:
-        """``L = EMA(G G^T)``, ``R = EMA(G^T G)`` for every block, batched by shape."""
+        """``L = EMA(G G^T)``, ``R = EMA(G^T G)`` for every block, batched by shape (:meth:`Layout.runs`)."""
         beta = self._shampoo_beta(group)
-        for (_, _, left, right), idx in layout.buckets.items():
-            G = torch.stack([gviews[i][k] for i, k, _ in (layout.entries[j] for j in idx)])  # (b, m, n)
+        for (_, _, left, right), ents in layout.runs():
+            G = torch.stack([gviews[i][k] for i, k, _ in ents])  # (b, m, n)
             if left:
-                accumulate([states[i][f"left{k}"] for i, k, _ in (layout.entries[j] for j in idx)], G @ G.mT, beta)
+                accumulate([states[i][f"left{k}"] for i, k, _ in ents], G @ G.mT, beta)
             if right:
-                accumulate([states[i][f"right{k}"] for i, k, _ in (layout.entries[j] for j in idx)], G.mT @ G, beta)
+                accumulate([states[i][f"right{k}"] for i, k, _ in ents], G.mT @ G, beta)
 
     # ----------------------------------------------------------------------------------- refresh schedule
-    def _refresh(self, gi: int, group: dict[str, Any], launch: Callable[[bool], Any],
+    def _refresh(self, gi: int, group: dict[str, Any], runs: list[Callable[[bool], Any]],
                  install: Callable[[Any], None]) -> None:
-        """Run one refresh. ``launch(sync)`` starts the work (with host syncs allowed when ``sync``) and returns a
-        handle; ``install(handle)`` writes its results into the state. Synchronous unless ``side_stream`` is set
-        and the parameters are on CUDA; then the previous refresh's work is installed and this one launched on a
-        side stream (the first refresh, with nothing in flight, runs synchronously)."""
+        """Run one refresh in batches. ``run(sync)`` computes one batch from a snapshot of its factors (with host
+        syncs allowed when ``sync``) and returns its result; ``install(result)`` writes that into the state.
+        Synchronous unless ``side_stream`` is set and the parameters are on CUDA: each batch is installed as soon as
+        it is computed, so one batch's workspace and results are alive at a time. With the side stream, the previous
+        refresh's results are installed and this one's batches launched on a side stream, their results held until
+        the next refresh (the first refresh, with nothing in flight, also runs synchronously)."""
         device = group["params"][0].device
         if not (group["side_stream"] and device.type == "cuda"):
-            install(launch(True))
+            for run in runs:
+                install(run(True))
             return
         pending = self._pending.pop(gi, None)
         if pending is None:
-            install(launch(True))
+            for run in runs:
+                install(run(True))
         else:
-            event, handle = pending
+            event, results = pending
             torch.cuda.current_stream(device).wait_event(event)
-            install(handle)
+            for result in results:
+                install(result)
         side = self._side_streams.get(device)
         if side is None:
             side = self._side_streams[device] = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            handle = launch(False)
+            results = [run(False) for run in runs]
             event = torch.cuda.Event()
             event.record(side)
-        self._pending[gi] = (event, handle)
+        self._pending[gi] = (event, results)
 
     @staticmethod
     def _adopt(*tensors: Tensor) -> None:
@@ -339,11 +419,17 @@ class KroneckerOptimizer(MatrixOptimizer):
 
     def _matrix_updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[Tensor | None]:
         """Step the state of ``params`` on ``grads`` and return the update U of each parameter, float32 and shaped
-        as it, or None where this step does not move it (not even by weight decay; see ``first_step_moves``).
+        as it, or None where this step does not move it (not even by weight decay; see ``first_step_moves``). The
+        matrix products run in the group's ``matmul_precision`` (:func:`cuda_matmul_precision`).
 
         A parameter serves as the key of its state and for its shape, device and matrix layout; its values are
         never read, so a sharded optimizer can pass its DTensor parameters with whole gradients. ``grads``: shaped
         as the parameters (whole), any float dtype."""
+        with cuda_matmul_precision(group["matmul_precision"]):
+            return self._updates(group, params, grads)
+
+    def _updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[Tensor | None]:
+        """:meth:`_matrix_updates` without the precision scope: the subclass's math."""
         raise NotImplementedError
 
     # ----------------------------------------------------------------------------------- helpers
@@ -388,10 +474,12 @@ class Shampoo(KroneckerOptimizer):
         grafting: "adam" (default) or "none" (raw Shampoo steps; the learning rate is no longer AdamW's).
         max_preconditioner_dim: dims above this are cut into blocks (default 1024).
         one_sided_ratio: precondition only the short side of matrices longer than this ratio (default None).
-        factor_dtype: storage of factors and roots, torch.float32 (default) or torch.bfloat16.
+        factor_dtype: storage of factors and roots, torch.float32 (default) or torch.bfloat16 (or "fp32", "bf16").
         root_config: :class:`matrixopt.linalg.roots.InverseRootConfig` (Newton steps and tolerance); groups hold it
             as ``root_max_iters`` and ``root_tolerance``.
         side_stream: on CUDA, compute roots on a side stream, used one refresh later (default False).
+        matmul_precision: "fp32" (default) or "tf32": the precision of the factor products and the preconditioning
+            on CUDA; the roots stay fp32 (module docstring).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults of the AdamW groups (lr and weight decay
             default to ``lr`` and ``weight_decay``).
         skip_nonfinite: skip (and count) the update of a parameter whose gradient is NaN/Inf instead of raising.
@@ -401,7 +489,8 @@ class Shampoo(KroneckerOptimizer):
 
     State per parameter: ``step`` (int), ``momentum_buffer`` and ``exp_avg_sq`` (float32, the parameter's shape;
     ``exp_avg_sq`` only with Adam grafting), and per block k ``left{k}``, ``right{k}`` (factors) and
-    ``left_root{k}``, ``right_root{k}`` (their inverse roots), in ``factor_dtype``.
+    ``left_root{k}``, ``right_root{k}`` (their inverse roots), in ``factor_dtype``; bytes per parameter in the
+    module docstring.
     """
 
     def __init__(self, params: Iterable[Any], lr: float | Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -410,7 +499,7 @@ class Shampoo(KroneckerOptimizer):
                  inverse_root: int = 4, damping: float = 1e-6, grafting: str = "adam",
                  max_preconditioner_dim: int = 1024, one_sided_ratio: float | None = None,
                  factor_dtype: torch.dtype = torch.float32, root_config: InverseRootConfig | None = None,
-                 side_stream: bool = False, *, adamw_lr: float | None = None,
+                 side_stream: bool = False, *, matmul_precision: str = "fp32", adamw_lr: float | None = None,
                  adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None, skip_nonfinite: bool = False,
                  weight_decay_mode: str = "decoupled", state_dtype: Any = None,
@@ -422,7 +511,8 @@ class Shampoo(KroneckerOptimizer):
                                         else start_preconditioning_step),
             inverse_root=inverse_root, damping=damping, grafting=grafting,
             max_preconditioner_dim=max_preconditioner_dim, one_sided_ratio=one_sided_ratio,
-            factor_dtype=factor_dtype, side_stream=side_stream)
+            factor_dtype=resolve_factor_dtype(factor_dtype), side_stream=side_stream,
+            matmul_precision=matmul_precision)
         if root_config is not None and not isinstance(root_config, InverseRootConfig):
             raise ValueError(f"Invalid root_config: {root_config!r} (must be an InverseRootConfig)")
         root_config = root_config or InverseRootConfig()  # stored as plain numbers: torch.load(weights_only=True)
@@ -455,7 +545,7 @@ class Shampoo(KroneckerOptimizer):
             st["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         self._init_factors(group, st, p, "root")
 
-    def _matrix_updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+    def _updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
         beta1 = group["betas"][0]
         graft = group["grafting"] == "adam"
         states = [self._state(group, p) for p in params]
@@ -480,8 +570,7 @@ class Shampoo(KroneckerOptimizer):
         if due:
             gi = next(j for j, g in enumerate(self.param_groups) if g is group)
             items = [(self._plan(group, params[i]), states[i]) for i in due]
-            self._refresh(gi, group, lambda sync: self._launch_roots(group, items, sync),
-                          lambda handle: self._install_roots(group, handle))
+            self._refresh(gi, group, self._root_runs(group, items), lambda result: self._install_roots(group, result))
 
         active = {i for i, st in enumerate(states) if st["step"] >= start}
         updates = [f if i not in active else torch.empty(p.shape, dtype=torch.float32, device=p.device)
@@ -490,10 +579,7 @@ class Shampoo(KroneckerOptimizer):
             dviews = [block_views(p, self._plan(group, p), d) for p, d in zip(params, D)]
             fviews = [block_views(p, self._plan(group, p), f) for p, f in zip(params, fallback)]
             uviews = [block_views(p, self._plan(group, p), u) for p, u in zip(params, updates)]
-            for (_, _, left, right), idx in layout.buckets.items():
-                ents = [layout.entries[j] for j in idx if layout.entries[j][0] in active]
-                if not ents:
-                    continue
+            for (_, _, left, right), ents in layout.runs(active):
                 S = torch.stack([dviews[i][k] for i, k, _ in ents])  # (b, m, n)
                 if left:
                     S = torch.stack([states[i][f"left_root{k}"] for i, k, _ in ents]).float() @ S
@@ -509,34 +595,40 @@ class Shampoo(KroneckerOptimizer):
         return updates
 
     # ----------------------------------------------------------------------------------- roots
-    def _launch_roots(self, group: dict[str, Any], items: list[tuple[list[Block], dict[str, Any]]],
-                      sync: bool) -> list[Any]:
-        """Start the roots of every factor of ``items`` (``(plan, state)`` pairs), batched by (size, order)."""
+    def _root_runs(self, group: dict[str, Any], items: list[tuple[list[Block], dict[str, Any]]]
+                   ) -> list[Callable[[bool], Any]]:
+        """The roots of every factor of ``items`` (``(plan, state)`` pairs), as :meth:`_refresh` runs: one per batch
+        of factors of one size and root order, of bounded workspace."""
         r = group["inverse_root"]
         buckets: dict[tuple[int, int], list[tuple[dict[str, Any], int, str]]] = defaultdict(list)
         for plan, st in items:
             for k, b in enumerate(plan):
                 for side in ("left", "right")[0 if b.left else 1:2 if b.right else 1]:
                     buckets[(st[f"{side}{k}"].shape[0], r if b.left and b.right else r // 2)].append((st, k, side))
-        out = []
-        for (d, p), all_jobs in buckets.items():
-            for jobs in capped_runs(all_jobs, d * d):  # bounded workspace
-                A = torch.stack([st[f"{side}{k}"] for st, k, side in jobs]).float()  # (b, d, d) snapshot
-                dsts = [st[f"{side}_root{k}"] for st, k, side in jobs]
-                if sync:
-                    out.append((dsts, A, inverse_root(A, p, group["damping"], self._root_config(group)), p))
-                else:
-                    X, conv = newton_inverse_root(A, p, group["damping"], self._root_config(group), early_exit=False)
-                    out.append((dsts, A, (X, conv), p))
-        return out
+        return [functools.partial(self._roots, group, jobs, p)
+                for (d, p), all_jobs in buckets.items() for jobs in capped_runs(all_jobs, d * d)]
 
-    def _install_roots(self, group: dict[str, Any], handle: list[Any]) -> None:
-        for dsts, A, res, p in handle:
-            if not hasattr(res, "failed"):
-                self._adopt(*res)
-                res = fall_back(A, res[0], res[1], p, group["damping"])
-            old = torch.stack(dsts).float()
-            new = torch.where(res.failed[:, None, None], old, res.root)
-            torch._foreach_copy_(dsts, list(new.to(dsts[0].dtype).unbind(0)))
-            self.root_fallbacks += int(res.fell_back.sum())
-            self.root_failures += int(res.failed.sum())
+    def _roots(self, group: dict[str, Any], jobs: list[tuple[dict[str, Any], int, str]], p: int,
+               sync: bool) -> tuple:
+        """Inverse p-th roots of the factors ``jobs`` (``(state, k, side)``), from a snapshot, in IEEE fp32 whatever
+        ``matmul_precision`` says (the Newton iteration fails in TF32; module docstring). Returns ``(destinations,
+        snapshot, result, p)``: a :class:`~matrixopt.linalg.roots.RootResult` when ``sync``, else the unchecked Newton
+        result ``(X, converged)`` (no host sync), finished at install."""
+        A = torch.stack([st[f"{side}{k}"] for st, k, side in jobs]).float()  # (b, d, d) snapshot
+        dsts = [st[f"{side}_root{k}"] for st, k, side in jobs]
+        with cuda_matmul_precision("fp32"):
+            if sync:
+                return dsts, A, inverse_root(A, p, group["damping"], self._root_config(group)), p
+            return dsts, A, newton_inverse_root(A, p, group["damping"], self._root_config(group), early_exit=False), p
+
+    def _install_roots(self, group: dict[str, Any], result: tuple) -> None:
+        """Write one batch's roots (:meth:`_roots`); a failed root keeps the previous one."""
+        dsts, A, res, p = result
+        if not hasattr(res, "failed"):
+            self._adopt(*res)
+            res = fall_back(A, res[0], res[1], p, group["damping"])
+        old = torch.stack(dsts).float()
+        new = torch.where(res.failed[:, None, None], old, res.root)
+        torch._foreach_copy_(dsts, list(new.to(dsts[0].dtype).unbind(0)))
+        self.root_fallbacks += int(res.fell_back.sum())
+        self.root_failures += int(res.failed.sum())

@@ -40,10 +40,29 @@ A one-sided block (``one_sided_ratio``) has a basis on its short side only. ``si
 each QR refresh on a side stream and installs it at the next refresh (the eigh at step 1 is synchronous); on CPU
 it is accepted and synchronous. Eigenbases that cannot be computed (non-finite factors) keep the previous basis
 and are counted in ``root_failures``.
+
+Matrix products on CUDA (``matmul_precision``, as in :mod:`matrixopt.optim.shampoo`): ``"fp32"`` (default, IEEE)
+or ``"tf32"`` for all of SOAP's products: the factor updates, the rotations :math:`Q_L^\top G Q_R` and
+:math:`Q_L N Q_R^\top`, and the refresh's power step :math:`A Q` and moment rotation. TF32 keeps what the method
+relies on: the bases are orthogonal to fp32 accuracy whatever the product's precision (they come out of a
+Householder QR, and the eigh at step 1 is float64), so a rotation by them is off by about 3e-4 relative, and a
+basis slightly farther from the exact eigenvectors is still a basis Adam runs in. The QR itself is not a matmul.
+
+Memory per matrix parameter of a block ``(m, n)`` with both factors, besides the parameter and its gradient:
+state ``8 + 8 (m^2 + n^2) / (m n)`` bytes in float32 (two moments, two factors, two eigenbases: 24 bytes for a
+square block, as Shampoo); ``factor_dtype=torch.bfloat16`` makes it 16 (the factors and bases in bfloat16: a basis
+rounded to bfloat16 is orthogonal to about 2e-3 RMS and a rotation by it off by about 2e-3 relative, measured at
+n = 1024, against 3e-4 for TF32 products); ``factor_update="kl"`` adds ``4 (m + n) / (m n)``. A step's workspace
+is two float32 tensors of the parameter's shape (the rotated gradient, freed after the moments unless the KL
+update needs it, and the update: up to 12 bytes while the Adam direction is computed) plus a few stacked batches
+of at most :data:`~matrixopt.optim.layout.BUCKET_NUMEL` values. A synchronous refresh computes and installs one
+batch at a time; with ``side_stream`` every factor's new basis is held from one refresh to the next
+(``4 (m^2 + n^2) / (m n)`` bytes, 8 for a square block).
 """
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -56,7 +75,7 @@ from matrixopt.optim.adam import adam_direction, adam_moments_
 from matrixopt.optim.base import adamw_group_defaults
 from matrixopt.optim.layout import capped_runs
 from matrixopt.optim.offload import Offload
-from matrixopt.optim.shampoo import Block, KroneckerOptimizer, Layout, accumulate, block_views
+from matrixopt.optim.shampoo import Block, KroneckerOptimizer, Layout, accumulate, block_views, resolve_factor_dtype
 
 FACTOR_UPDATES = ("shampoo", "kl")
 
@@ -89,15 +108,18 @@ class SOAP(KroneckerOptimizer):
         damping: relative damping of the eigenvalue estimates of ``factor_update="kl"`` (default 1e-6).
         max_preconditioner_dim: dims above this are cut into blocks (default 1024).
         one_sided_ratio: rotate only the short side of matrices longer than this ratio (default None).
-        factor_dtype: storage of factors and eigenbases, torch.float32 (default) or torch.bfloat16.
+        factor_dtype: storage of factors and eigenbases, torch.float32 (default) or torch.bfloat16 (or "fp32",
+            "bf16"; what it costs is in the module docstring).
         side_stream: on CUDA, refresh eigenbases on a side stream, used one refresh later (default False).
+        matmul_precision: "fp32" (default) or "tf32": the precision of every matrix product on CUDA (module
+            docstring).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, skip_nonfinite, state_dtype, offload: as in
             :class:`matrixopt.Shampoo`.
 
     State per parameter: ``step`` (int), ``exp_avg`` and ``exp_avg_sq`` (float32, the parameter's shape, each
     block in its eigen-coordinates), and per block k ``left{k}``, ``right{k}`` (factors), ``left_basis{k}``,
     ``right_basis{k}`` (eigenbases), in ``factor_dtype``, and with ``factor_update="kl"`` ``left_eig{k}``,
-    ``right_eig{k}`` (float32 eigenvalue estimates).
+    ``right_eig{k}`` (float32 eigenvalue estimates); bytes per parameter in the module docstring.
     """
 
     matrix_state_tensors = 2  # exp_avg and exp_avg_sq
@@ -109,8 +131,9 @@ class SOAP(KroneckerOptimizer):
                  precondition_frequency: int = 10, factor_update: str = "shampoo", damping: float = 1e-6,
                  max_preconditioner_dim: int = 1024, one_sided_ratio: float | None = None,
                  factor_dtype: torch.dtype = torch.float32, side_stream: bool = False, *,
-                 adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.999),
-                 adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None,
+                 matmul_precision: str = "fp32", adamw_lr: float | None = None,
+                 adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
+                 adamw_weight_decay: float | None = None,
                  skip_nonfinite: bool = False, weight_decay_mode: str = "decoupled", state_dtype: Any = None,
                  offload: str | Offload | None = None) -> None:
         matrix_defaults = dict(
@@ -118,7 +141,8 @@ class SOAP(KroneckerOptimizer):
             weight_decay_mode=weight_decay_mode, precondition_frequency=precondition_frequency,
             factor_update=factor_update, damping=damping,
             max_preconditioner_dim=max_preconditioner_dim, one_sided_ratio=one_sided_ratio,
-            factor_dtype=factor_dtype, side_stream=side_stream)
+            factor_dtype=resolve_factor_dtype(factor_dtype), side_stream=side_stream,
+            matmul_precision=matmul_precision)
         adamw_defaults = adamw_group_defaults(lr, weight_decay, weight_decay_mode, adamw_lr, adamw_betas, adamw_eps,
                                               adamw_weight_decay)
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
@@ -142,8 +166,7 @@ class SOAP(KroneckerOptimizer):
 
     first_step_moves = False  # the first step builds the factors and their eigenbases only
 
-    def _matrix_updates(self, group: dict[str, Any], params: list[Tensor],
-                        grads: list[Tensor]) -> list[Tensor | None]:
+    def _updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[Tensor | None]:
         kl = group["factor_update"] == "kl"
         states = [self._state(group, p) for p in params]
         for st in states:
@@ -157,7 +180,7 @@ class SOAP(KroneckerOptimizer):
             gviews1 = [block_views(p, plan, g) for p, plan, g in zip(params1, plans1, grads1)]
             layout1 = self._layout(group, params1)
             if kl:
-                self._update_factors_kl(group, layout1, states1, gviews1, {})
+                self._update_factors_kl(group, layout1, states1, gviews1, None)
             else:
                 self._update_factors(group, layout1, states1, gviews1)
             self._first_bases(group, list(zip(params1, plans1, states1)))
@@ -170,25 +193,21 @@ class SOAP(KroneckerOptimizer):
         g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
         gviews = [block_views(p, plan, g) for p, plan, g in zip(params, plans, g32)]
 
-        # Adam in the eigenbasis: project, update the moments, precondition, project back
-        gp = [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]
+        # Adam in the eigenbasis: project, update the moments, precondition, project back (batches: Layout.runs)
+        gp = [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]  # G' = Q_L^T G Q_R
         gpviews = [block_views(p, plan, t) for p, plan, t in zip(params, plans, gp)]
-        projected: dict[tuple, Tensor] = {}
-        for key, idx in layout.buckets.items():
-            ents = [layout.entries[j] for j in idx]
+        for key, ents in layout.runs():
             X = self._rotate(states, ents, torch.stack([gviews[i][k] for i, k, _ in ents]), key, to_eigen=True)
-            projected[key] = X
             torch._foreach_copy_([gpviews[i][k] for i, k, _ in ents], list(X.unbind(0)))
         M = [st["exp_avg"] for st in states]
         V = [st["exp_avg_sq"] for st in states]
         adam_moments_(M, V, gp, group["betas"])
-        N = adam_direction(M, V, steps, group["betas"], group["eps"])
-        nviews = [block_views(p, plan, t) for p, plan, t in zip(params, plans, N)]
-        updates = [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]
+        projected = gpviews if kl else None  # only the KL factor update reads G' again: free it otherwise
+        del gp, gpviews
+        updates = adam_direction(M, V, steps, group["betas"], group["eps"])  # N, rotated back in place below
         uviews = [block_views(p, plan, t) for p, plan, t in zip(params, plans, updates)]
-        for key, idx in layout.buckets.items():
-            ents = [layout.entries[j] for j in idx]
-            U = self._rotate(states, ents, torch.stack([nviews[i][k] for i, k, _ in ents]), key, to_eigen=False)
+        for key, ents in layout.runs():
+            U = self._rotate(states, ents, torch.stack([uviews[i][k] for i, k, _ in ents]), key, to_eigen=False)
             torch._foreach_copy_([uviews[i][k] for i, k, _ in ents], list(U.unbind(0)))
 
         # factors after the step, so the projection never uses the current gradient
@@ -201,8 +220,9 @@ class SOAP(KroneckerOptimizer):
         if due:
             gi = next(j for j, g in enumerate(self.param_groups) if g is group)
             items = [(params[i], plans[i], states[i]) for i in due]
-            self._refresh(gi, group, lambda sync: self._launch_bases(items),
-                          lambda handle: self._install_bases(group, handle))
+            self._refresh(gi, group, [functools.partial(self._new_bases, group, jobs)
+                                      for jobs in self._factor_runs(items)],
+                          lambda result: self._install_bases(group, result))
         for i, u in zip(rest, updates):
             out[i] = u
         return out
@@ -223,15 +243,15 @@ class SOAP(KroneckerOptimizer):
 
     # ----------------------------------------------------------------------------------- factors (KL)
     def _update_factors_kl(self, group: dict[str, Any], layout: Layout, states: list[dict[str, Any]],
-                           gviews: list[list[Tensor]], projected: dict[tuple, Tensor]) -> None:
-        """KL-Shampoo factor updates (module docstring). ``projected[key]``: the blocks' ``G' = Q_L^T G Q_R`` from
-        this step, absent at the first call (then the other factor is taken as the identity)."""
+                           gviews: list[list[Tensor]], projected: list[list[Tensor]] | None) -> None:
+        """KL-Shampoo factor updates (module docstring), batched by :meth:`Layout.runs`. ``projected``: block views
+        of this step's ``G' = Q_L^T G Q_R`` per parameter, None at the first call (then the other factor is taken
+        as the identity)."""
         beta = self._shampoo_beta(group)
-        for key, idx in layout.buckets.items():
+        init = projected is None
+        for key, ents in layout.runs():
             m, n, left, right = key
-            ents = [layout.entries[j] for j in idx]
             G = torch.stack([gviews[i][k] for i, k, _ in ents])  # (b, m, n)
-            init = key not in projected
             ones_m, ones_n = G.new_ones(len(ents), m), G.new_ones(len(ents), n)
             inv_l = ones_m if init or not left else _inverse(
                 torch.stack([states[i][f"left_eig{k}"] for i, k, _ in ents]), group["damping"])  # (b, m)
@@ -248,7 +268,7 @@ class SOAP(KroneckerOptimizer):
                 H = H * inv_l.sqrt()[:, :, None]
                 accumulate([states[i][f"right{k}"] for i, k, _ in ents], H.mT @ H / m, beta)
             if not init:  # eigenvalue estimates, from this step's G' = Q_L^T G Q_R
-                P2 = projected[key].square()  # (b, m, n)
+                P2 = torch.stack([projected[i][k] for i, k, _ in ents]).square()  # (b, m, n)
                 if left:
                     d = [states[i][f"left_eig{k}"] for i, k, _ in ents]
                     torch._foreach_lerp_(d, list(((P2 * inv_r[:, None, :]).sum(-1) / n).unbind(0)), 1 - beta)
@@ -291,26 +311,28 @@ class SOAP(KroneckerOptimizer):
                 self._write(jobs, "_eig", _eig_estimate(F, Q))
             self.root_failures += int((~ok).sum())
 
-    def _launch_bases(self, items: list[tuple[Tensor, list[Block], dict[str, Any]]]) -> list[Any]:
-        out = []
-        for jobs in self._factor_runs(items):
-            F, Q = self._stack(jobs, ""), self._stack(jobs, "_basis")  # snapshots
-            out.append((jobs, F, Q, *refresh_eigenbasis(F, Q)))
-        return out
+    def _new_bases(self, group: dict[str, Any], jobs: list[tuple], sync: bool) -> tuple:
+        """One :meth:`_refresh` run: a QR power step from a snapshot of the factors ``jobs`` (and, for
+        ``factor_update="kl"``, the new eigenvalue estimates). Returns ``(jobs, Q_new, order, ok, estimates or
+        None)``; no host sync either way."""
+        F, Q = self._stack(jobs, ""), self._stack(jobs, "_basis")
+        Q_new, order, ok = refresh_eigenbasis(F, Q)
+        return jobs, Q_new, order, ok, _eig_estimate(F, Q_new) if group["factor_update"] == "kl" else None
 
-    def _install_bases(self, group: dict[str, Any], handle: list[Any]) -> None:
-        """Write new bases; rotate the first moment into them and permute the second moment with their columns."""
-        for jobs, F, Q_old, Q_new, order, ok in handle:
-            self._adopt(Q_new, order, ok)
-            R = Q_new.mT @ Q_old  # (b, d, d): old eigen-coordinates -> new
-            for (_, _, side, m, v), r, o in zip(jobs, R.unbind(0), order.unbind(0)):
-                if side == "left":
-                    m.copy_(r @ m)
-                    v.copy_(v[o])
-                else:
-                    m.copy_(m @ r.mT)
-                    v.copy_(v[:, o])
-            self._write(jobs, "_basis", Q_new)
-            if group["factor_update"] == "kl":
-                self._write(jobs, "_eig", _eig_estimate(F, Q_new))
-            self.root_failures += int((~ok).sum())
+    def _install_bases(self, group: dict[str, Any], result: tuple) -> None:
+        """Write one batch's new bases; rotate the first moment into them and permute the second moment with their
+        columns. The old bases are the state's: only an install changes them."""
+        jobs, Q_new, order, ok, eig = result
+        self._adopt(*(t for t in (Q_new, order, ok, eig) if t is not None))
+        R = Q_new.mT @ self._stack(jobs, "_basis")  # (b, d, d): old eigen-coordinates -> new
+        for (_, _, side, m, v), r, o in zip(jobs, R.unbind(0), order.unbind(0)):
+            if side == "left":
+                m.copy_(r @ m)
+                v.copy_(v[o])
+            else:
+                m.copy_(m @ r.mT)
+                v.copy_(v[:, o])
+        self._write(jobs, "_basis", Q_new)
+        if eig is not None:
+            self._write(jobs, "_eig", eig)
+        self.root_failures += int((~ok).sum())

@@ -288,3 +288,168 @@ def test_refreshes_stack_factors_in_bounded_batches(monkeypatch, name):
     assert sizes and max(sizes) == 2 and len(sizes) >= 5  # 10 factors of 8 x 8: 5 batches per refresh
     for a, b in zip(whole, capped):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------- matmul precision
+def _cuda_matmul_setting():
+    """torch's CUDA fp32 matmul setting, read through the API cuda_matmul_precision uses."""
+    m = torch.backends.cuda.matmul
+    return m.fp32_precision if hasattr(torch._C, "_get_fp32_precision_getter") else m.allow_tf32
+
+
+@pytest.mark.parametrize("cls", [Shampoo, matrixopt.SOAP])
+def test_bad_matmul_precision_names_the_choices(cls):
+    with pytest.raises(ValueError, match=r"matmul_precision: 'bf16' \(use one of \('fp32', 'tf32'\)"):
+        cls([nn.Parameter(torch.zeros(3, 3))], matmul_precision="bf16")
+
+
+def test_cuda_matmul_precision_restores_torch_setting_on_exception():
+    from matrixopt.optim.shampoo import cuda_matmul_precision
+
+    before = _cuda_matmul_setting()
+    with pytest.raises(RuntimeError, match="inside"):
+        with cuda_matmul_precision("tf32"):
+            assert _cuda_matmul_setting() in ("tf32", True)
+            with cuda_matmul_precision("fp32"):
+                assert _cuda_matmul_setting() in ("ieee", False)
+            assert _cuda_matmul_setting() in ("tf32", True)
+            raise RuntimeError("inside")
+    assert _cuda_matmul_setting() == before
+    with pytest.raises(ValueError, match="matmul_precision"):
+        with cuda_matmul_precision("fp16"):
+            pass
+    assert _cuda_matmul_setting() == before
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_matmul_precision_is_scoped_to_the_step(monkeypatch, name):
+    """The factor products see TF32, Shampoo's roots fp32; torch's setting is back after the step, also after an
+    exception inside it."""
+    from matrixopt.optim import shampoo, soap
+
+    seen = {}
+
+    def recorded(key, fn):
+        def wrapper(*args, **kwargs):
+            seen.setdefault(key, _cuda_matmul_setting())
+            return fn(*args, **kwargs)
+        return wrapper
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("mid-step")
+
+    monkeypatch.setattr(shampoo, "accumulate", recorded("factors", shampoo.accumulate))
+    monkeypatch.setattr(soap, "accumulate", shampoo.accumulate)
+    monkeypatch.setattr(shampoo, "inverse_root", recorded("roots", shampoo.inverse_root))
+    monkeypatch.setattr(soap, "refresh_eigenbasis", recorded("bases", soap.refresh_eigenbasis))
+    before = _cuda_matmul_setting()
+    W = nn.Parameter(torch.randn(6, 5))
+    opt = matrixopt.OPTIMIZERS[name]([W], lr=0.01, precondition_frequency=1, matmul_precision="tf32",
+                                    **({"start_preconditioning_step": 1} if name == "shampoo" else {}))
+    for _ in range(3):
+        W.grad = torch.randn_like(W)
+        opt.step()
+    assert _cuda_matmul_setting() == before
+    tf32 = ("tf32", True)
+    assert seen["factors"] in tf32
+    assert seen["roots"] not in tf32 if name == "shampoo" else seen["bases"] in tf32
+
+    monkeypatch.setattr(shampoo, "accumulate", failing)
+    monkeypatch.setattr(soap, "accumulate", failing)
+    W.grad = torch.randn_like(W)
+    with pytest.raises(RuntimeError, match="mid-step"):
+        opt.step()
+    assert _cuda_matmul_setting() == before
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_tf32_on_cpu_equals_fp32(name):
+    """CPU products are fp32 whatever the option: the same parameters bit for bit."""
+    def train(**extra):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(12, 8)), nn.Parameter(torch.randn(5, 9))]
+        opt = matrixopt.OPTIMIZERS[name](params, lr=0.01, precondition_frequency=2, max_preconditioner_dim=6,
+                                        **extra)
+        for _ in range(6):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        return params
+
+    for a, b in zip(train(), train(matmul_precision="tf32")):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_state_dict_keeps_matmul_precision(name):
+    W = nn.Parameter(torch.randn(6, 5))
+    opt = matrixopt.OPTIMIZERS[name]([W], lr=0.01, matmul_precision="tf32", factor_dtype="bf16")
+    assert opt.param_groups[0]["factor_dtype"] is torch.bfloat16
+    W.grad = torch.randn_like(W)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    opt2 = matrixopt.OPTIMIZERS[name]([W], lr=0.01)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["matmul_precision"] == "tf32"
+    for g in sd["param_groups"]:  # saved before the option existed: the optimizer keeps its own value
+        g.pop("matmul_precision")
+    opt3 = matrixopt.OPTIMIZERS[name]([W], lr=0.01, matmul_precision="tf32", factor_dtype=torch.bfloat16)
+    opt3.load_state_dict(sd)
+    assert opt3.param_groups[0]["matmul_precision"] == "tf32"
+    W.grad = torch.randn_like(W)
+    opt3.step()
+
+
+# ----------------------------------------------------------------------------------------------- memory
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The peak bytes of the storages that ops create while the mode is on and that are still alive (storages
+    from before it, such as the parameters and existing state, are not counted), on any device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: set[int] = set()
+        self.now = self.peak = 0
+
+    def _free(self, ptr: int, n: int) -> None:
+        self.live.discard(ptr)
+        self.now -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                if s.data_ptr() and s.data_ptr() not in self.live:
+                    self.live.add(s.data_ptr())
+                    self.now += s.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(s, self._free, s.data_ptr(), s.nbytes())
+        return out
+
+
+@pytest.mark.parametrize("name, step_bytes", [("shampoo", 12), ("soap", 12)])
+def test_step_workspace_is_bounded(monkeypatch, name, step_bytes):
+    """Beyond a few float32 tensors of each parameter's shape (Shampoo: Nesterov momentum, Adam direction, update;
+    SOAP: rotated gradient and update, plus the Adam direction's denominator), a step's and a refresh's workspace
+    are batches of at most BUCKET_NUMEL values, however many blocks there are: 256 blocks of 8 x 8 here, in batches
+    of 8 blocks."""
+    from matrixopt.optim import layout
+
+    cap = 8 * 8 * 8
+    monkeypatch.setattr(layout, "BUCKET_NUMEL", cap)
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(32, 64)) for _ in range(8)]
+    n = sum(p.numel() for p in params)
+    opt = matrixopt.OPTIMIZERS[name](params, lr=0.01, precondition_frequency=2, max_preconditioner_dim=8,
+                                    **({"start_preconditioning_step": 1} if name == "shampoo" else {}))
+    workspace = []
+    for _ in range(5):  # Shampoo: roots at steps 1, 3, 5; SOAP: eigh at step 1, QR at steps 3 and 5
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with _LiveBytes() as live:
+            opt.step()
+        workspace.append(live.peak - live.now)  # what the step freed again (not the state step 1 allocates)
+    # every batch's stacks: at most 16 of cap float32 values (measured 8 to 10: operands, products, masks)
+    assert max(workspace) <= (step_bytes + 4) * n + 16 * 4 * cap
