@@ -23,6 +23,7 @@ from matrixopt.bench.scale import (
     parse_config,
     run,
     single_gpu_step,
+    summarize,
     toy_preset,
 )
 from matrixopt.train.model import GPT, PRESETS, GPTConfig
@@ -263,3 +264,21 @@ def test_single_gpu_reference_ignores_the_layerwise_options():
     settings = Settings(toy=True, iters=2, warmup=0, hparams={"muon": {"step_chunks": 1, "momentum": 0.9}})
     out = single_gpu_step("tiny-cpu", "muon", settings, torch.device("cpu"))
     assert out["step_ms"] > 0 and out["state_mb"] > 0
+
+
+def _rank_figures(config: str, step_ms: float) -> dict:
+    """One rank's figures as run_config returns them, for a dense preset without layer-wise."""
+    phases = {p: {"device": 1.0, "host": 1.0} for p in ("forward", "backward", "clip", "step")}
+    return dict(config=config, preset="1.3b", rank=0, ep=1, params=10, active_params=10, flops_per_token=60,
+                expert_max_load=None, tokens_per_rank=4096, micro_batches=1, step_ms=step_ms, opt_step_ms=1.0,
+                phases=phases, state_mb=1.0, peak_mem_mb=1.0,
+                allocator={"device_allocs": 0, "device_frees": 0, "alloc_retries": 0},
+                comm_s=None, exposed_comm_s=None, profiled_wall_s=None)
+
+
+def test_repeated_configurations_are_compared_with_the_median_adamw_run():
+    """Alternating repeats: each run is a line, and every ratio is against the median of DDP AdamW's runs."""
+    runs = [("ddp:adamw", 100.0), ("ddp:muon", 110.0), ("ddp:adamw", 80.0), ("ddp:muon", 90.0), ("ddp:adamw", 90.0)]
+    lines = summarize([[_rank_figures(c, ms)] for c, ms in runs], [{}], world=1)
+    assert [line["config"] for line in lines] == [c for c, _ in runs]
+    assert [line["vs_ddp_adamw"] for line in lines] == pytest.approx([90 / 100, 90 / 110, 90 / 80, 1.0, 1.0])
