@@ -4,6 +4,7 @@
     matrixopt plan --model 1.3b --gpus 64 --tokens-per-gpu 4096
     matrixopt plan --model qwen3-30b-a3b --gpus 8 --recompute --out runs/plan/qwen3     # writes .json and .png
     matrixopt plan --model qwen3-30b-a3b --gpus 8 --recompute --tokens-per-gpu 131072 --grad-accum 16
+    matrixopt plan --model 1.3b --gpus 16 --tokens-per-gpu 16384 --grad-accum 4 --fsdp-gather-once
     matrixopt plan --model shapes.json --gpus 512 --tp 4 --network ib-200g --profile profile.json
     matrixopt plan --calibrate --out profile.json
     torchrun --nproc-per-node 8 -m matrixopt plan --calibrate --out profile.json     # the NVLink all-reduce too
@@ -35,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                    "eth-100g (default: the profile's)")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilization of forward+backward (default 0.4)")
     p.add_argument("--recompute", action="store_true", help="activation checkpointing of every layer")
+    p.add_argument("--fsdp-gather-once", action="store_true",
+                   help="FSDP layouts with --grad-accum > 1 gather the parameters once per step and keep them until "
+                        "the last micro-batch (the trainer's --fsdp-gather-once)")
     p.add_argument("--precondition-frequency", type=int, default=10, help="Shampoo/SOAP root refresh (default 10)")
     p.add_argument("--out", default=None, help="plan: write OUT.json and OUT.png; --calibrate: the profile file; "
                                                "--validate: a JSON of the rows")
@@ -70,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
                              tokens_per_gpu=args.tokens_per_gpu, grad_accum=args.grad_accum, tp=args.tp, ep=args.ep,
                              dp=args.dp,
                              optimizer=args.optimizer, mfu=args.mfu, recompute=args.recompute,
+                             fsdp_gather_once=args.fsdp_gather_once,
                              precondition_frequency=args.precondition_frequency)
     result = planner.plan(cfg, profile)
     print(planner.format_plan(result))

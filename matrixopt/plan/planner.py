@@ -22,7 +22,14 @@ flops_per_token`) and an assumed MFU (forward a third, backward two thirds). The
   (``set_requires_gradient_sync(False)``): every micro-batch gathers the parameters in forward and backward,
   only the last reduce-scatters, and in between FSDP2 keeps each parameter's gradient unsharded, upcast to the
   fp32 reduce dtype (torch's ``FSDPParam.to_accumulated_grad_if_needed``; the trainer's policy is bf16
-  parameters, fp32 reduction), so the gradients take 4 bytes per unsharded parameter instead of per shard. The
+  parameters, fp32 reduction), so the gradients take 4 bytes per unsharded parameter instead of per shard. With
+  ``fsdp_gather_once`` (the trainer's ``--fsdp-gather-once``) the micro-batches before the last also keep the
+  parameters gathered (no resharding after forward or backward): the first micro-batch's forward gathers every
+  block, hidden behind that one forward, the last micro-batch's backward gathers again and reduce-scatters, hidden
+  behind that one backward, and the micro-batches between gather nothing; the whole model's bf16 parameters stay
+  gathered between micro-batches (2 bytes per unsharded parameter, in place of two gathered layers), beside the
+  fp32 unsharded gradients, which FSDP2 keeps the same way whether or not it reshards (``FSDPParamGroup.
+  post_backward`` upcasts them whenever it does not reduce). The
   step gathers each matrix to one owner and scatters the update back (two all-to-alls), pipelined over the shape
   buckets, so the all-to-alls hide behind the owners' Newton–Schulz except for one bucket's share.
 - ``tpK <mode>``: FSDP over world/K with each block's matrices split over K ranks of a node (Megatron layout); the
@@ -81,8 +88,12 @@ class PlanConfig:
     """Tokens whose forward and backward one GPU computes per optimizer step (a TP group shares TP times as
     many), over all ``grad_accum`` micro-batches."""
     grad_accum: int = 1
-    """Micro-batches per optimizer step: activations hold one micro-batch; FSDP gathers per micro-batch,
-    FSDP and layer-wise reduce only after the last (``no_sync``)."""
+    """Micro-batches per optimizer step: activations hold one micro-batch; FSDP gathers per micro-batch (once
+    per step with ``fsdp_gather_once``), FSDP and layer-wise reduce only after the last (``no_sync``)."""
+    fsdp_gather_once: bool = False
+    """FSDP layouts under ``grad_accum > 1`` keep the parameters gathered from the first micro-batch's forward to
+    the last one's backward (2 all-gathers of each block per step instead of 2 per micro-batch), holding the whole
+    model's bf16 parameters per GPU between micro-batches. Changes nothing at one micro-batch or for layer-wise."""
     tp: int | None = None
     """Tensor-parallel degree; None tries 1 and each power of two up to a node that divides the heads."""
     ep: int | None = None
@@ -111,6 +122,8 @@ class PlanConfig:
             raise ValueError(f"tokens_per_gpu {self.tokens_per_gpu} must split into grad_accum {self.grad_accum} "
                              f"equal micro-batches")
         check_method(self.ns_method)
+        if not isinstance(self.fsdp_gather_once, bool):
+            raise ValueError(f"fsdp_gather_once must be True or False, got {self.fsdp_gather_once!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if not 0 < self.mfu <= 1:
@@ -386,9 +399,12 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
                   + collective_time("all_gather", 2 * expert_el, edp, edp_link))
         rs = (collective_time("reduce_scatter", 4 * (dense_el + rest_el), dp, dp_link)
               + collective_time("reduce_scatter", 4 * expert_el, edp, edp_link))
-        # every micro-batch gathers in forward and again in backward; only the last reduce-scatters (no_sync)
-        sync = acc * (max(0.0, gather - fwd) + max(0.0, gather - bwd)) - max(0.0, gather - bwd)
-        sync += max(0.0, gather + rs - bwd)
+        once = cfg.fsdp_gather_once and acc > 1
+        if once:  # the first forward and the last backward gather; the last backward reduce-scatters
+            sync = max(0.0, gather - fwd) + max(0.0, gather + rs - bwd)
+        else:  # every micro-batch gathers in forward and again in backward; only the last reduce-scatters
+            sync = acc * (max(0.0, gather - fwd) + max(0.0, gather - bwd)) - max(0.0, gather - bwd)
+            sync += max(0.0, gather + rs - bwd)
         adamw_sync = sync
         ns_d, comm_d, _ = _owner_load(profile, cfg, dense, dp, tp, layout.tp_mode)
         ns_e, comm_e, _ = _owner_load(profile, cfg, experts, edp, 1, None)
@@ -407,16 +423,20 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         state = (_state(cfg.optimizer, dense, tp) / dp + _state(cfg.optimizer, experts, 1) / edp
                  + 8 * local_rest)
         transient = 2 * 2 * layer_el  # two layers' bf16 parameters gathered (current and prefetched)
+        gathered = 2 * params_el if once else transient  # gather-once: the whole model's bf16 parameters
         ws = max(_workspace(dense, dp, tp), _workspace(experts, edp, 1))  # gathered stacks, one bucket at a time
         grads = 4 * (dense_shard + expert_shard)
         if acc > 1:  # between micro-batches FSDP2 keeps every gradient unsharded, upcast to the fp32 reduce dtype
             grads = 4 * params_el
-        memory = Memory(params=4 * (dense_shard + expert_shard) + transient,
+        # gradients: plus two layers' bf16 gradients before their reduction (or upcast)
+        memory = Memory(params=4 * (dense_shard + expert_shard) + gathered,
                         grads=grads + transient, optimizer_state=state, buffers=ws,
                         activations=_activations(model, mb, tp, cfg.recompute))
         adamw_memory = dataclasses.replace(memory, optimizer_state=8 * (dense_shard + expert_shard), buffers=0.0)
         if tp > 1 and cfg.optimizer == "muon":
             notes.append(f"TP Newton-Schulz {layout.tp_mode}")
+        if once:
+            notes.append("parameters gathered once per step")
     exposed = shared + sync + opt_comm
     step = fwd_bwd + shared + sync + opt
     adamw_step = fwd_bwd + shared + adamw_sync + adamw_opt
@@ -476,6 +496,8 @@ def assumptions(cfg: PlanConfig, profile: DeviceProfile) -> tuple[str, ...]:
         f"{cfg.optimizer}: {cfg.ns_steps} Newton-Schulz steps" if cfg.optimizer == "muon"
         else f"{cfg.optimizer}: roots refreshed every {cfg.precondition_frequency} steps",
         "AdamW in the same layout (layer-wise against DDP); fp32 master weights, gradients and state; bf16 compute",
+        *(("FSDP: parameters gathered once per step, the whole model's bf16 copy held between micro-batches",)
+          if cfg.fsdp_gather_once and cfg.grad_accum > 1 else ()),
         f"a layout fits in {cfg.memory_fraction:g} of {profile.memory_bytes / 1e9:.0f} GB per GPU",
     )
 
@@ -496,7 +518,8 @@ def plan(cfg: PlanConfig, profile: DeviceProfile) -> Plan:
             f"{closest.layout.label}, needs {m.total / 1e9:.1f} GB per GPU (parameters {m.params / 1e9:.1f}, "
             f"gradients {m.grads / 1e9:.1f}, optimizer state {m.optimizer_state / 1e9:.1f}, buffers "
             f"{m.buffers / 1e9:.1f}, activations {m.activations / 1e9:.1f}); use more GPUs, fewer tokens per GPU, "
-            f"a larger tp/ep, or --recompute")
+            f"a larger tp/ep, or --recompute"
+            + (", or gather per micro-batch (without --fsdp-gather-once)" if cfg.fsdp_gather_once else ""))
     best = max(fitting, key=lambda p: p.tokens_per_s)
     adamw = min((p for p in preds if p.adamw_memory.total <= p.capacity_bytes and p.layout.tp_mode != "blockwise"),
                 key=lambda p: p.adamw_step_s, default=best)
@@ -531,7 +554,7 @@ def to_dict(p: Plan, curve: list[dict[str, Any]] | None = None) -> dict[str, Any
     c = p.config
     return {"model": c.model.name, "total_params": c.model.total_params(), "gpus": c.gpus,
             "gpus_per_node": c.gpus_per_node, "tokens_per_gpu": c.tokens_per_gpu, "grad_accum": c.grad_accum,
-            "recompute": c.recompute, "optimizer": c.optimizer,
+            "fsdp_gather_once": c.fsdp_gather_once, "recompute": c.recompute, "optimizer": c.optimizer,
             "mfu": c.mfu, "profile": {"name": p.profile.name, "source": p.profile.source},
             "assumptions": list(p.assumptions), "best": p.best.layout.label, "adamw_best": p.adamw_best,
             "vs_best_adamw": p.adamw_step_s / p.best.step_s,

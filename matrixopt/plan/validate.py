@@ -185,9 +185,11 @@ def single_gpu(root: Path) -> list[dict[str, Any]]:
 
 def _scale_rows(path: Path, pairs: list[tuple[str, str, Layout]]) -> list[dict[str, Any]]:
     """Rows for ``(matrix optimizer's config, its AdamW config, layout)`` of one ``bench scale`` record: the
-    planner given the record's GPUs, tokens per GPU, micro-batches per step and expert-parallel degree."""
+    planner given the record's GPUs, tokens per GPU, micro-batches per step, expert-parallel degree and FSDP2
+    gathering (``fsdp_gather_once``, absent in records from before the option: gathered per micro-batch)."""
     rec = json.loads(path.read_text())
     world, tokens = rec["world_size"], rec["tokens_per_gpu"]
+    once = bool(rec.get("fsdp_gather_once", False))
     rows = []
     by = {(s["preset"], s["config"]): s for s in rec["summary"]}
     for preset in sorted({s["preset"] for s in rec["summary"]}):
@@ -197,8 +199,10 @@ def _scale_rows(path: Path, pairs: list[tuple[str, str, Layout]]) -> list[dict[s
             if mu is None or ad is None:
                 continue
             cfg = PlanConfig(model=arch, gpus=world, tokens_per_gpu=tokens, grad_accum=mu.get("micro_batches", 1),
-                             ep=layout.ep if layout.ep > 1 else None, ns_method=ns_method(rec))
+                             ep=layout.ep if layout.ep > 1 else None, ns_method=ns_method(rec),
+                             fsdp_gather_once=once)
             where = f"{preset}, {_gpus(rec, world)}, {tokens // 1024}k tokens per GPU, {layout.label}"
+            where += " gathered once" if once and layout.kind == "fsdp" else ""
             for pname, prof in profiles_for(rec).items():
                 p = predict(layout, cfg, prof)
                 fwd_bwd = ad["step_ms"] - (p.adamw_step_s - p.fwd_bwd_s) * 1e3  # measured AdamW step less its model
@@ -243,6 +247,34 @@ def _ddp_rows(path: Path) -> list[dict[str, Any]]:
                      _row(f"{where}: Muon training step", path.name, pname, muon_step, mu["step_ms"], "ms"),
                      _row(f"{where}: Muon/AdamW tokens/s", path.name, pname, ad["step_ms"] / muon_step,
                           ad["step_ms"] / mu["step_ms"], "x")]
+    return rows
+
+
+def _gather_rows(per_micro_batch: Path, once: Path) -> list[dict[str, Any]]:
+    """The FSDP2 AdamW training step gathered per micro-batch, predicted from the same call's run gathered once
+    per step (two ``bench scale`` records of the same GPUs, preset and batch, ``fsdp_gather_once`` false and true):
+    forward and backward from the gathered-once run's measured step less its modelled communication and optimizer
+    step, plus the per-micro-batch layout's. The only rows that test what gathering once saves; the others take
+    forward and backward from an AdamW run gathered the same way as the Muon run, so the gathers cancel."""
+    recs = [json.loads(p.read_text()) for p in (per_micro_batch, once)]
+    if [bool(r.get("fsdp_gather_once", False)) for r in recs] != [False, True]:
+        raise ValueError(f"{per_micro_batch.name} must gather per micro-batch and {once.name} once per step "
+                         f"(their fsdp_gather_once fields)")
+    rows = []
+    by = [{s["preset"]: s for s in r["summary"] if s["config"] == "fsdp:adamw"} for r in recs]
+    rec, world, tokens = recs[0], recs[0]["world_size"], recs[0]["tokens_per_gpu"]
+    for preset in sorted(by[0].keys() & by[1].keys()):
+        per, one = by[0][preset], by[1][preset]
+        base = PlanConfig(model=gpt(preset), gpus=world, tokens_per_gpu=tokens, grad_accum=per["micro_batches"],
+                          ns_method=ns_method(rec))
+        where = f"{preset}, {_gpus(rec, world)}, {tokens // 1024}k tokens per GPU, fsdp"
+        for pname, prof in profiles_for(rec).items():
+            p_per, p_once = (predict(Layout(kind="fsdp"), dataclasses.replace(base, fsdp_gather_once=o), prof)
+                             for o in (False, True))
+            fwd_bwd = one["step_ms"] - (p_once.adamw_step_s - p_once.fwd_bwd_s) * 1e3
+            predicted = fwd_bwd + (p_per.adamw_step_s - p_per.fwd_bwd_s) * 1e3
+            rows.append(_row(f"{where}: AdamW training step gathered per micro-batch, from the run gathered once",
+                             per_micro_batch.name, pname, predicted, per["step_ms"], "ms"))
     return rows
 
 
@@ -319,8 +351,9 @@ def scaling(root: Path) -> list[dict[str, Any]]:
 
 
 def scaling_h100(root: Path) -> list[dict[str, Any]]:
-    """The 2-H100 records: 1.3B at 16k and 64k tokens per GPU in micro-batches of two rows, moe-2b with expert
-    parallelism 2 at 16k, and the single-GPU step each record took as its reference."""
+    """The 2-H100 records: 1.3B at 16k and 64k tokens per GPU in micro-batches of two rows, FSDP2 at 16k gathered
+    per micro-batch and once per step in one call, moe-2b with expert parallelism 2 at 16k, and the single-GPU step
+    each record took as its reference."""
     lw, fsdp = Layout(kind="layerwise"), Layout(kind="fsdp")
     dist = root / "distributed"
     path = dist / "scale_1.3b_16k_2xh100.json"
@@ -331,6 +364,10 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
     for name in ("scale_1.3b_16k_2xh100.json", "scale_1.3b_64k_2xh100.json"):
         rows += _single_rows(dist / name)
         rows += _scale_rows(dist / name, [("layerwise:muon", "ddp:adamw", lw), ("fsdp:muon", "fsdp:adamw", fsdp)])
+    per_micro_batch, once = (dist / f"scale_1.3b_16k_fsdp{s}_2xh100.json" for s in ("", "_gather_once"))
+    for path in (per_micro_batch, once):
+        rows += _scale_rows(path, [("fsdp:muon", "fsdp:adamw", fsdp)])
+    rows += _gather_rows(per_micro_batch, once)
     moe = dist / "scale_moe-2b_ep2_16k_2xh100.json"
     rows += _single_rows(moe) + _ddp_rows(moe)
     rows += _scale_rows(moe, [("layerwise:muon", "ddp:adamw", Layout(kind="layerwise", ep=2))])

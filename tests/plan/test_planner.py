@@ -1,5 +1,6 @@
 """The planner: model shapes, deterministic plans, the constraints it checks, the CLI and the validation."""
 
+import dataclasses
 import json
 
 import pytest
@@ -58,6 +59,7 @@ def test_moe_layouts_split_experts():
     (dict(gpus=8, optimizer="lion"), "optimizer must be one of"),
     (dict(gpus=8, tokens_per_gpu=0), "tokens_per_gpu must be an int >= 1"),
     (dict(gpus=8, tokens_per_gpu=4096, grad_accum=3), "must split into grad_accum 3 equal micro-batches"),
+    (dict(gpus=8, fsdp_gather_once=1), "fsdp_gather_once must be True or False, got 1"),
 ])
 def test_bad_configs_name_the_constraint(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -148,6 +150,8 @@ def test_validation_reads_the_committed_results():
     assert len(rows) > 50 and all(r["source"].endswith(".json") for r in rows)
     assert all("H100" in r["what"] and r["source"].endswith("2xh100.json") for r in sections["scaling, 2 H100"])
     assert "| measurement |" in validate.format_validation(sections)
+    once = [r for r in sections["scaling, 2 H100"] if r["source"] == "scale_1.3b_16k_fsdp_gather_once_2xh100.json"]
+    assert len(once) == 15 and all("fsdp gathered once:" in r["what"] for r in once)  # 5 rows x 3 profiles
 
 
 @pytest.mark.parametrize("record, device", [
@@ -221,3 +225,85 @@ def test_excluded_rows_are_listed_but_not_counted():
     assert rows[0]["excluded"] and not rows[1]["excluded"] and not rows[2]["excluded"]
     text = validate.format_validation({"s": rows})
     assert "(+100.0%, excluded)" in text and "1 of 2 rows within 15%" in text and "1 shipped-profile rows" in text
+
+
+def test_fsdp_gather_once_gathers_twice_per_step_and_holds_the_gathered_model():
+    """Gathering once per step (the trainer's ``--fsdp-gather-once``): the first micro-batch's forward and the
+    last one's backward gather the whole model, the last backward reduce-scatters, the micro-batches between
+    gather nothing; the whole model's bf16 parameters (2 bytes per parameter of the rank before sharding) replace
+    two gathered layers, and the fp32 unsharded gradients stay. Hand-computed on a slow link, where every
+    collective is exposed; at one micro-batch the option changes nothing."""
+    from matrixopt.distributed.cost import Link, collective_time
+    slow = H100.with_network(Link(latency=1e-3, bandwidth=1e8))
+    model = gpt("gpt2-small")
+    base = dict(model=model, gpus=16, gpus_per_node=8, tokens_per_gpu=8192, grad_accum=4)
+    fsdp = planner.Layout(kind="fsdp")
+    each = planner.predict(fsdp, planner.PlanConfig(**base), slow)
+    once = planner.predict(fsdp, planner.PlanConfig(fsdp_gather_once=True, **base), slow)
+    params = model.total_params()
+    link = slow.link(16, 1, 8)
+    gather = collective_time("all_gather", 2 * params, 16, link)
+    rs = collective_time("reduce_scatter", 4 * params, 16, link)
+    fwd, bwd = once.fwd_bwd_s / 3 / 4, 2 * once.fwd_bwd_s / 3 / 4
+    assert gather > fwd and gather > bwd  # everything exposed: the hand sums below hold
+    sync = (gather - fwd) + (gather + rs - bwd)  # 2 gathers and 1 reduce-scatter per step
+    assert once.adamw_step_s - once.fwd_bwd_s - once.adamw_opt_step_s == pytest.approx(sync)
+    assert once.step_s - once.fwd_bwd_s - once.opt_step_s == pytest.approx(sync)
+    assert each.step_s - once.step_s == pytest.approx(3 * (gather - fwd) + 3 * (gather - bwd))  # 6 gathers fewer
+    transient = 2 * 2 * params / model.n_layer  # two layers' bf16 parameters (or gradients)
+    assert once.memory.params == pytest.approx(4 * params / 16 + 2 * params)
+    assert each.memory.params == pytest.approx(4 * params / 16 + transient)
+    assert once.memory.grads == each.memory.grads == pytest.approx(4 * params + transient)
+    assert once.adamw_memory.total - each.adamw_memory.total == pytest.approx(2 * params - transient)
+    assert once.notes == ("parameters gathered once per step",) and each.notes == ()
+    single = dict(base, tokens_per_gpu=2048, grad_accum=1)
+    assert (planner.predict(fsdp, planner.PlanConfig(fsdp_gather_once=True, **single), slow)
+            == planner.predict(fsdp, planner.PlanConfig(**single), slow))
+    layerwise = planner.Layout(kind="layerwise")
+    assert (planner.predict(layerwise, planner.PlanConfig(fsdp_gather_once=True, **base), slow)
+            == planner.predict(layerwise, planner.PlanConfig(**base), slow))
+
+
+def test_fsdp_gather_once_plan_is_deterministic_and_reaches_the_cli(capsys):
+    cfg = planner.PlanConfig(model=PRESETS["1.3b"], gpus=16, tokens_per_gpu=16384, grad_accum=4,
+                             fsdp_gather_once=True)
+    a, b = planner.plan(cfg, H100), planner.plan(cfg, H100)
+    assert planner.to_dict(a) == planner.to_dict(b) and planner.to_dict(a)["fsdp_gather_once"] is True
+    assert planner.format_plan(a) == planner.format_plan(b)
+    argv = ["plan", "--model", "1.3b", "--gpus", "16", "--tokens-per-gpu", "16384", "--grad-accum", "4", "--tp", "1"]
+    assert cli.main(argv + ["--fsdp-gather-once"]) == 0
+    assert "FSDP: parameters gathered once per step" in capsys.readouterr().out
+    assert cli.main(argv) == 0
+    assert "gathered once" not in capsys.readouterr().out
+
+
+def _scale_record(path, gather_once, step_ms, peak_mib):
+    """A minimal ``bench scale`` record: 1.3B FSDP2 on 2 H100s, 16k tokens per GPU in 4 micro-batches."""
+    line = dict(preset="1.3b", micro_batches=4, opt_step_ms_max=10.0, peak_mem_mb_max=peak_mib)
+    path.write_text(json.dumps({
+        "env": {"device": "NVIDIA H100 80GB HBM3", "git_commit": "d559a09"}, "world_size": 2,
+        "tokens_per_gpu": 16384, "fsdp_gather_once": gather_once,
+        "summary": [dict(line, config="fsdp:adamw", step_ms=step_ms),
+                    dict(line, config="fsdp:muon", step_ms=step_ms + 30)]}))
+    return path
+
+
+def test_validation_reads_gather_once_from_the_record(tmp_path):
+    fsdp = planner.Layout(kind="fsdp")
+    pairs = [("fsdp:muon", "fsdp:adamw", fsdp)]
+    each = validate._scale_rows(_scale_record(tmp_path / "each.json", False, 600.0, 23000.0), pairs)
+    once = validate._scale_rows(_scale_record(tmp_path / "once.json", True, 400.0, 25000.0), pairs)
+    assert all(", fsdp:" in r["what"] for r in each) and all("fsdp gathered once:" in r["what"] for r in once)
+    cfg = planner.PlanConfig(model=gpt("1.3b"), gpus=2, tokens_per_gpu=16384, grad_accum=4)
+    for rows, flag in ((each, False), (once, True)):
+        (mem,) = [r for r in rows if r["what"].endswith("AdamW peak memory per GPU") and r["profile"] == "measured"]
+        p = planner.predict(fsdp, dataclasses.replace(cfg, fsdp_gather_once=flag), H100)
+        assert mem["predicted"] == pytest.approx(p.adamw_memory.total / 1e9)
+    # the per-micro-batch step from the gathered-once run: its measured step, less its modelled communication, plus
+    # the per-micro-batch layout's
+    (row, *_) = validate._gather_rows(tmp_path / "each.json", tmp_path / "once.json")
+    p_each, p_once = (planner.predict(fsdp, dataclasses.replace(cfg, fsdp_gather_once=f), H100) for f in (False, True))
+    assert row["measured"] == 600.0 and row["profile"] == "measured"
+    assert row["predicted"] == pytest.approx(400.0 + (p_each.adamw_step_s - p_once.adamw_step_s) * 1e3)
+    with pytest.raises(ValueError, match="once.json must gather per micro-batch and each.json once per step"):
+        validate._gather_rows(tmp_path / "once.json", tmp_path / "each.json")
