@@ -68,17 +68,38 @@ class Sharding:
         return self.tp_group is not None and self.split is not None and self.split[0] == self.tp_dim
 
 
+@dataclass(frozen=True)
+class _Bucket:
+    """One bucket of a group's DTensor matrices (same shape, dtype, mesh, placements and split), laid out as every
+    step lays it out: the indices of its parameters in the step's parameter list, in stack order (each owner's
+    matrices together, owners ascending), its sharding, the owner counts of its FSDP exchange (None without FSDP)
+    and whether its stack holds the local shards transposed."""
+
+    order: tuple[int, ...]
+    sharding: Sharding
+    counts: tuple[int, ...] | None
+    transposed: bool
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How a step updates one list of parameters: the parameters it was made for (checked by identity), the
+    indices of the plain tensors and the buckets of the DTensors."""
+
+    params: tuple[Tensor, ...]
+    plain: tuple[int, ...]
+    buckets: tuple[_Bucket, ...]
+
+
 @dataclass(eq=False)
 class _Flight:
-    """One bucket of DTensor matrices on its way through a step: the DTensor parameters and their local shards (in
-    stack order; no shards for an empty shard), the owner counts of its FSDP exchange (None without FSDP), the
-    packed stack's layout, the stack ``Y`` held locally, and the exchange in flight."""
+    """One bucket of DTensor matrices on its way through a step: the bucket, its DTensor parameters and their
+    local shards (in stack order; no shards for an empty shard), the stack ``Y`` held locally, and the exchange in
+    flight."""
 
-    sharding: Sharding
+    bucket: _Bucket
     dtensors: list[DTensor]
     params: list[Tensor]
-    counts: list[int] | None
-    transposed: bool
     Y: Tensor | None
     exchange: InFlight | None
 
@@ -114,7 +135,6 @@ class ShardedMuon(Muon):
             raise ValueError(f"Invalid tp_chunks: {tp_chunks!r} (must be an int >= 1)")
         self.tp_mode, self.tp_mesh_dim = tp_mode, tp_mesh_dim
         self.tp_chunks, self.tp_cost_model = tp_chunks, tp_cost_model
-        self._load: dict[Any, list[float]] = {}  # per FSDP group: matrix cost owned by each rank this step
         super().__init__(params, *args, **kwargs)
 
     def _nonfinite_flags(self, grads: list[Tensor]) -> Tensor:
@@ -124,31 +144,74 @@ class ShardedMuon(Muon):
             return super()._nonfinite_flags(grads)
         return agreed_nonfinite_flags(grads)
 
+    def _elementwise_operands(self, params: list[Tensor], *lists: list[Tensor]) -> tuple[list[Tensor], ...]:
+        """The local shards, where every parameter is a DTensor and its gradient and state are laid out as it is:
+        element-wise math on DTensors is that on their shards, and DTensor's dispatch of a foreach op over a
+        model's norms and embeddings costs the host about a millisecond. Otherwise the tensors as they are (a
+        gradient laid out otherwise is redistributed by DTensor's op)."""
+        if all(isinstance(p, DTensor) for p in params) and all(
+                isinstance(t, DTensor) and t.device_mesh == p.device_mesh and t.placements == p.placements
+                for ts in lists for p, t in zip(params, ts)):
+            return tuple([t.to_local() for t in ts] for ts in (params, *lists))
+        return (params, *lists)
+
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                        skip: Tensor | None = None) -> None:
         """Muon's update, once for the plain tensors and once per (shape, placements) bucket of DTensors on local
         shards, pipelined over the buckets: every bucket's momentum pass and owner gather are launched first,
         then each is orthogonalized as its gather lands and scattered back while the next one computes, and the
         updates are applied last. ``skip`` comes only with plain-tensor gradients (class docstring)."""
-        self._load.clear()
-        plain = [i for i, p in enumerate(params) if not isinstance(p, DTensor)]
-        if plain:
-            super()._matrix_update(group, [params[i] for i in plain], [grads[i] for i in plain], skip)
-        buckets: dict[tuple, list[int]] = {}
-        for i, p in enumerate(params):
-            if isinstance(p, DTensor):
-                key = (tuple(p.shape), p.dtype, p.device_mesh, p.placements, getattr(p, _SPLIT, None))
-                buckets.setdefault(key, []).append(i)
-        flights = [self._launch(group, [params[i] for i in idx], [grads[i] for i in idx]) for idx in buckets.values()]
+        plan = self._plan(params)
+        if plan.plain:
+            super()._matrix_update(group, [params[i] for i in plan.plain], [grads[i] for i in plan.plain], skip)
+        flights = [self._launch(group, b, [params[i] for i in b.order], [grads[i] for i in b.order])
+                   for b in plan.buckets]
         for f in flights:
             self._orthogonalize_owned(group, f)
-        lr = self._device_lr(group, params[next(iter(buckets.values()))[0]].device) if buckets else None
+        lr = self._device_lr(group, flights[0].dtensors[0].device) if flights else None
         for f in flights:
             Y = f.exchange.wait() if f.exchange is not None else f.Y
             Y, row_scale = self._shard_update(group, f, Y)  # collective for NorMuon and AdaMuon
             if f.params:  # Y (times row_scale) carries each matrix's full update scale already
-                apply_update(f.params, Y, lambda m, n: 1.0, lr, group["weight_decay"], f.transposed,
+                apply_update(f.params, Y, lambda m, n: 1.0, lr, group["weight_decay"], f.bucket.transposed,
                              decay_mode=group["weight_decay_mode"], row_scale=row_scale)
+
+    def _plan(self, params: list[Tensor]) -> _Plan:
+        """The buckets of a step over ``params``, made once per list of parameters and kept (one plan per param
+        group): they depend only on the parameters' identity, shapes, placements and ``mark_split`` pieces, which
+        the key holds, so a step reads no DTensor metadata and balances no owners again."""
+        key = tuple((id(p), getattr(p, _SPLIT, None)) for p in params)
+        plans: dict[tuple, _Plan] = self.__dict__.setdefault("_plans", {})
+        plan = plans.get(key)
+        if plan is not None and all(a is b for a, b in zip(plan.params, params)):
+            return plan
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(params):
+            if isinstance(p, DTensor):
+                groups.setdefault((tuple(p.shape), p.dtype, p.device_mesh, p.placements, key[i][1]), []).append(i)
+        loads: dict[Any, list[float]] = {}  # per FSDP group: the matrix cost each rank owns so far
+        buckets = tuple(self._bucket([params[i] for i in idx], idx, loads) for idx in groups.values())
+        plan = _Plan(tuple(params), tuple(i for i, p in enumerate(params) if not isinstance(p, DTensor)), buckets)
+        if len(plans) >= len(self.param_groups):  # a group's parameters changed: forget the oldest plan
+            del plans[next(iter(plans))]
+        plans[key] = plan
+        return plan
+
+    def _bucket(self, ps: list[DTensor], idx: list[int], loads: dict[Any, list[float]]) -> _Bucket:
+        """A bucket of same-layout DTensor matrices ``ps`` (``idx``: their indices in the step's list): owners by LPT
+        on their cost, from the ``loads`` earlier buckets of the same FSDP group left (updated here)."""
+        sh = self._layout(ps[0])
+        order, counts = tuple(idx), None
+        if sh.fsdp_group is not None:  # stack each owner's matrices together, owners ascending
+            m, n = sh.shape
+            world = len(sh.fsdp_rows)
+            owners, loads[sh.fsdp_group] = lpt([muon_cost(m, n)] * len(ps), world, loads.get(sh.fsdp_group))
+            order = tuple(idx[i] for i in sorted(range(len(ps)), key=owners.__getitem__))
+            counts = tuple(owners.count(r) for r in range(world))
+        rows, cols = sh.local_shape
+        # Every rank of the FSDP group must lay its rows out alike: transposed when the first (largest) shard is tall
+        transposed = (sh.fsdp_rows[0] if sh.fsdp_rows else rows) > cols
+        return _Bucket(order, sh, counts, transposed)
 
     def _shard_update(self, group: dict[str, Any], f: _Flight, Y: Tensor) -> tuple[Tensor, Tensor | None]:
         """What to apply to a bucket's local shards from what the owners sent back, ``Y`` (laid out as the packed
@@ -160,43 +223,34 @@ class ShardedMuon(Muon):
         scale."""
         return update_scale(group["scaling"], m, n)
 
-    def _launch(self, group: dict[str, Any], ps: list[DTensor], gs: list[DTensor]) -> _Flight:
-        """Momentum step and packing of one bucket's local shards, and the launch of their owner gather."""
-        sh = self._layout(ps[0])
+    def _launch(self, group: dict[str, Any], b: _Bucket, ps: list[DTensor], gs: list[DTensor]) -> _Flight:
+        """Momentum step and packing of one bucket's local shards (``ps``, ``gs`` in stack order), and the launch
+        of their owner gather."""
         for p in ps:
             if not self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-        counts = None
-        if sh.fsdp_group is not None:  # stack each owner's matrices together, owners ascending
-            m, n = sh.shape
-            world = len(sh.fsdp_rows)
-            owners, self._load[sh.fsdp_group] = lpt([muon_cost(m, n)] * len(ps), world, self._load.get(sh.fsdp_group))
-            order = sorted(range(len(ps)), key=owners.__getitem__)
-            ps, gs = [ps[i] for i in order], [gs[i] for i in order]
-            counts = [owners.count(r) for r in range(world)]
-        rows, cols = sh.local_shape
-        # Every rank of the FSDP group must lay its rows out alike: transposed when the first (largest) shard is tall
-        transposed = (sh.fsdp_rows[0] if sh.fsdp_rows else rows) > cols
-        X = torch.empty((len(ps), cols, rows) if transposed else (len(ps), rows, cols),
+        rows, cols = b.sharding.local_shape
+        X = torch.empty((len(ps), cols, rows) if b.transposed else (len(ps), rows, cols),
                         dtype=self._stack_dtype(group, ps[0].device), device=ps[0].device)
         params = [p.to_local() for p in ps] if rows * cols else []  # an empty shard only serves the collectives
         if params:
             momentum_pack([g.to_local() for g in gs], [self.state[p]["momentum_buffer"].to_local() for p in ps], X,
-                          group["momentum"], group["nesterov"], transposed, sign=self._pack_sign(group))
-        exchange = gather_to_owners(X, counts, sh.fsdp_rows, 2 if transposed else 1, sh.fsdp_group) \
-            if counts is not None else None
-        return _Flight(sh, ps, params, counts, transposed, X, exchange)
+                          group["momentum"], group["nesterov"], b.transposed, sign=self._pack_sign(group))
+        exchange = gather_to_owners(X, b.counts, b.sharding.fsdp_rows, 2 if b.transposed else 1,
+                                    b.sharding.fsdp_group) if b.counts is not None else None
+        return _Flight(b, ps, params, X, exchange)
 
     def _orthogonalize_owned(self, group: dict[str, Any], f: _Flight) -> None:
         """Wait for a bucket's gather, orthogonalize the matrices this rank owns, launch the scatter back."""
+        b = f.bucket
         owned = f.exchange.wait() if f.exchange is not None else f.Y
         if owned.size(0):  # every rank of a TP group has the same k, so TP collectives stay matched
-            owned = self._orthogonalize_stack(group, owned, f.sharding, f.transposed)
-        if f.counts is None:
+            owned = self._orthogonalize_stack(group, owned, b.sharding, b.transposed)
+        if b.counts is None:
             f.Y = owned
         else:
-            f.exchange = scatter_from_owners(owned, f.counts, f.sharding.fsdp_rows, 2 if f.transposed else 1,
-                                             f.sharding.fsdp_group)
+            f.exchange = scatter_from_owners(owned, b.counts, b.sharding.fsdp_rows, 2 if b.transposed else 1,
+                                             b.sharding.fsdp_group)
             f.Y = None
 
     def _orthogonalize_stack(self, group: dict[str, Any], S: Tensor, sh: Sharding, transposed: bool) -> Tensor:
@@ -318,14 +372,33 @@ class _ShardedSecondMoment(ShardedMuon):
         part of each row's squared norm."""
         return self._moments(group, O, state, None)  # element-wise: nothing to gather
 
+    def _pieces(self, sh: Sharding, scaling: str, device: torch.device) -> tuple[Tensor, Tensor]:
+        """For a bucket of matrices laid out as ``sh``: ``piece``, ``(rows,)`` int64, the ``mark_split`` piece each
+        of this rank's rows falls in, and ``target``, ``(pieces,)`` float32, each piece's RMS-aligned Frobenius norm
+        times its update scale under ``scaling``. Made once per (layout, scaling, device) and kept: each is a
+        blocking copy to the device."""
+        cache: dict[tuple, tuple[Tensor, Tensor]] = self.__dict__.setdefault("_piece_cache", {})
+        key = (sh, scaling, device)
+        if key not in cache:
+            sizes = sh.split[1] if sh.split is not None else (sh.shape[0],)  # pieces along the rows (of the TP shard)
+            start = sum(sh.fsdp_rows[:comm.rank(sh.fsdp_group)]) if sh.fsdp_group is not None else 0
+            bounds = torch.tensor(sizes, device=device).cumsum(0)
+            rows = sh.local_shape[0]
+            piece = torch.bucketize(torch.arange(start, start + rows, device=device), bounds, right=True)
+            tp = len(sh.tp_sizes) if sh.rank_major else 1  # a rank-major piece is 1/tp of the whole piece
+            target = torch.tensor([min(m * tp, sh.shape[1]) ** 0.5 * update_scale(scaling, m * tp, sh.shape[1])
+                                   for m in sizes], device=device)
+            cache[key] = piece, target
+        return cache[key]
+
     def _shard_update(self, group: dict[str, Any], f: _Flight, Y: Tensor) -> tuple[Tensor, Tensor | None]:
-        sh = f.sharding
+        sh = f.bucket.sharding
         if sh.split is not None and sh.split[0] != 0:
             raise ValueError(f"{type(self).__name__} does not take weights split along their columns (a {sh.shape} "
                              f"matrix split {sh.split}); use --parallel layerwise, or ShardedMuon")
         rows, cols = sh.local_shape
         tp_cols = sh.tp_group is not None and sh.tp_dim == 1
-        Yr = Y.mT if f.transposed else Y  # (k, rows, cols): this rank's rows of each matrix
+        Yr = Y.mT if f.bucket.transposed else Y  # (k, rows, cols): this rank's rows of each matrix
         for p in f.dtensors:
             if self._state_key not in self.state[p]:
                 self.state[p][self._state_key] = self._sharded_state(p)
@@ -334,21 +407,15 @@ class _ShardedSecondMoment(ShardedMuon):
             out, factor, row_sq = self._shard_moments(group, Yr, state, sh.tp_group if tp_cols else None, sh.shape[1])
         else:  # an empty shard: no rows, but the norms' all-reduce still needs this rank
             out, factor, row_sq = None, None, Yr.new_zeros(Yr.shape[:2], dtype=torch.float32)
-        sizes = sh.split[1] if sh.split is not None else (sh.shape[0],)  # pieces along the rows (of the TP shard)
-        start = sum(sh.fsdp_rows[:comm.rank(sh.fsdp_group)]) if sh.fsdp_group is not None else 0
-        bounds = torch.tensor(sizes, device=Y.device).cumsum(0)
-        piece = torch.bucketize(torch.arange(start, start + rows, device=Y.device), bounds, right=True)  # (rows,)
-        normsq = row_sq.new_zeros(row_sq.shape[0], len(sizes)).index_add_(1, piece, row_sq)  # (k, pieces)
+        piece, target = self._pieces(sh, group["scaling"], Y.device)
+        normsq = row_sq.new_zeros(row_sq.shape[0], len(target)).index_add_(1, piece, row_sq)  # (k, pieces)
         for g in (sh.fsdp_group, sh.tp_group):
             if g is not None:
                 comm.all_reduce_sum(normsq, g)
-        tp = len(sh.tp_sizes) if sh.rank_major else 1  # a rank-major piece is 1/tp of the whole piece
-        target = torch.tensor([min(m * tp, sh.shape[1]) ** 0.5 * update_scale(group["scaling"], m * tp, sh.shape[1])
-                               for m in sizes], device=Y.device)
         align = torch.where(normsq > 0, target / normsq.sqrt(), 0.0)[:, piece]  # (k, rows)
         scale = align if factor is None else factor * align
         update = Yr if out is None else out
-        if f.transposed:
+        if f.bucket.transposed:
             return update.mT, scale.contiguous()
         return update, torch.nn.functional.pad(scale, (0, cols - rows)).contiguous()  # the stack's (k, cols)
 

@@ -463,6 +463,11 @@ class MatrixOptimizer(Optimizer):
         raise NotImplementedError
 
     # ----------------------------------------------------------------------------------- AdamW
+    def _elementwise_operands(self, params: list[Tensor], *lists: list[Tensor]) -> tuple[list[Tensor], ...]:
+        """The tensors an element-wise update computes on: ``params`` and the ``lists`` of tensors shaped as them
+        (gradients, state), as they are. Sharded optimizers give local shards instead."""
+        return (params, *lists)
+
     def _adamw_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                       skip: Tensor | None = None) -> None:
         """Adam with weight decay in the group's mode. Float32 state for every parameter dtype; PyTorch's fused
@@ -479,6 +484,7 @@ class MatrixOptimizer(Optimizer):
             exp_avgs.append(st["exp_avg"])
             exp_avg_sqs.append(st["exp_avg_sq"])
             steps.append(st["step"])
+        params, grads, exp_avgs, exp_avg_sqs = self._elementwise_operands(params, grads, exp_avgs, exp_avg_sqs)
         beta1, beta2 = group["betas"]
         lr, wd, eps, decay_mode = group["lr"], group["weight_decay"], group["eps"], group["weight_decay_mode"]
         fused_ok = not torch.compiler.is_compiling()  # traced graphs can't functionalize _fused_adamw_

@@ -108,6 +108,48 @@ def _fsdp_matches_single_process(rank: int, world: int, cls: type = Muon, sharde
         assert torch.equal(p.to_local(), clones[id(p)].to_local())
 
 
+def _groups(model: Net, cls: type) -> list[dict]:
+    """fc0..fc7's weights as a matrix group, every bias in an AdamW group; fc8 and fc9 join later."""
+    return [dict(params=[layer.weight for layer in model.layers[:8]]),
+            {"params": [layer.bias for layer in model.layers if layer.bias is not None], cls.matrix_flag: False}]
+
+
+def _changing_run(model: Net, opt: torch.optim.Optimizer, rows: slice) -> None:
+    """Steps with what a step's kept layout must follow changed in between: hyperparameters, a parameter without
+    a gradient, a param group added, the state loaded into a new optimizer."""
+    for step in range(6):
+        x, y = _data(step)
+        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        if step == 1:
+            model.layers[3].weight.grad = None  # a step over fewer parameters: other owners
+        if step == 2:
+            group = opt.param_groups[0]
+            group["lr"], group["momentum"], group["scaling"] = 0.03, 0.8, "spectral"
+        if step == 3:
+            opt.add_param_group(dict(params=[model.layers[8].weight, model.layers[9].weight], lr=0.01))
+        if step == 4:
+            fresh = type(opt)([dict(g, params=list(g["params"])) for g in opt.param_groups], **HPARAMS)
+            fresh.load_state_dict(opt.state_dict())
+            opt = fresh
+        opt.step()
+        opt.zero_grad()
+
+
+def _fsdp_follows_changes_between_steps(rank: int, world: int, cls: type = Muon,
+                                        sharded: type = ShardedMuon) -> None:
+    torch.manual_seed(0)
+    ref = Net().mark_qkv()
+    _changing_run(ref, cls(_groups(ref, cls), **HPARAMS), slice(None))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    model = apply_fsdp(Net(), mesh).mark_qkv()
+    per_rank = 8 // world
+    _changing_run(model, sharded(_groups(model, cls), **HPARAMS), slice(rank * per_rank, (rank + 1) * per_rank))
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        err = (p.full_tensor() - q).abs().max().item()
+        assert err < ATOL, f"{name}: {err}"
+
+
 def _owner_gather_sends_whole_matrices_to_owners_only(rank: int, world: int) -> None:
     sizes = chunk_sizes(5, world)  # uneven, possibly empty
     full = torch.arange(3 * 5 * 4, dtype=torch.float32).view(3, 5, 4)  # 3 matrices (5, 4)
@@ -132,6 +174,8 @@ def _fsdp_checks(rank: int, world: int) -> None:
     _fsdp_matches_single_process(rank, world)
     for cls, sharded in ((NorMuon, ShardedNorMuon), (AdaMuon, ShardedAdaMuon)):
         _fsdp_matches_single_process(rank, world, cls, sharded)
+    for cls, sharded in ((Muon, ShardedMuon), (NorMuon, ShardedNorMuon)):
+        _fsdp_follows_changes_between_steps(rank, world, cls, sharded)
 
 
 @pytest.mark.parametrize("world", [2, 4])
