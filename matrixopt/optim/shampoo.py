@@ -111,7 +111,7 @@ def cuda_matmul_precision(precision: str) -> Iterator[None]:
     if precision not in MATMUL_PRECISIONS:
         raise ValueError(f"Invalid matmul_precision: {precision!r} (use one of {MATMUL_PRECISIONS})")
     matmul = torch.backends.cuda.matmul
-    if hasattr(torch._C, "_get_fp32_precision_getter"):
+    if hasattr(matmul, "fp32_precision"):
         name, value = "fp32_precision", "tf32" if precision == "tf32" else "ieee"
     else:
         name, value = "allow_tf32", precision == "tf32"
