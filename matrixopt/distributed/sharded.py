@@ -41,7 +41,7 @@ from matrixopt.distributed import comm
 from matrixopt.distributed.balance import lpt, muon_cost
 from matrixopt.distributed.comm import InFlight, gather_to_owners, scatter_from_owners
 from matrixopt.distributed.tp import MODES, CostModel, tp_newton_schulz
-from matrixopt.kernels.muon_elementwise import apply_update, momentum_pack, row_sums_of_squares
+from matrixopt.kernels.muon_elementwise import apply_update, momentum_pack, row_sums_of_squares, skips_on_device
 from matrixopt.optim.adaptive import AdaMuon, NorMuon
 from matrixopt.optim.layout import _SPLIT
 from matrixopt.optim.muon import Muon, ns_config, update_scale
@@ -122,9 +122,10 @@ class ShardedMuon(Muon):
         tp_cost_model: a fixed :class:`CostModel` for ``auto``; None measures one at the first TP step.
 
     Every rank must call ``step()``: the updates are collective. Plain-tensor parameters are updated exactly as
-    by Muon, so a model can mix sharded and unsharded matrices. DTensor matrices must be 2-D. Where any gradient is
-    a DTensor, the non-finite check reads its flags on the host, agreed over all ranks (``deferred_nonfinite``
-    then changes nothing), and ``clip_grad_norm_`` scales the gradients at once.
+    by Muon, so a model can mix sharded and unsharded matrices. DTensor matrices must be 2-D. The non-finite check
+    reads the local shards' flags, agreed over all ranks; with ``deferred_nonfinite`` no rank waits for them on the
+    host (the fused kernels skip the step on the agreed device flag; updates off them read it on the host).
+    Where any gradient is a DTensor, ``clip_grad_norm_`` scales the gradients at once.
     """
 
     def __init__(self, params: Iterable[Any], *args: Any, tp_mode: str = "auto", tp_mesh_dim: str = "tp",
@@ -144,6 +145,20 @@ class ShardedMuon(Muon):
             return super()._nonfinite_flags(grads)
         return agreed_nonfinite_flags(grads)
 
+    def _local_grads(self, grads: list[Tensor]) -> list[Tensor]:
+        return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+
+    def _adamw_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                      skip: Tensor | None = None) -> None:
+        """AdamW's update; a device flag reaches the fused kernel only where it computes on local shards (a
+        DTensor operand would need the flag as a DTensor): otherwise it is read on the host first."""
+        if skip is not None and any(isinstance(t, DTensor) for ts in self._elementwise_operands(params, grads)
+                                    for t in ts):
+            if self.nonfinite.on_host(skip):
+                return
+            skip = None
+        super()._adamw_update(group, params, grads, skip)
+
     def _elementwise_operands(self, params: list[Tensor], *lists: list[Tensor]) -> tuple[list[Tensor], ...]:
         """The local shards, where every parameter is a DTensor and its gradient and state are laid out as it is:
         element-wise math on DTensors is that on their shards, and DTensor's dispatch of a foreach op over a
@@ -160,21 +175,28 @@ class ShardedMuon(Muon):
         """Muon's update, once for the plain tensors and once per (shape, placements) bucket of DTensors on local
         shards, pipelined over the buckets: every bucket's momentum pass and owner gather are launched first,
         then each is orthogonalized as its gather lands and scattered back while the next one computes, and the
-        updates are applied last. ``skip`` comes only with plain-tensor gradients (class docstring)."""
+        updates are applied last. ``skip``: the deferred check's agreed device flag; the DTensor buckets skip on it
+        in the fused kernels (the owners' collectives and Newton–Schulz still run, on every rank alike), or read it
+        on the host where their local shards don't take the fused kernels."""
         plan = self._plan(params)
         if plan.plain:
             super()._matrix_update(group, [params[i] for i in plan.plain], [grads[i] for i in plan.plain], skip)
-        flights = [self._launch(group, b, [params[i] for i in b.order], [grads[i] for i in b.order])
+        if skip is not None and plan.buckets and not skips_on_device(
+                *[[t.to_local() for i in b.order for t in (params[i], grads[i])] for b in plan.buckets]):
+            if self.nonfinite.on_host(skip):  # agreed over ranks: every rank returns (or raises) here
+                return
+            skip = None
+        flights = [self._launch(group, b, [params[i] for i in b.order], [grads[i] for i in b.order], skip)
                    for b in plan.buckets]
         for f in flights:
             self._orthogonalize_owned(group, f)
         lr = self._device_lr(group, flights[0].dtensors[0].device) if flights else None
         for f in flights:
             Y = f.exchange.wait() if f.exchange is not None else f.Y
-            Y, row_scale = self._shard_update(group, f, Y)  # collective for NorMuon and AdaMuon
+            Y, row_scale = self._shard_update(group, f, Y, skip)  # collective for NorMuon and AdaMuon
             if f.params:  # Y (times row_scale) carries each matrix's full update scale already
                 apply_update(f.params, Y, lambda m, n: 1.0, lr, group["weight_decay"], f.bucket.transposed,
-                             decay_mode=group["weight_decay_mode"], row_scale=row_scale)
+                             skip=skip, decay_mode=group["weight_decay_mode"], row_scale=row_scale)
 
     def _plan(self, params: list[Tensor]) -> _Plan:
         """The buckets of a step over ``params``, made once per list of parameters and kept (one plan per param
@@ -213,9 +235,11 @@ class ShardedMuon(Muon):
         transposed = (sh.fsdp_rows[0] if sh.fsdp_rows else rows) > cols
         return _Bucket(order, sh, counts, transposed)
 
-    def _shard_update(self, group: dict[str, Any], f: _Flight, Y: Tensor) -> tuple[Tensor, Tensor | None]:
+    def _shard_update(self, group: dict[str, Any], f: _Flight, Y: Tensor,
+                      skip: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """What to apply to a bucket's local shards from what the owners sent back, ``Y`` (laid out as the packed
-        stack): ``(update, row_scale)`` for the update kernel. Muon applies Y as it is."""
+        stack): ``(update, row_scale)`` for the update kernel; state it steps is left as it was where ``skip`` (a
+        0-d device flag) is nonzero. Muon applies Y as it is."""
         return Y, None
 
     def _owner_scale(self, group: dict[str, Any], m: int, n: int) -> float:
@@ -223,9 +247,10 @@ class ShardedMuon(Muon):
         scale."""
         return update_scale(group["scaling"], m, n)
 
-    def _launch(self, group: dict[str, Any], b: _Bucket, ps: list[DTensor], gs: list[DTensor]) -> _Flight:
-        """Momentum step and packing of one bucket's local shards (``ps``, ``gs`` in stack order), and the launch
-        of their owner gather."""
+    def _launch(self, group: dict[str, Any], b: _Bucket, ps: list[DTensor], gs: list[DTensor],
+                skip: Tensor | None) -> _Flight:
+        """Momentum step and packing of one bucket's local shards (``ps``, ``gs`` in stack order; the momentum left
+        as it was where ``skip`` is nonzero), and the launch of their owner gather."""
         for p in ps:
             if not self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
@@ -235,7 +260,7 @@ class ShardedMuon(Muon):
         params = [p.to_local() for p in ps] if rows * cols else []  # an empty shard only serves the collectives
         if params:
             momentum_pack([g.to_local() for g in gs], [self.state[p]["momentum_buffer"].to_local() for p in ps], X,
-                          group["momentum"], group["nesterov"], b.transposed, sign=self._pack_sign(group))
+                          group["momentum"], group["nesterov"], b.transposed, skip=skip, sign=self._pack_sign(group))
         exchange = gather_to_owners(X, b.counts, b.sharding.fsdp_rows, 2 if b.transposed else 1,
                                     b.sharding.fsdp_group) if b.counts is not None else None
         return _Flight(b, ps, params, X, exchange)
@@ -366,11 +391,11 @@ class _ShardedSecondMoment(ShardedMuon):
         raise NotImplementedError
 
     def _shard_moments(self, group: dict[str, Any], O: Tensor, state: list[Tensor], row_group: ProcessGroup | None,
-                       cols: int) -> tuple[Tensor | None, Tensor | None, Tensor]:
+                       cols: int, skip: Tensor | None) -> tuple[Tensor | None, Tensor | None, Tensor]:
         """``_moments`` on this rank's shard ``O (k, rows, c)`` of k matrices with ``cols`` columns in all,
-        ``row_group`` the ranks holding the rest of each row (None: whole rows here). ``row_sq`` is this rank's
-        part of each row's squared norm."""
-        return self._moments(group, O, state, None)  # element-wise: nothing to gather
+        ``row_group`` the ranks holding the rest of each row (None: whole rows here), ``state`` left as it was
+        where ``skip`` is nonzero. ``row_sq`` is this rank's part of each row's squared norm."""
+        return self._moments(group, O, state, skip)  # element-wise: nothing to gather
 
     def _pieces(self, sh: Sharding, scaling: str, device: torch.device) -> tuple[Tensor, Tensor]:
         """For a bucket of matrices laid out as ``sh``: ``piece``, ``(rows,)`` int64, the ``mark_split`` piece each
@@ -391,7 +416,8 @@ class _ShardedSecondMoment(ShardedMuon):
             cache[key] = piece, target
         return cache[key]
 
-    def _shard_update(self, group: dict[str, Any], f: _Flight, Y: Tensor) -> tuple[Tensor, Tensor | None]:
+    def _shard_update(self, group: dict[str, Any], f: _Flight, Y: Tensor,
+                      skip: Tensor | None) -> tuple[Tensor, Tensor | None]:
         sh = f.bucket.sharding
         if sh.split is not None and sh.split[0] != 0:
             raise ValueError(f"{type(self).__name__} does not take weights split along their columns (a {sh.shape} "
@@ -404,7 +430,8 @@ class _ShardedSecondMoment(ShardedMuon):
                 self.state[p][self._state_key] = self._sharded_state(p)
         if f.params:
             state = [self.state[p][self._state_key].to_local() for p in f.dtensors]
-            out, factor, row_sq = self._shard_moments(group, Yr, state, sh.tp_group if tp_cols else None, sh.shape[1])
+            out, factor, row_sq = self._shard_moments(group, Yr, state, sh.tp_group if tp_cols else None, sh.shape[1],
+                                                      skip)
         else:  # an empty shard: no rows, but the norms' all-reduce still needs this rank
             out, factor, row_sq = None, None, Yr.new_zeros(Yr.shape[:2], dtype=torch.float32)
         piece, target = self._pieces(sh, group["scaling"], Y.device)
@@ -432,13 +459,13 @@ class ShardedNorMuon(_ShardedSecondMoment, NorMuon):
         return DTensor.from_local(local, p.device_mesh, rows, shape=(p.shape[0],), stride=(1,))
 
     def _shard_moments(self, group: dict[str, Any], O: Tensor, state: list[Tensor], row_group: ProcessGroup | None,
-                       cols: int) -> tuple[None, Tensor, Tensor]:
+                       cols: int, skip: Tensor | None) -> tuple[None, Tensor, Tensor]:
         sumsq = row_sums_of_squares(O, [O], transpose=False)[:, :O.shape[1]]  # this rank's columns
         full = sumsq
         if row_group is not None:
             full = sumsq.clone()
             comm.all_reduce_sum(full, row_group)
-        inv, _ = self._row_step(group, full, cols, state, None)
+        inv, _ = self._row_step(group, full, cols, state, skip)
         return None, inv, inv.square() * sumsq
 
 

@@ -238,6 +238,11 @@ class MatrixOptimizer(Optimizer):
             grads.append(p.grad)
         return params, grads
 
+    def _local_grads(self, grads: list[Tensor]) -> list[Tensor] | None:
+        """What the updates apply a deferred check's device flag to, where that is not the gradients themselves
+        (None): sharded optimizers give each gradient's local shard."""
+        return None
+
     def _nonfinite_flags(self, grads: list[Tensor]) -> Tensor:
         """``(len(grads),)`` float32 on the device, 1 where a gradient holds NaN/Inf: one pass per (device, dtype)
         and no host sync. Subclasses whose gradients are shards agree on them over ranks here."""
@@ -316,7 +321,7 @@ class MatrixOptimizer(Optimizer):
         # the labels are held until the next step reads a deferred check: they must not keep the gradients alive
         skip, keep = self.nonfinite.screen(
             flat, lambda: self._nonfinite_flags(flat) if clip_flags is None else clip_flags,
-            functools.partial(self._labels, [(g, params) for g, params, _ in work]))
+            functools.partial(self._labels, [(g, params) for g, params, _ in work]), self._local_grads(flat))
         if keep is not None:
             kept, k = [], 0
             for g, params, grads in work:

@@ -213,13 +213,15 @@ class NonFinitePolicy:
         self._start()
 
     # ----------------------------------------------------------------------------------- the step's check
-    def screen(self, grads: list[Tensor], flags: Callable[[], Tensor],
-               labels: Callable[[], list[str]]) -> tuple[Tensor | None, list[bool] | None]:
+    def screen(self, grads: list[Tensor], flags: Callable[[], Tensor], labels: Callable[[], list[str]],
+               local: list[Tensor] | None = None) -> tuple[Tensor | None, list[bool] | None]:
         """A step's verdict on its ``grads``: ``(skip, keep)``. ``skip`` is None or the 0-d float32 device flag the
         updates skip on (nonzero: write nothing): a deferred check's, or a wrapper's agreed one. ``keep`` is None
         (update every parameter) or, per gradient, whether to update its parameter. ``flags()`` gives the
-        gradients' non-finite flags on the device, ``labels()`` their names; each is called only if needed.
-        Raises NonFiniteGradientError (the eager check)."""
+        gradients' non-finite flags on the device (agreed over ranks where the gradients are shards),
+        ``labels()`` their names; each is called only if needed. ``local``: what the updates apply a device flag
+        to, where that is not ``grads`` themselves (sharded optimizers: each DTensor gradient's local shard); a
+        deferred check needs them plain tensors on one device. Raises NonFiniteGradientError (the eager check)."""
         if not grads:
             return None, None
         if self.wrapped:
@@ -228,7 +230,8 @@ class NonFinitePolicy:
             if _plain_on(grads, self.agreed.device):
                 return self.agreed, None
             return None, [not self.on_host(self.agreed)] * len(grads)
-        if self.deferred and _plain_on(grads, grads[0].device):
+        local = grads if local is None else local
+        if self.deferred and _plain_on(local, local[0].device):
             return self.defer(flags(), labels), None
         return None, self.check(flags(), labels)
 

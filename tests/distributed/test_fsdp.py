@@ -183,6 +183,68 @@ def test_fsdp2_muon_matches_single_process(world):
     run(_fsdp_checks, world, timeout=180)
 
 
+def _deferred_nonfinite(rank: int, world: int) -> None:
+    """deferred_nonfinite=True under FSDP2: the ranks agree on the local shards' flags on the device. With the
+    fused kernels (Triton's interpreter here, as on a GPU) a step with a NaN in one rank's shard writes nothing on
+    any rank and every rank raises at the next step; the run then goes on as if that step never happened. Off the
+    fused kernels (the torch references) the flag is read on the host mid-step: every rank raises in that step,
+    nothing written."""
+    import _interpreter  # noqa: F401  (the interpreter's patches, in this worker process)
+
+    from matrixopt import NonFiniteGradientError
+    from matrixopt.kernels.muon_elementwise import elementwise_backend
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    per_rank = 8 // world
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+
+    def run_steps(sharded: type, nan: bool) -> list[torch.Tensor]:
+        """Steps 0, 1 and 3, with a NaN in step 2's gradients (or step 2 left out)."""
+        torch.manual_seed(0)
+        model = apply_fsdp(Net(), mesh).mark_qkv()
+        opt = sharded(param_groups(model), deferred_nonfinite=True, **HPARAMS)
+        nan_at = 2 if nan else None
+        for step in range(4):
+            x, y = _data(step)
+            if step == 2 and not nan:
+                continue
+            nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+            if step == nan_at and rank == 1:
+                model.layers[3].weight.grad.to_local()[0, 0] = float("nan")
+            if step != nan_at:
+                opt.step()
+                opt.zero_grad()
+                continue
+            before = [p.to_local().clone() for p in model.parameters()]
+            state = [t.to_local().clone() if isinstance(t, DTensor) else t.clone()
+                     for st in opt.state.values() for t in st.values()]
+            try:
+                opt.step()  # with the fused kernels: no error yet
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+                with pytest.raises(NonFiniteGradientError, match=r"layers\.3\.weight.*skipped"):
+                    opt.step()  # raises before anything, on every rank
+            except NonFiniteGradientError as e:
+                assert elementwise == "torch", e  # read on the host in the bad step itself
+            assert all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))
+            after = [t.to_local() if isinstance(t, DTensor) else t for st in opt.state.values() for t in st.values()]
+            assert len(state) == len(after) and all(torch.equal(a, b) for a, b in zip(state, after))
+            opt.zero_grad()
+        return [p.full_tensor() for p in model.parameters()]
+
+    for elementwise in ("triton", "torch"):
+        with elementwise_backend(elementwise):
+            for sharded in (ShardedMuon, ShardedNorMuon):
+                clean = run_steps(sharded, False)
+                for a, b in zip(run_steps(sharded, True), clean):
+                    assert torch.equal(a, b), (elementwise, sharded.__name__)
+
+
+def test_fsdp2_deferred_nonfinite_check_agrees_and_skips_on_every_rank():
+    pytest.importorskip("triton")
+    run(_deferred_nonfinite, 2, timeout=240)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # DP x TP on a 2 x 2 mesh
 

@@ -139,8 +139,8 @@ def test_a_deferred_check_does_not_keep_the_gradients_alive(name, monkeypatch):
     opt = matrixopt.build_optimizer(model, name, lr=1e-2, **accepted(name, deferred_nonfinite=True))
     held = []
     screen = opt.nonfinite.screen
-    monkeypatch.setattr(opt.nonfinite, "screen", lambda grads, flags, labels: held.append(labels) or screen(
-        grads, flags, labels))
+    monkeypatch.setattr(opt.nonfinite, "screen", lambda grads, flags, labels, local: held.append(labels) or screen(
+        grads, flags, labels, local))
     model(torch.randn(5, 8)).pow(2).mean().backward()
     opt.step()
     grads = [weakref.ref(p.grad) for p in model.parameters()]

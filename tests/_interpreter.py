@@ -1,5 +1,6 @@
 """Without a GPU the kernel tests run Triton's interpreter on the CPU (tests/conftest.py sets TRITON_INTERPRET before
-anything imports Triton). With a GPU they run compiled kernels (and test_gpu.py runs too).
+anything imports Triton, and imports this module). With a GPU they run compiled kernels (and test_gpu.py runs too).
+Worker processes that run the kernels import this module themselves.
 
 Two patches of Triton 3.6's interpreter (they touch nothing that runs on a GPU):
 - a runtime loop bound becomes an index through ``int(array)``, which NumPy >= 2.4 rejects for its 1-element
@@ -21,7 +22,8 @@ def _bf16_to_f32(h):
     return interpreter.TensorHandle(data, tl.float32)
 
 
-if interpreter is not None and hasattr(interpreter, "_patch_lang_tensor"):
+if interpreter is not None and hasattr(interpreter, "_patch_lang_tensor") and not hasattr(interpreter, "_matrixopt"):
+    interpreter._matrixopt = True  # patched once per process
     _patch_lang_tensor = interpreter._patch_lang_tensor
 
     def _patch_lang_tensor_index(tensor, scope):
