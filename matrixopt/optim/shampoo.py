@@ -202,10 +202,17 @@ class Layout:
                 yield key, run
 
 
+def finite_blocks(X: Tensor) -> Tensor:
+    """``(b, 1, 1)`` bool: whether each block of ``(b, m, n)`` float32 ``X`` is finite, judged by its sum (one
+    pass over X): a NaN or Inf entry makes the sum non-finite, and so do finite entries whose sum overflows fp32,
+    which no usable block has."""
+    return torch.isfinite(X.sum(dim=(-2, -1), keepdim=True))
+
+
 def accumulate(factors: list[Tensor], GG: Tensor, beta: float) -> None:
     """``F = beta F + (1 - beta) GG`` (``F += GG`` for beta = 1) for each factor; a block of GG that is not finite
-    contributes nothing. factors: b tensors ``(d, d)``; GG: ``(b, d, d)`` float32."""
-    GG = torch.where(torch.isfinite(GG).all(dim=(-2, -1), keepdim=True), GG, 0.0).to(factors[0].dtype)
+    (:func:`finite_blocks`) contributes nothing. factors: b tensors ``(d, d)``; GG: ``(b, d, d)`` float32."""
+    GG = torch.where(finite_blocks(GG), GG, 0.0).to(factors[0].dtype)
     if beta == 1.0:
         torch._foreach_add_(factors, list(GG.unbind(0)))
     else:
@@ -337,12 +344,18 @@ class KroneckerOptimizer(MatrixOptimizer):
                         gviews: list[list[Tensor]]) -> None:
         """``L = EMA(G G^T)``, ``R = EMA(G^T G)`` for every block, batched by shape (:meth:`Layout.runs`)."""
         beta = self._shampoo_beta(group)
-        for (_, _, left, right), ents in layout.runs():
-            G = torch.stack([gviews[i][k] for i, k, _ in ents])  # (b, m, n)
-            if left:
-                accumulate([states[i][f"left{k}"] for i, k, _ in ents], G @ G.mT, beta)
-            if right:
-                accumulate([states[i][f"right{k}"] for i, k, _ in ents], G.mT @ G, beta)
+        for key, ents in layout.runs():
+            self._accumulate_factors(states, ents, torch.stack([gviews[i][k] for i, k, _ in ents]), key, beta)
+
+    @staticmethod
+    def _accumulate_factors(states: list[dict[str, Any]], ents: list[tuple[int, int, Block]], G: Tensor,
+                            key: tuple[int, int, bool, bool], beta: float) -> None:
+        """``L = EMA(G G^T)``, ``R = EMA(G^T G)`` for one run's stack ``G (b, m, n)`` of blocks sharing ``key``."""
+        _, _, left, right = key
+        if left:
+            accumulate([states[i][f"left{k}"] for i, k, _ in ents], G @ G.mT, beta)
+        if right:
+            accumulate([states[i][f"right{k}"] for i, k, _ in ents], G.mT @ G, beta)
 
     # ----------------------------------------------------------------------------------- refresh schedule
     def _refresh(self, gi: int, group: dict[str, Any], runs: list[Callable[[bool], Any]],
@@ -590,7 +603,7 @@ class Shampoo(KroneckerOptimizer):
                     nS = torch.linalg.vector_norm(S, dim=(-2, -1), keepdim=True)
                     nF = torch.linalg.vector_norm(F, dim=(-2, -1), keepdim=True)
                     S = S * torch.where(nS > 0, nF / nS, 0.0)
-                S = torch.where(torch.isfinite(S).all(dim=(-2, -1), keepdim=True), S, F)
+                S = torch.where(finite_blocks(S), S, F)
                 torch._foreach_copy_([uviews[i][k] for i, k, _ in ents], list(S.unbind(0)))
         return updates
 

@@ -196,9 +196,14 @@ class SOAP(KroneckerOptimizer):
         # Adam in the eigenbasis: project, update the moments, precondition, project back (batches: Layout.runs)
         gp = [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]  # G' = Q_L^T G Q_R
         gpviews = [block_views(p, plan, t) for p, plan, t in zip(params, plans, gp)]
+        beta = self._shampoo_beta(group)
         for key, ents in layout.runs():
-            X = self._rotate(states, ents, torch.stack([gviews[i][k] for i, k, _ in ents]), key, to_eigen=True)
+            G = torch.stack([gviews[i][k] for i, k, _ in ents])  # (b, m, n)
+            X = self._rotate(states, ents, G, key, to_eigen=True)
             torch._foreach_copy_([gpviews[i][k] for i, k, _ in ents], list(X.unbind(0)))
+            if not kl:  # this run's factors, from the stack at hand: the projections read the bases, not the factors
+                self._accumulate_factors(states, ents, G, key, beta)
+            del G, X
         M = [st["exp_avg"] for st in states]
         V = [st["exp_avg_sq"] for st in states]
         adam_moments_(M, V, gp, group["betas"])
@@ -210,11 +215,8 @@ class SOAP(KroneckerOptimizer):
             U = self._rotate(states, ents, torch.stack([uviews[i][k] for i, k, _ in ents]), key, to_eigen=False)
             torch._foreach_copy_([uviews[i][k] for i, k, _ in ents], list(U.unbind(0)))
 
-        # factors after the step, so the projection never uses the current gradient
-        if kl:
+        if kl:  # KL's factors read this step's projection
             self._update_factors_kl(group, layout, states, gviews, projected)
-        else:
-            self._update_factors(group, layout, states, gviews)
         freq = group["precondition_frequency"]
         due = [i for i, t in enumerate(steps) if t % freq == 0]
         if due:

@@ -9,7 +9,7 @@ from torch import nn
 import matrixopt
 from matrixopt import Shampoo
 from matrixopt.linalg.roots import InverseRootConfig
-from matrixopt.optim.shampoo import block_plan, split_dim
+from matrixopt.optim.shampoo import accumulate, block_plan, finite_blocks, split_dim
 
 # fp32 optimizer vs float64 reference over 8 steps with damping 1e-3 (factor condition <= 1e3): the roots carry
 # ~1e-6 relative error, the steps ~1e-6; measured max |W - W_ref| about 3e-6. Allowed with margin:
@@ -203,6 +203,19 @@ def test_overflowing_gradient_never_writes_nan():
     opt.step()
     st = opt.state[W]
     assert torch.isfinite(W).all() and torch.isfinite(st["left0"]).all() and torch.isfinite(st["left_root0"]).all()
+
+
+def test_a_nonfinite_factor_block_contributes_nothing_and_the_rest_accumulate():
+    GG = torch.randn(4, 3, 3)
+    GG[0, 1, 2] = float("nan")
+    GG[1, 0, 0] = float("-inf")
+    GG[2] = 1e30  # large but finite: kept
+    assert finite_blocks(GG).flatten().tolist() == [False, False, True, True]
+    factors = [torch.eye(3) for _ in range(4)]
+    accumulate(factors, GG, 0.5)
+    assert torch.equal(factors[0], 0.5 * torch.eye(3)) and torch.equal(factors[1], 0.5 * torch.eye(3))  # decay only
+    for f, g in zip(factors[2:], GG[2:]):
+        assert torch.allclose(f, 0.5 * torch.eye(3) + 0.5 * g)
 
 
 def test_bf16_params_and_factors():
