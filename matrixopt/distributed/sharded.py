@@ -397,23 +397,26 @@ class _ShardedSecondMoment(ShardedMuon):
         where ``skip`` is nonzero. ``row_sq`` is this rank's part of each row's squared norm."""
         return self._moments(group, O, state, skip)  # element-wise: nothing to gather
 
-    def _pieces(self, sh: Sharding, scaling: str, device: torch.device) -> tuple[Tensor, Tensor]:
+    def _pieces(self, sh: Sharding, scaling: str, device: torch.device) -> tuple[Tensor, tuple[int, ...], Tensor]:
         """For a bucket of matrices laid out as ``sh``: ``piece``, ``(rows,)`` int64, the ``mark_split`` piece each
-        of this rank's rows falls in, and ``target``, ``(pieces,)`` float32, each piece's RMS-aligned Frobenius norm
-        times its update scale under ``scaling``. Made once per (layout, scaling, device) and kept: each is a
-        blocking copy to the device."""
-        cache: dict[tuple, tuple[Tensor, Tensor]] = self.__dict__.setdefault("_piece_cache", {})
+        of this rank's rows falls in; ``counts``, how many of this rank's rows each piece has (the rows of a piece
+        are consecutive); and ``target``, ``(pieces,)`` float32, each piece's RMS-aligned Frobenius norm times its
+        update scale under ``scaling``. Made once per (layout, scaling, device) and kept: the tensors are blocking
+        copies to the device."""
+        cache: dict[tuple, tuple[Tensor, tuple[int, ...], Tensor]] = self.__dict__.setdefault("_piece_cache", {})
         key = (sh, scaling, device)
         if key not in cache:
             sizes = sh.split[1] if sh.split is not None else (sh.shape[0],)  # pieces along the rows (of the TP shard)
             start = sum(sh.fsdp_rows[:comm.rank(sh.fsdp_group)]) if sh.fsdp_group is not None else 0
-            bounds = torch.tensor(sizes, device=device).cumsum(0)
             rows = sh.local_shape[0]
-            piece = torch.bucketize(torch.arange(start, start + rows, device=device), bounds, right=True)
+            bounds = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+            owned = [min(b, start + rows) - max(b - m, start) for b, m in zip(bounds, sizes)]
+            counts = tuple(max(0, c) for c in owned)
+            piece = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(counts)).to(device)
             tp = len(sh.tp_sizes) if sh.rank_major else 1  # a rank-major piece is 1/tp of the whole piece
             target = torch.tensor([min(m * tp, sh.shape[1]) ** 0.5 * update_scale(scaling, m * tp, sh.shape[1])
                                    for m in sizes], device=device)
-            cache[key] = piece, target
+            cache[key] = piece, counts, target
         return cache[key]
 
     def _shard_update(self, group: dict[str, Any], f: _Flight, Y: Tensor,
@@ -434,8 +437,10 @@ class _ShardedSecondMoment(ShardedMuon):
                                                       skip)
         else:  # an empty shard: no rows, but the norms' all-reduce still needs this rank
             out, factor, row_sq = None, None, Yr.new_zeros(Yr.shape[:2], dtype=torch.float32)
-        piece, target = self._pieces(sh, group["scaling"], Y.device)
-        normsq = row_sq.new_zeros(row_sq.shape[0], len(target)).index_add_(1, piece, row_sq)  # (k, pieces)
+        piece, counts, target = self._pieces(sh, group["scaling"], Y.device)
+        # (k, pieces): each piece's rows summed by a reduction, in the same order run after run (index_add_ on the
+        # GPU adds in whatever order its atomics land, and NorMuon's row normalization can amplify that)
+        normsq = torch.stack([part.sum(1) for part in row_sq.split(counts, dim=1)], dim=1)
         for g in (sh.fsdp_group, sh.tp_group):
             if g is not None:
                 comm.all_reduce_sum(normsq, g)
