@@ -395,10 +395,13 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
     rows += _scale_rows(moe, [("layerwise:muon", "ddp:adamw", Layout(kind="layerwise", ep=2))])
     # alternated repeats in one call (medians over the repeats), FSDP2 Muon with the device-side non-finite check
     for name in ("scale_1.3b_16k_fsdp_deferred_a_2xh100.json", "scale_1.3b_16k_fsdp_deferred_b_2xh100.json",
-                 "scale_1.3b_4k_fsdp_2xh100.json", "scale_1.3b_64k_fsdp_gather_once_2xh100.json"):
+                 "scale_1.3b_4k_fsdp_2xh100.json", "scale_1.3b_64k_fsdp_gather_once_2xh100.json",
+                 "scale_1.3b_64k_fsdp_gather_once_alt_2xh100.json"):
         rows += _scale_rows(dist / name, [("fsdp:muon", "fsdp:adamw", fsdp)])
-    rows += _scale_rows(dist / "scale_1.3b_16k_layerwise_alt_2xh100.json", [("layerwise:muon", "ddp:adamw", lw)])
-    rows += _ddp_rows(dist / "scale_moe-2b_ep2_16k_alt_2xh100.json")
+    for name in ("scale_1.3b_16k_layerwise_alt_2xh100.json", "scale_1.3b_64k_layerwise_alt_2xh100.json"):
+        rows += _scale_rows(dist / name, [("layerwise:muon", "ddp:adamw", lw)])
+    for name in ("scale_moe-2b_ep2_16k_alt_2xh100.json", "scale_moe-2b_ep2_16k_alt3_2xh100.json"):
+        rows += _ddp_rows(dist / name)
     return rows
 
 
