@@ -9,7 +9,7 @@ from torch import nn
 import matrixopt
 from matrixopt import Shampoo
 from matrixopt.linalg.roots import InverseRootConfig
-from matrixopt.optim.shampoo import accumulate, block_plan, finite_blocks, split_dim
+from matrixopt.optim.shampoo import accumulate, block_plan, block_views, finite_blocks, split_dim
 
 # fp32 optimizer vs float64 reference over 8 steps with damping 1e-3 (factor condition <= 1e3): the roots carry
 # ~1e-6 relative error, the steps ~1e-6; measured max |W - W_ref| about 3e-6. Allowed with margin:
@@ -203,6 +203,32 @@ def test_overflowing_gradient_never_writes_nan():
     opt.step()
     st = opt.state[W]
     assert torch.isfinite(W).all() and torch.isfinite(st["left0"]).all() and torch.isfinite(st["left_root0"]).all()
+
+
+@pytest.mark.parametrize("shape,max_dim,ratio,marks", [
+    ((8, 12), 4, None, {}),  # an even grid
+    ((9, 12), 4, None, {}),  # rows cut unevenly: block by block
+    ((6, 24), 4, 2.0, {}),  # one-sided
+    ((8, 2, 3, 2), 4, None, {}),  # a conv kernel seen as (8, 12)
+    ((3, 8, 12), 4, None, {"experts": True}),  # stacked experts
+    ((12, 8), 4, None, {"split": (3, 0)}),  # QKV-like pieces along the rows
+    ((8, 12), 4, None, {"split": ([4, 8], 1)}),  # pieces along the columns, one of them cut
+])
+def test_block_views_of_a_plan_are_the_blocks_sliced_one_by_one(shape, max_dim, ratio, marks):
+    p = nn.Parameter(torch.randn(shape))
+    if "experts" in marks:
+        matrixopt.mark_experts(p)
+    if "split" in marks:
+        matrixopt.mark_split(p, marks["split"][0], dim=marks["split"][1])
+    plan = block_plan(p, max_dim, ratio)
+    t = torch.randn(shape)
+    fast, slow = block_views(p, plan, t), block_views(p, list(plan), t)
+    assert len(fast) == len(slow) == len(plan)
+    for a, b, blk in zip(fast, slow, plan):
+        assert (a.shape, a.stride(), a.data_ptr()) == (b.shape, b.stride(), b.data_ptr())
+        assert a.shape == (blk.r1 - blk.r0, blk.c1 - blk.c0)
+    fast[-1].fill_(7.0)  # views: writing through them writes t
+    assert (slow[-1] == 7.0).all()
 
 
 def test_a_nonfinite_factor_block_contributes_nothing_and_the_rest_accumulate():
