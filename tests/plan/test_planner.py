@@ -174,6 +174,19 @@ def test_validation_reads_peak_memory_in_gb_or_mib():
     assert validate._peak_gb({"peak_mem_mb_max": 1000.0}) == pytest.approx(1.048576)  # MiB
 
 
+def test_repeated_configurations_take_medians_and_the_least_peak_memory():
+    line = {"preset": "1.3b", "config": "fsdp:muon", "micro_batches": 4, "gpus": 2}
+    rec = {"summary": [line | {"step_ms": 400.0, "peak_mem_mb_max": 900.0},
+                       {"preset": "1.3b", "config": "fsdp:adamw", "micro_batches": 4, "step_ms": 380.0},
+                       line | {"step_ms": 420.0, "peak_mem_mb_max": 1200.0},
+                       line | {"step_ms": 500.0, "peak_mem_mb_max": 1000.0}]}
+    by = validate._summaries(rec)
+    muon = by[("1.3b", "fsdp:muon")]
+    assert muon["step_ms"] == 420.0 and muon["peak_mem_mb_max"] == 900.0
+    assert muon["micro_batches"] == 4 and isinstance(muon["micro_batches"], int)  # equal ints stay ints
+    assert by[("1.3b", "fsdp:adamw")]["step_ms"] == 380.0
+
+
 def test_ns_method_reaches_the_step():
     """``ns_method="standard"`` prices every stack in the standard form: the layer-wise owner's step on 1 GPU is
     the standard-form Newton–Schulz of each shape plus the elementwise passes, and slower than the Gram form's."""
