@@ -106,8 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("what", choices=["step", "train", "launch"])
     p.add_argument("--model", default="gpt2-small",
                    help=f"step: one of {', '.join(step.MODELS)}; train: one of {', '.join(train.BATCHES)}")
-    p.add_argument("--optimizers", nargs="+", default=["adamw", "muon", "muon+eager"],
-                   help="train: optimizers as `matrixopt bench train --optimizers` takes them")
+    p.add_argument("--optimizers", nargs="+",
+                   help="step: optimizers to profile (default muon, eager and from a CUDA graph; e.g. soap shampoo); "
+                        "train: as `matrixopt bench train --optimizers` takes them (default adamw muon muon+eager)")
 
     p = sub.add_parser("scale", parents=[ranks], help="training throughput of the parallel modes on N GPUs "
                                                        "(torchrun)")

@@ -1,7 +1,9 @@
 """``matrixopt bench profile step|train|launch``: where one GPU's time goes, from ``torch.profiler`` traces.
 
-- ``step``: Muon's optimizer step on a model's parameter set (``bench step``'s, with the trainer's deferred
-  non-finite check), eager and replayed from a CUDA graph: GPU time per kernel and step.
+- ``step``: an optimizer's step on a model's parameter set (``bench step``'s, with the trainer's deferred
+  non-finite check where the optimizer takes it): GPU time per kernel and step. Muon (the default) eager and
+  replayed from a CUDA graph; other optimizers (``--optimizers soap shampoo``) eager, with their defaults, so a
+  refresh every ``precondition_frequency`` steps falls in some of the timed and traced steps.
 - ``train``: training steps of ``bench train`` (its loop, model and optimizers, e.g. ``muon+eager``): the GPU's
   busy time against the step's span and the largest idle gaps, with the kernels on either side. The profiler
   slows the host, so gaps are upper bounds of the unprofiled run's.
@@ -26,7 +28,7 @@ from matrixopt.bench.common import environment, kernel_choices, table
 from matrixopt.bench.step import MODELS, param_set
 from matrixopt.device import sync, time_ms
 from matrixopt.distributed.parallelism import SingleProcess
-from matrixopt.optim.registry import build_optimizer
+from matrixopt.optim.registry import accepted, build_optimizer
 from matrixopt.train.model import GPT, PRESETS, GPTConfig
 
 PROFILED_STEPS = 5
@@ -78,16 +80,22 @@ def free(device: torch.device) -> None:
     torch.cuda.empty_cache()
 
 
-def profile_step(model: str, device: torch.device, reps: int) -> dict[str, Any]:
-    """Muon's step on ``model``'s parameter set, eager and graphed: median ms and kernel ms per step."""
+def profile_step(model: str, device: torch.device, reps: int, names: Sequence[str] = ("muon",)) -> dict[str, Any]:
+    """Each optimizer's step on ``model``'s parameter set: median ms and kernel ms per step. Muon's variants are
+    keyed ``eager`` and ``CUDA graph``, the other optimizers by name."""
     ps = param_set(model, device)
+    variants = []  # (key, name, options)
+    for name in names:
+        if name == "muon":
+            variants += [("eager", name, {"cuda_graph": False}), ("CUDA graph", name, {"cuda_graph": True})]
+        else:
+            variants.append((name, name, {}))
     out = {}
-    for graph in (False, True):
-        opt = build_optimizer(ps, "muon", lr=1e-3, deferred_nonfinite=True, cuda_graph=graph)
+    for key, name, options in variants:
+        opt = build_optimizer(ps, name, lr=1e-3, **accepted(name, deferred_nonfinite=True), **options)
         t = time_ms(opt.step, device, reps=reps, inner=5, warmup=5)
         kernels = per_kernel_ms(traced(opt.step, device), PROFILED_STEPS)
-        out["CUDA graph" if graph else "eager"] = {"ms": t, "kernel_ms": sum(kernels.values()),
-                                                   "kernels": dict(list(kernels.items())[:TOP_KERNELS])}
+        out[key] = {"ms": t, "kernel_ms": sum(kernels.values()), "kernels": dict(list(kernels.items())[:TOP_KERNELS])}
         del opt
         free(device)
     return out
@@ -159,9 +167,14 @@ def profile_launch(device: torch.device) -> dict[str, float]:
     return {name: host_us(fn) for name, fn in calls.items()}
 
 
-def run(what: str, *, model: str, optimizers: Sequence[str] = (), device: torch.device,
+OPTIMIZERS = {"step": ("muon",), "train": ("adamw", "muon", "muon+eager")}
+"""Each profile's optimizers unless others are given."""
+
+
+def run(what: str, *, model: str, optimizers: Sequence[str] | None = None, device: torch.device,
         reps: int = 10) -> dict[str, Any]:
-    """Profile ``what`` (step, train or launch); returns the JSON record."""
+    """Profile ``what`` (step, train or launch); returns the JSON record. ``optimizers``: step's and train's
+    (None: :data:`OPTIMIZERS`)."""
     if device.type != "cuda":
         raise ValueError(f"matrixopt bench profile {what} reads GPU kernels from CUDA traces; device {device} has "
                          f"none. Run it on a CUDA GPU (--device cuda); on the CPU, `matrixopt bench step` and "
@@ -169,9 +182,10 @@ def run(what: str, *, model: str, optimizers: Sequence[str] = (), device: torch.
     models = {"step": MODELS, "train": bench_train.BATCHES}
     if what in models and model not in models[what]:
         raise ValueError(f"unknown model {model!r} for profile {what}; choose one of {', '.join(models[what])}")
+    optimizers = list(optimizers or OPTIMIZERS.get(what, ()))
     match what:
         case "step":
-            results = profile_step(model, device, reps)
+            results = profile_step(model, device, reps, optimizers)
         case "train":
             results = profile_train(model, optimizers, device)
         case "launch":
@@ -189,8 +203,10 @@ def format_tables(record: dict[str, Any]) -> str:
             parts = []
             for variant, r in res.items():
                 rows = [{"kernel": name[:100], "ms per step": ms} for name, ms in r["kernels"].items()]
-                parts.append(f"Muon step, {record['model']} parameter set, {variant}: {r['ms']['median']:.3f} ms "
-                             f"(median), kernels {r['kernel_ms']:.3f} ms\n" + table(rows, ["kernel", "ms per step"]))
+                what = f"Muon step, {record['model']} parameter set, {variant}" if variant in ("eager", "CUDA graph") \
+                    else f"{variant} step, {record['model']} parameter set"
+                parts.append(f"{what}: {r['ms']['median']:.3f} ms (median), kernels {r['kernel_ms']:.3f} ms\n"
+                             + table(rows, ["kernel", "ms per step"]))
             return "\n\n".join(parts)
         case "train":
             rows = [{"optimizer": name, "span ms": r["span_ms"], "busy ms": r["busy_ms"], "idle ms": r["idle_ms"],
