@@ -43,7 +43,7 @@ from matrixopt.distributed.balance import lpt, shampoo_cost, soap_cost
 from matrixopt.distributed.sharded import agreed_nonfinite_flags
 from matrixopt.optim.base import param_label
 from matrixopt.optim.layout import copy_marks
-from matrixopt.optim.shampoo import BlockPlan, Shampoo
+from matrixopt.optim.shampoo import Block, Shampoo
 from matrixopt.optim.soap import SOAP
 
 
@@ -118,7 +118,7 @@ class _OwnerSharded:
         pg, r = self._owners[id(p)]
         return comm.rank(pg) == r
 
-    def _block_plan(self, group: dict[str, Any], p: Tensor) -> BlockPlan:
+    def _block_plan(self, group: dict[str, Any], p: Tensor) -> list[Block]:
         return super()._block_plan(group, _standin(p) if isinstance(p, DTensor) else p)
 
     # ----------------------------------------------------------------------------------- step

@@ -70,6 +70,7 @@ not part of ``state_dict()``. On CPU the option is accepted and every refresh is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from collections import defaultdict
@@ -142,6 +143,10 @@ class Block:
     c1: int
     left: bool
     right: bool
+    grid: tuple[int, int | None, int | None] | None = None
+    """On the first block of each piece of a :func:`block_plan`: the piece's block count (all experts), and the
+    block height and width where every block of the piece has the same ones (else None), which
+    :func:`block_views` then cuts by one view instead of one slice per block."""
 
     @property
     def key(self) -> tuple[int, int, bool, bool]:
@@ -156,19 +161,10 @@ def split_dim(d: int, max_dim: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-class BlockPlan(list):
-    """A parameter's blocks (a list of :class:`Block`, pieces in order, each piece's experts in order, each matrix's
-    blocks row-major) and, per piece, its grid ``(blocks, rows, cols)``: how many blocks it has, and the block
-    height and width where every block of the piece has the same ones (else None), which :func:`block_views`
-    then cuts with one view per piece instead of one slice per block."""
-
-    grids: list[tuple[int, int | None, int | None]]
-
-
-def block_plan(p: Tensor, max_dim: int, one_sided_ratio: float | None) -> BlockPlan:
-    """The blocks of parameter ``p``: each matrix piece cut along every preconditioned dim above ``max_dim``."""
-    out = BlockPlan()
-    out.grids = []
+def block_plan(p: Tensor, max_dim: int, one_sided_ratio: float | None) -> list[Block]:
+    """The blocks of parameter ``p``: each matrix piece cut along every preconditioned dim above ``max_dim``
+    (pieces in order, each piece's experts in order, each matrix's blocks row-major)."""
+    out = []
     for i, piece in enumerate(matrix_pieces(p, p.detach())):
         m, n = piece.shape[-2:]
         left = right = True
@@ -177,30 +173,32 @@ def block_plan(p: Tensor, max_dim: int, one_sided_ratio: float | None) -> BlockP
         rows = split_dim(m, max_dim) if left else [(0, m)]
         cols = split_dim(n, max_dim) if right else [(0, n)]
         experts = range(piece.shape[0]) if piece.ndim == 3 else [None]
-        for e in experts:
-            out += [Block(i, e, r0, r1, c0, c1, left, right) for r0, r1 in rows for c0, c1 in cols]
         heights, widths = {r1 - r0 for r0, r1 in rows}, {c1 - c0 for c0, c1 in cols}
         even = len(heights) == 1 and len(widths) == 1
-        out.grids.append((len(experts) * len(rows) * len(cols), heights.pop() if even else None,
-                          widths.pop() if even else None))
+        grid = (len(experts) * len(rows) * len(cols), heights.pop() if even else None, widths.pop() if even else None)
+        first = len(out)
+        for e in experts:
+            out += [Block(i, e, r0, r1, c0, c1, left, right) for r0, r1 in rows for c0, c1 in cols]
+        out[first] = dataclasses.replace(out[first], grid=grid)
     return out
 
 
 def block_views(p: Tensor, plan: list[Block], t: Tensor) -> list[Tensor]:
-    """Views of ``t`` (shaped like ``p``, contiguous when written through) as the blocks of ``plan``. A
-    :class:`BlockPlan`'s evenly cut pieces are cut by one view each (a step takes these views several times per
-    parameter, so the host's time per block counts)."""
+    """Views of ``t`` (shaped like ``p``, contiguous when written through) as the blocks of ``plan``. An evenly cut
+    piece (its first block's :attr:`Block.grid`) is cut by one view (a step takes these views several times per
+    parameter, so the host's time per block counts); other blocks are sliced one by one."""
     pieces = matrix_pieces(p, t)
-    grids = getattr(plan, "grids", None) or [(len(plan), None, None)]  # a plain list: slice block by block
     out: list[Tensor] = []
     start = 0
-    for count, r, c in grids:
+    while start < len(plan):
+        b = plan[start]
+        count, r, c = b.grid if b.grid is not None else (1, None, None)
         if r is None:
             for b in plan[start:start + count]:
                 x = pieces[b.piece] if b.expert is None else pieces[b.piece][b.expert]
                 out.append(x[b.r0:b.r1, b.c0:b.c1])
         else:
-            x = pieces[plan[start].piece]
+            x = pieces[b.piece]
             m, n = x.shape[-2:]
             grid = x.unflatten(-2, (m // r, r)).unflatten(-1, (n // c, c)).movedim(-3, -2)  # ([E,] R, C, r, c)
             mats = grid.unbind(0) if grid.ndim == 5 else (grid,)
@@ -322,7 +320,7 @@ class KroneckerOptimizer(MatrixOptimizer):
                              f"{MATMUL_PRECISIONS}: the precision of the optimizer's float32 matrix products on CUDA)")
 
     # ----------------------------------------------------------------------------------- blocks and state
-    def _block_plan(self, group: dict[str, Any], p: Tensor) -> BlockPlan:
+    def _block_plan(self, group: dict[str, Any], p: Tensor) -> list[Block]:
         """The blocks of ``p`` under the group's ``max_preconditioner_dim`` and ``one_sided_ratio`` (not cached)."""
         return block_plan(p, group["max_preconditioner_dim"], group["one_sided_ratio"])
 

@@ -1,6 +1,7 @@
 """Shampoo against a float64 reference written here; schedule, blocks, state_dict, fallbacks, bad input."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -222,7 +223,8 @@ def test_block_views_of_a_plan_are_the_blocks_sliced_one_by_one(shape, max_dim, 
         matrixopt.mark_split(p, marks["split"][0], dim=marks["split"][1])
     plan = block_plan(p, max_dim, ratio)
     t = torch.randn(shape)
-    fast, slow = block_views(p, plan, t), block_views(p, list(plan), t)
+    fast = block_views(p, plan, t)
+    slow = block_views(p, [dataclasses.replace(b, grid=None) for b in plan], t)  # sliced block by block
     assert len(fast) == len(slow) == len(plan)
     for a, b, blk in zip(fast, slow, plan):
         assert (a.shape, a.stride(), a.data_ptr()) == (b.shape, b.stride(), b.data_ptr())
