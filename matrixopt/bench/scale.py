@@ -72,7 +72,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from matrixopt.bench.common import environment, exposed_comm, table, write_json
 from matrixopt.device import StreamTimer, allocator_calls, peak_mem_mb, sync, time_ms
@@ -86,6 +85,7 @@ from matrixopt.distributed.parallelism import (
     make_parallelism,
     parallelism_class,
 )
+from matrixopt.distributed.sharded import local_shards
 from matrixopt.optim.registry import OPTIMIZERS, accepted, build_optimizer
 from matrixopt.train.config import ModelConfig, OptimConfig
 from matrixopt.train.model import GPT, QKV_SPLITS
@@ -233,7 +233,7 @@ def free(device: torch.device) -> None:
 def state_mb(optimizer: torch.optim.Optimizer) -> float:
     """MiB of optimizer state this rank holds (its shards of DTensor state; under layer-wise, what it owns)."""
     tensors = [v for s in optimizer.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)]
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    local = local_shards(tensors)
     return sum(t.numel() * t.element_size() for t in local) / 2**20
 
 

@@ -104,10 +104,15 @@ class _Flight:
     exchange: InFlight | None
 
 
+def local_shards(tensors: Iterable[Tensor]) -> list[Tensor]:
+    """Each DTensor's local shard; plain tensors as they are."""
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
 def agreed_nonfinite_flags(grads: list[Tensor]) -> Tensor:
     """``(len(grads),)`` float32: 1 where a gradient holds NaN/Inf on any rank (DTensors checked on their local
     shards), agreed over all ranks so that every rank skips or stops the same parameters. Collective."""
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    local = local_shards(grads)
     return comm.all_reduce_max(nonfinite_flags(local, local[0].device), None)
 
 
@@ -146,18 +151,7 @@ class ShardedMuon(Muon):
         return agreed_nonfinite_flags(grads)
 
     def _local_grads(self, grads: list[Tensor]) -> list[Tensor]:
-        return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-
-    def _adamw_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
-                      skip: Tensor | None = None) -> None:
-        """AdamW's update; a device flag reaches the fused kernel only where it computes on local shards (a
-        DTensor operand would need the flag as a DTensor): otherwise it is read on the host first."""
-        if skip is not None and any(isinstance(t, DTensor) for ts in self._elementwise_operands(params, grads)
-                                    for t in ts):
-            if self.nonfinite.on_host(skip):
-                return
-            skip = None
-        super()._adamw_update(group, params, grads, skip)
+        return local_shards(grads)
 
     def _elementwise_operands(self, params: list[Tensor], *lists: list[Tensor]) -> tuple[list[Tensor], ...]:
         """The local shards, where every parameter is a DTensor and its gradient and state are laid out as it is:
@@ -181,13 +175,14 @@ class ShardedMuon(Muon):
         plan = self._plan(params)
         if plan.plain:
             super()._matrix_update(group, [params[i] for i in plan.plain], [grads[i] for i in plan.plain], skip)
-        if skip is not None and plan.buckets and not skips_on_device(
-                *[[t.to_local() for i in b.order for t in (params[i], grads[i])] for b in plan.buckets]):
+        shards = [(local_shards(params[i] for i in b.order), local_shards(grads[i] for i in b.order))
+                  for b in plan.buckets]
+        if skip is not None and shards and not skips_on_device(*(ts for pair in shards for ts in pair)):
             if self.nonfinite.on_host(skip):  # agreed over ranks: every rank returns (or raises) here
                 return
             skip = None
-        flights = [self._launch(group, b, [params[i] for i in b.order], [grads[i] for i in b.order], skip)
-                   for b in plan.buckets]
+        flights = [self._launch(group, b, [params[i] for i in b.order], *local, skip)
+                   for b, local in zip(plan.buckets, shards)]
         for f in flights:
             self._orthogonalize_owned(group, f)
         lr = self._device_lr(group, flights[0].dtensors[0].device) if flights else None
@@ -247,19 +242,20 @@ class ShardedMuon(Muon):
         scale."""
         return update_scale(group["scaling"], m, n)
 
-    def _launch(self, group: dict[str, Any], b: _Bucket, ps: list[DTensor], gs: list[DTensor],
-                skip: Tensor | None) -> _Flight:
-        """Momentum step and packing of one bucket's local shards (``ps``, ``gs`` in stack order; the momentum left
-        as it was where ``skip`` is nonzero), and the launch of their owner gather."""
+    def _launch(self, group: dict[str, Any], b: _Bucket, ps: list[DTensor], local_ps: list[Tensor],
+                local_gs: list[Tensor], skip: Tensor | None) -> _Flight:
+        """Momentum step and packing of one bucket's local shards (``local_ps``, ``local_gs`` of the DTensors ``ps``,
+        in stack order; the momentum left as it was where ``skip`` is nonzero), and the launch of their owner
+        gather."""
         for p in ps:
             if not self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
         rows, cols = b.sharding.local_shape
         X = torch.empty((len(ps), cols, rows) if b.transposed else (len(ps), rows, cols),
                         dtype=self._stack_dtype(group, ps[0].device), device=ps[0].device)
-        params = [p.to_local() for p in ps] if rows * cols else []  # an empty shard only serves the collectives
+        params = local_ps if rows * cols else []  # an empty shard only serves the collectives
         if params:
-            momentum_pack([g.to_local() for g in gs], [self.state[p]["momentum_buffer"].to_local() for p in ps], X,
+            momentum_pack(local_gs, [self.state[p]["momentum_buffer"].to_local() for p in ps], X,
                           group["momentum"], group["nesterov"], b.transposed, skip=skip, sign=self._pack_sign(group))
         exchange = gather_to_owners(X, b.counts, b.sharding.fsdp_rows, 2 if b.transposed else 1,
                                     b.sharding.fsdp_group) if b.counts is not None else None

@@ -31,6 +31,7 @@ from matrixopt.optim.nonfinite import (
     grad_norms,
     label,
     nonfinite_flags,
+    plain_on,
 )
 from matrixopt.optim.offload import CHUNK_NUMEL, Offload, StagedStep, check_offload
 
@@ -478,7 +479,8 @@ class MatrixOptimizer(Optimizer):
         """Adam with weight decay in the group's mode. Float32 state for every parameter dtype; PyTorch's fused
         kernel when the parameters are float32 (outside torch.compile, whose functionalization can't trace it),
         every decay mode, a foreach path otherwise. ``skip``: a 0-d float32 device flag, nonzero to write nothing
-        (the fused kernel's ``found_inf``; the foreach path checks it on the host)."""
+        (the fused kernel's ``found_inf`` on plain tensors; the foreach path and DTensor operands check it on the
+        host)."""
         exp_avgs, exp_avg_sqs, steps = [], [], []
         for p in params:
             st = self.state[p]
@@ -494,7 +496,8 @@ class MatrixOptimizer(Optimizer):
         lr, wd, eps, decay_mode = group["lr"], group["weight_decay"], group["eps"], group["weight_decay_mode"]
         fused_ok = not torch.compiler.is_compiling()  # traced graphs can't functionalize _fused_adamw_
         fused = fused_ok and all(p.dtype == torch.float32 and g.dtype == torch.float32 for p, g in zip(params, grads))
-        if skip is not None and not fused:  # the foreach path can't skip on the device: check on the host now
+        if skip is not None and not (fused and plain_on(grads, skip.device)):
+            # the foreach path can't skip on the device, nor can the fused kernel on DTensors: check on the host now
             if self.nonfinite.on_host(skip):
                 return
             skip = None

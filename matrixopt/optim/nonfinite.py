@@ -165,7 +165,7 @@ def _versions(grads: list[Tensor]) -> list[tuple[int, int]]:
     return [(id(g), g._version) for g in grads]
 
 
-def _plain_on(grads: list[Tensor], device: torch.device) -> bool:
+def plain_on(grads: list[Tensor], device: torch.device) -> bool:
     """Whether every gradient is a plain tensor (no DTensor) on ``device``: what a device flag or a held clip
     coefficient can be applied to."""
     return all(type(g) is Tensor and g.device == device for g in grads)
@@ -227,11 +227,11 @@ class NonFinitePolicy:
         if self.wrapped:
             if self.agreed is None:  # the wrapper checked on the host
                 return None, None
-            if _plain_on(grads, self.agreed.device):
+            if plain_on(grads, self.agreed.device):
                 return self.agreed, None
             return None, [not self.on_host(self.agreed)] * len(grads)
         local = grads if local is None else local
-        if self.deferred and _plain_on(local, local[0].device):
+        if self.deferred and plain_on(local, local[0].device):
             return self.defer(flags(), labels), None
         return None, self.check(flags(), labels)
 
@@ -282,7 +282,7 @@ class NonFinitePolicy:
         device), else in place now. ``flags``: the gradients' non-finite flags, which a held clip hands to the
         step as its check."""
         self._clip = None
-        if self.clip_in_step and grads and _plain_on(grads, grads[0].device):
+        if self.clip_in_step and grads and plain_on(grads, grads[0].device):
             self._clip = Pending(flags, coef=coef.to(grads[0].device), grads=_versions(grads))
         else:
             multiply(grads, coef)

@@ -184,11 +184,11 @@ def test_fsdp2_muon_matches_single_process(world):
 
 
 def _deferred_nonfinite(rank: int, world: int) -> None:
-    """deferred_nonfinite=True under FSDP2 (Muon, NorMuon, AdaMuon): the ranks agree on the local shards' flags on the device. With the
-    fused kernels (Triton's interpreter here, as on a GPU) a step with a NaN in one rank's shard writes nothing on
-    any rank and every rank raises at the next step; the run then goes on as if that step never happened. Off the
-    fused kernels (the torch references) the flag is read on the host mid-step: every rank raises in that step,
-    nothing written."""
+    """deferred_nonfinite=True under FSDP2 (Muon, NorMuon, AdaMuon): the ranks agree on the local shards' flags on
+    the device. With the fused kernels (Triton's interpreter here, as on a GPU) a step with a NaN in one rank's
+    shard writes nothing on any rank and every rank raises at the next step; the run then goes on as if that step
+    never happened. Off the fused kernels (the torch references) the flag is read on the host mid-step: every rank
+    raises in that step, nothing written."""
     import _interpreter  # noqa: F401  (the interpreter's patches, in this worker process)
 
     from matrixopt import NonFiniteGradientError
