@@ -591,8 +591,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         at the last step, which every rank then skipped (no parameter or state written). Every rank raises,
         naming the same parameters (the flags were agreed). ``step()`` and ``state_dict()`` call it first. Not
         collective."""
-        if self.nonfinite is not None:
+        if self.nonfinite is None:
+            return
+        try:
             self.nonfinite.raise_pending()
+        except NonFiniteGradientError:
+            for chunk in self.chunks:  # the owners' optimizers put back what they counted on the host
+                chunk.optimizer.nonfinite.unwind()
+            raise
 
     def _drop_grads(self) -> None:
         """Forget all gradients: finish reductions in flight (every rank launched the same ones) and reset."""

@@ -116,7 +116,34 @@ def agreed_nonfinite_flags(grads: list[Tensor]) -> Tensor:
     return comm.all_reduce_max(nonfinite_flags(local, local[0].device), None)
 
 
-class ShardedMuon(Muon):
+class OnLocalShards:
+    """What an optimizer over DTensor parameters computes on their local shards (a mixin before the optimizer's
+    class): the non-finite flags, agreed over all ranks; what a deferred check's device flag applies to; and the
+    element-wise (AdamW) math."""
+
+    def _nonfinite_flags(self, grads: list[Tensor]) -> Tensor:
+        """The non-finite flags of the local shards, agreed over all ranks (a NaN in one shard skips or stops the
+        whole matrix everywhere, and every rank's collectives stay matched)."""
+        if not any(isinstance(g, DTensor) for g in grads):
+            return super()._nonfinite_flags(grads)
+        return agreed_nonfinite_flags(grads)
+
+    def _local_grads(self, grads: list[Tensor]) -> list[Tensor]:
+        return local_shards(grads)
+
+    def _elementwise_operands(self, params: list[Tensor], *lists: list[Tensor]) -> tuple[list[Tensor], ...]:
+        """The local shards, where every parameter is a DTensor and its gradient and state are laid out as it is:
+        element-wise math on DTensors is that on their shards, and DTensor's dispatch of a foreach op over a
+        model's norms and embeddings costs the host about a millisecond. Otherwise the tensors as they are (a
+        gradient laid out otherwise is redistributed by DTensor's op)."""
+        if all(isinstance(p, DTensor) for p in params) and all(
+                isinstance(t, DTensor) and t.device_mesh == p.device_mesh and t.placements == p.placements
+                for ts in lists for p, t in zip(params, ts)):
+            return tuple([t.to_local() for t in ts] for ts in (params, *lists))
+        return (params, *lists)
+
+
+class ShardedMuon(OnLocalShards, Muon):
     """Muon over DTensor parameters (FSDP2, TP, FSDP x TP, HSDP). Takes Muon's arguments plus:
 
     Args:
@@ -142,27 +169,6 @@ class ShardedMuon(Muon):
         self.tp_mode, self.tp_mesh_dim = tp_mode, tp_mesh_dim
         self.tp_chunks, self.tp_cost_model = tp_chunks, tp_cost_model
         super().__init__(params, *args, **kwargs)
-
-    def _nonfinite_flags(self, grads: list[Tensor]) -> Tensor:
-        """Muon's non-finite flags on local shards, agreed over all ranks (a NaN in one shard skips or stops the
-        whole matrix everywhere)."""
-        if not any(isinstance(g, DTensor) for g in grads):
-            return super()._nonfinite_flags(grads)
-        return agreed_nonfinite_flags(grads)
-
-    def _local_grads(self, grads: list[Tensor]) -> list[Tensor]:
-        return local_shards(grads)
-
-    def _elementwise_operands(self, params: list[Tensor], *lists: list[Tensor]) -> tuple[list[Tensor], ...]:
-        """The local shards, where every parameter is a DTensor and its gradient and state are laid out as it is:
-        element-wise math on DTensors is that on their shards, and DTensor's dispatch of a foreach op over a
-        model's norms and embeddings costs the host about a millisecond. Otherwise the tensors as they are (a
-        gradient laid out otherwise is redistributed by DTensor's op)."""
-        if all(isinstance(p, DTensor) for p in params) and all(
-                isinstance(t, DTensor) and t.device_mesh == p.device_mesh and t.placements == p.placements
-                for ts in lists for p, t in zip(params, ts)):
-            return tuple([t.to_local() for t in ts] for ts in (params, *lists))
-        return (params, *lists)
 
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                        skip: Tensor | None = None) -> None:

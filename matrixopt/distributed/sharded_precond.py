@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from matrixopt.distributed import comm
 from matrixopt.distributed.balance import lpt, shampoo_cost, soap_cost
-from matrixopt.distributed.sharded import agreed_nonfinite_flags
+from matrixopt.distributed.sharded import OnLocalShards
 from matrixopt.optim.base import param_label
 from matrixopt.optim.layout import copy_marks
 from matrixopt.optim.shampoo import Block, Shampoo
@@ -52,7 +52,7 @@ def _standin(p: DTensor) -> Tensor:
     return copy_marks(p, torch.empty(p.shape, device="meta"))
 
 
-class _OwnerSharded:
+class _OwnerSharded(OnLocalShards):
     """What :class:`ShardedShampoo` and :class:`ShardedSOAP` add to Shampoo and SOAP (see the module docstring):
     owners, the row exchange, and state kept on owners. ``cost(m, n)``: the optimizer's cost of one block."""
 
@@ -122,24 +122,22 @@ class _OwnerSharded:
         return super()._block_plan(group, _standin(p) if isinstance(p, DTensor) else p)
 
     # ----------------------------------------------------------------------------------- step
-    def _nonfinite_flags(self, grads: list[Tensor]) -> Tensor:
-        """Non-finite flags of the local shards, agreed over all ranks: every rank skips or stops the same
-        parameters, so the owners' exchanges stay matched."""
-        if not any(isinstance(g, DTensor) for g in grads):
-            return super()._nonfinite_flags(grads)
-        return agreed_nonfinite_flags(grads)
-
-    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                       skip: Tensor | None = None) -> None:
+        skip = self._device_skip(group, params, skip)  # every rank counts the steps: they decide alike
+        if skip is False:
+            return
         by_group: dict[ProcessGroup, list[int]] = {}
         for i, p in enumerate(params):
             by_group.setdefault(self._owners[id(p)][0], []).append(i)
         for pg, idx in by_group.items():
-            self._owner_step(group, pg, [params[i] for i in idx], [grads[i] for i in idx])
+            self._owner_step(group, pg, [params[i] for i in idx], [grads[i] for i in idx], skip)
 
-    def _owner_step(self, group: dict[str, Any], pg: ProcessGroup, params: list[DTensor],
-                    grads: list[DTensor]) -> None:
+    def _owner_step(self, group: dict[str, Any], pg: ProcessGroup, params: list[DTensor], grads: list[DTensor],
+                    skip: Tensor | None) -> None:
         """One step of DTensor matrices sharded over ``pg``: whole gradients to the owners, the single-process
-        update there, its rows back, and the update applied to the local shards. Collective over ``pg``."""
+        update there, its rows back, and the update applied to the local shards. Collective over ``pg``.
+        ``skip``: a deferred check's device flag, agreed over the ranks (:meth:`_matrix_updates`)."""
         me, world = comm.rank(pg), comm.world_size(pg)
         owners = [self._owners[id(p)][1] for p in params]
         sizes = [comm.chunk_sizes(p.shape[0], world) for p in params]  # every rank's rows, as fully_shard splits
@@ -148,18 +146,16 @@ class _OwnerSharded:
         whole = comm.gather_rows(rows, owners, sizes, pg)  # (m, n) per matrix owned here
         mine = [i for i, r in enumerate(owners) if r == me]
         updates = dict(zip(mine, self._matrix_updates(group, [params[i] for i in mine],
-                                                      [G.view(params[i].shape) for i, G in zip(mine, whole)])
+                                                      [G.view(params[i].shape) for i, G in zip(mine, whole)], skip)
                            if mine else []))
-        for i, p in enumerate(params):  # the owners stepped theirs
-            if owners[i] != me:
-                self.state[p]["step"] = self.state[p].get("step", 0) + 1
+        self._advance([self.state[p] for i, p in enumerate(params) if owners[i] != me], skip)  # owners counted theirs
         moved = [i for i, p in enumerate(params) if self.first_step_moves or self.state[p]["step"] > 1]
         if not moved:  # the same on every rank: the steps are
             return
         back = comm.scatter_rows([updates[i].view(sum(sizes[i]), widths[i]) for i in moved if owners[i] == me],
                                  [owners[i] for i in moved], [sizes[i] for i in moved], [widths[i] for i in moved], pg)
         local = [params[i].to_local() for i in moved]
-        self._apply(group, local, [u.view(w.shape) for u, w in zip(back, local)])
+        self._apply(group, local, [u.view(w.shape) for u, w in zip(back, local)], skip)
 
     # ----------------------------------------------------------------------------------- state
     def _check_factors(self, group: dict[str, Any], p: Tensor, st: dict[str, Any]) -> None:

@@ -34,13 +34,19 @@ def check_weight_decay_mode(mode: object) -> None:
 
 
 def decay_(params: Sequence[Tensor], lr: float | Tensor, weight_decay: float, mode: str,
-           directions: Sequence[Tensor] | None = None) -> None:
+           directions: Sequence[Tensor] | None = None, live: Tensor | None = None) -> None:
     """Decay ``params`` in place as ``mode`` says (module docstring), before the update is added. ``lr``: a float
     or a 0-d tensor on the parameters' device. ``directions``: for ``"cautious"``, each parameter's update
-    direction ``U`` (any positive multiple of it: only its sign is read), same shapes."""
+    direction ``U`` (any positive multiple of it: only its sign is read), same shapes. ``live``: an optional 0-d
+    float32 tensor on the parameters' device that multiplies the decay (0: a skipped step, which decays nothing)."""
     params = list(params)
     if weight_decay == 0 or not params:
         return
+    if live is not None:
+        lr = lr * live
+        if mode == "independent":
+            torch._foreach_mul_(params, 1 - weight_decay * live)
+            return
     match mode:
         case "decoupled":
             torch._foreach_mul_(params, 1 - lr * weight_decay)

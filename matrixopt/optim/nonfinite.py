@@ -74,6 +74,14 @@ class HostMirror:
         return host, event
 
 
+def sanitized(grads: list[Tensor], skip: Tensor) -> list[Tensor]:
+    """float32 copies of ``grads`` that are all zeros where the 0-d device flag ``skip`` is set (nonzero): what an
+    update that skips by weighting its writes with ``1 - skip`` reads, so that no NaN/Inf reaches its arithmetic.
+    One pass per gradient, no host sync."""
+    bad = skip > 0
+    return [g.masked_fill(bad, 0) if g.dtype == torch.float32 else g.float().masked_fill_(bad, 0) for g in grads]
+
+
 def nonfinite_flags(grads: list[Tensor], device: torch.device) -> Tensor:
     """``(len(grads),)`` float32 on ``device``: 1 where a gradient holds a NaN or Inf, else 0. One pass per (device,
     dtype) present (:func:`matrixopt.kernels.muon_elementwise.nonfinite_flags`) and no host sync, so a caller can
@@ -201,6 +209,7 @@ class NonFinitePolicy:
     def _start(self) -> None:
         self.agreed: Tensor | None = None
         self._check: Pending | None = None  # the last step's deferred check
+        self._undo: list[Callable[[], None]] = []  # what to put back if the last step turns out skipped
         self._clip: Pending | None = None  # the clip held for the next step
         self._host = HostMirror()  # where deferred flags are copied
 
@@ -222,6 +231,7 @@ class NonFinitePolicy:
         ``labels()`` their names; each is called only if needed. ``local``: what the updates apply a device flag
         to, where that is not ``grads`` themselves (sharded optimizers: each DTensor gradient's local shard); a
         deferred check needs them plain tensors on one device. Raises NonFiniteGradientError (the eager check)."""
+        self._undo = []
         if not grads:
             return None, None
         if self.wrapped:
@@ -263,8 +273,22 @@ class NonFinitePolicy:
             pending.event.synchronize()
         finite = (pending.flags == 0).tolist()
         if not all(finite):
+            self.unwind()
             raise_nonfinite([name for name, ok in zip(pending.labels(), finite) if not ok], deferred=True,
                             ranks=self.ranks)
+
+    def undo_if_skipped(self, undo: Callable[[], None]) -> None:
+        """Register ``undo``, which puts back what the running step advanced on the host (step counts kept as
+        Python ints), for the case that the step's device flag turns out set: :meth:`unwind` runs it then."""
+        self._undo.append(undo)
+
+    def unwind(self) -> None:
+        """The last step was skipped on the device: put back what its updates advanced on the host (the
+        callbacks of :meth:`undo_if_skipped`, last first). A wrapper that reports its agreed check itself calls
+        this on the optimizers it wraps."""
+        undo, self._undo = self._undo, []
+        for fn in reversed(undo):
+            fn()
 
     def on_host(self, skip: Tensor) -> bool:
         """For an update that can't skip on the device, mid-step: whether it must write nothing, read on the host

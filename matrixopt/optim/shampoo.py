@@ -93,6 +93,7 @@ from matrixopt.optim.base import (
     check_lr,
 )
 from matrixopt.optim.layout import capped_runs, matrix_pieces
+from matrixopt.optim.nonfinite import sanitized
 from matrixopt.optim.offload import Offload
 
 GRAFTINGS = ("adam", "none")
@@ -235,14 +236,18 @@ def finite_blocks(X: Tensor) -> Tensor:
     return torch.isfinite(X.sum(dim=(-2, -1), keepdim=True))
 
 
-def accumulate(factors: list[Tensor], GG: Tensor, beta: float) -> None:
+def accumulate(factors: list[Tensor], GG: Tensor, beta: float, live: Tensor | None = None) -> None:
     """``F = beta F + (1 - beta) GG`` (``F += GG`` for beta = 1) for each factor; a block of GG that is not finite
-    (:func:`finite_blocks`) contributes nothing. factors: b tensors ``(d, d)``; GG: ``(b, d, d)`` float32."""
+    (:func:`finite_blocks`) contributes nothing. factors: b tensors ``(d, d)``; GG: ``(b, d, d)`` float32.
+    ``live``: an optional 0-d float32 device flag, 0 for a skipped step (GG then zero), which leaves the factors
+    as they were."""
     GG = torch.where(finite_blocks(GG), GG, 0.0).to(factors[0].dtype)
     if beta == 1.0:
         torch._foreach_add_(factors, list(GG.unbind(0)))
-    else:
+    elif live is None:
         torch._foreach_lerp_(factors, list(GG.unbind(0)), 1.0 - beta)
+    else:
+        torch._foreach_lerp_(factors, list(GG.unbind(0)), [(live * (1.0 - beta)).to(GG.dtype)] * len(factors))
 
 
 # ----------------------------------------------------------------------------------------------- shared base
@@ -253,7 +258,7 @@ class KroneckerOptimizer(MatrixOptimizer):
     matrix_flag = "use_shampoo"
 
     def __init__(self, params: Iterable[Any], matrix_defaults: dict[str, Any], adamw_defaults: dict[str, Any],
-                 *, skip_nonfinite: bool = False, state_dtype: Any = None,
+                 *, skip_nonfinite: bool = False, deferred_nonfinite: bool = False, state_dtype: Any = None,
                  offload: str | Offload | None = None) -> None:
         self.root_fallbacks = 0  # roots or eigenbases that needed the float64 fallback
         self.root_failures = 0  # roots or eigenbases that could not be computed (the previous one was kept)
@@ -262,7 +267,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         self._pending: dict[int, Any] = {}  # group index -> side-stream refresh in flight
         self._side_streams: dict[torch.device, Any] = {}
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
-                         state_dtype=state_dtype, offload=offload)
+                         deferred_nonfinite=deferred_nonfinite, state_dtype=state_dtype, offload=offload)
 
     def __getstate__(self) -> dict[str, Any]:
         return super().__getstate__() | {"root_fallbacks": self.root_fallbacks, "root_failures": self.root_failures}
@@ -367,21 +372,22 @@ class KroneckerOptimizer(MatrixOptimizer):
         return group["betas"][1] if group["shampoo_beta"] is None else group["shampoo_beta"]
 
     def _update_factors(self, group: dict[str, Any], layout: Layout, states: list[dict[str, Any]],
-                        gviews: list[list[Tensor]]) -> None:
+                        gviews: list[list[Tensor]], live: Tensor | None = None) -> None:
         """``L = EMA(G G^T)``, ``R = EMA(G^T G)`` for every block, batched by shape (:meth:`Layout.runs`)."""
         beta = self._shampoo_beta(group)
         for key, ents in layout.runs():
-            self._accumulate_factors(states, ents, torch.stack([gviews[i][k] for i, k, _ in ents]), key, beta)
+            self._accumulate_factors(states, ents, torch.stack([gviews[i][k] for i, k, _ in ents]), key, beta, live)
 
     @staticmethod
     def _accumulate_factors(states: list[dict[str, Any]], ents: list[tuple[int, int, Block]], G: Tensor,
-                            key: tuple[int, int, bool, bool], beta: float) -> None:
-        """``L = EMA(G G^T)``, ``R = EMA(G^T G)`` for one run's stack ``G (b, m, n)`` of blocks sharing ``key``."""
+                            key: tuple[int, int, bool, bool], beta: float, live: Tensor | None = None) -> None:
+        """``L = EMA(G G^T)``, ``R = EMA(G^T G)`` for one run's stack ``G (b, m, n)`` of blocks sharing ``key``
+        (``live``: see :func:`accumulate`)."""
         _, _, left, right = key
         if left:
-            accumulate([states[i][f"left{k}"] for i, k, _ in ents], G @ G.mT, beta)
+            accumulate([states[i][f"left{k}"] for i, k, _ in ents], G @ G.mT, beta, live)
         if right:
-            accumulate([states[i][f"right{k}"] for i, k, _ in ents], G.mT @ G, beta)
+            accumulate([states[i][f"right{k}"] for i, k, _ in ents], G.mT @ G, beta, live)
 
     # ----------------------------------------------------------------------------------- refresh schedule
     def _refresh(self, gi: int, group: dict[str, Any], runs: list[Callable[[bool], Any]],
@@ -450,37 +456,73 @@ class KroneckerOptimizer(MatrixOptimizer):
     # ----------------------------------------------------------------------------------- the update
     first_step_moves = True  # whether a parameter's first step moves it (SOAP's only builds its factors)
 
-    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
-        updates = self._matrix_updates(group, params, grads)
+    def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                       skip: Tensor | None = None) -> None:
+        skip = self._device_skip(group, params, skip)
+        if skip is False:
+            return
+        updates = self._matrix_updates(group, params, grads, skip)
         moved = [i for i, u in enumerate(updates) if u is not None]
         if moved:
-            self._apply(group, [params[i] for i in moved], [updates[i] for i in moved])
+            self._apply(group, [params[i] for i in moved], [updates[i] for i in moved], skip)
 
-    def _matrix_updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[Tensor | None]:
+    def _device_skip(self, group: dict[str, Any], params: list[Tensor], skip: Tensor | None) -> Tensor | None | bool:
+        """How this step of ``params`` honours a deferred check's device flag ``skip``: the flag itself (the
+        updates weight every write by ``1 - skip``, no host sync), or, on a step that computes roots or
+        eigenbases (:meth:`_computes_bases`: those read results on the host anyway, and a QR refresh from the
+        bases it replaces can't be weighted), the flag read on the host now: None to step, False to write
+        nothing (:meth:`~matrixopt.optim.nonfinite.NonFinitePolicy.on_host`; the step's own deferred check raises
+        there). The same on every rank where the step counts are."""
+        if skip is None or not any(self._computes_bases(group, self.state[p].get("step", 0) + 1) for p in params):
+            return skip
+        return False if self.nonfinite.on_host(skip) else None
+
+    def _computes_bases(self, group: dict[str, Any], step: int) -> bool:
+        """Whether a parameter's ``step``-th step (counted from 1) computes its roots or eigenbases."""
+        raise NotImplementedError
+
+    def _advance(self, states: list[dict[str, Any]], skip: Tensor | None) -> None:
+        """Count a step in each state (``step``: a Python int, read by the schedule and the bias correction);
+        with a device flag ``skip``, registered to be taken back if the step turns out skipped."""
+        for st in states:
+            st["step"] = st.get("step", 0) + 1
+        if skip is not None:
+            self.nonfinite.undo_if_skipped(functools.partial(_take_back, states))
+
+    def _matrix_updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                        skip: Tensor | None = None) -> list[Tensor | None]:
         """Step the state of ``params`` on ``grads`` and return the update U of each parameter, float32 and shaped
         as it, or None where this step does not move it (not even by weight decay; see ``first_step_moves``). The
         matrix products run in the group's ``matmul_precision`` (:func:`cuda_matmul_precision`).
 
         A parameter serves as the key of its state and for its shape, device and matrix layout; its values are
         never read, so a sharded optimizer can pass its DTensor parameters with whole gradients. ``grads``: shaped
-        as the parameters (whole), any float dtype."""
+        as the parameters (whole), any float dtype. ``skip``: a deferred check's 0-d float32 device flag, on a step
+        that computes no roots or eigenbases (:meth:`_device_skip`): nonzero makes every state write keep its old
+        value (the gradients read as zeros, the moving averages weighted by ``1 - skip``), and the caller applies
+        U with the same weight."""
         with cuda_matmul_precision(group["matmul_precision"]):
-            return self._updates(group, params, grads)
+            return self._updates(group, params, grads, skip)
 
-    def _updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[Tensor | None]:
+    def _updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                 skip: Tensor | None) -> list[Tensor | None]:
         """:meth:`_matrix_updates` without the precision scope: the subclass's math."""
         raise NotImplementedError
 
     # ----------------------------------------------------------------------------------- helpers
     @staticmethod
-    def _apply(group: dict[str, Any], params: list[Tensor], updates: list[Tensor]) -> None:
+    def _apply(group: dict[str, Any], params: list[Tensor], updates: list[Tensor], skip: Tensor | None = None) -> None:
         """``W = (1 - lr wd) W - lr U`` over the list (U float32, cast to each parameter's dtype; not modified), the
-        decay in the group's ``weight_decay_mode``."""
+        decay in the group's ``weight_decay_mode``. ``skip``: a 0-d float32 device flag; nonzero writes W as it
+        was (U must be finite)."""
         lr, wd = group["lr"], group["weight_decay"]
-        decay_(params, lr.to(params[0].device) if isinstance(lr, Tensor) else lr, wd, group["weight_decay_mode"],
-               updates)
         if isinstance(lr, Tensor):
             lr = lr.to(params[0].device)
+        live = None if skip is None else 1 - skip
+        decay_(params, lr, wd, group["weight_decay_mode"], updates, live)
+        if live is not None:
+            lr = live * lr
+        if isinstance(lr, Tensor):
             updates = torch._foreach_mul(updates, lr)
             alpha = -1.0
         else:
@@ -488,6 +530,11 @@ class KroneckerOptimizer(MatrixOptimizer):
         same = all(u.dtype == p.dtype for u, p in zip(updates, params))
         torch._foreach_add_(params, updates if same else [u.to(p.dtype) for u, p in zip(updates, params)],
                             alpha=alpha)
+
+
+def _take_back(states: list[dict[str, Any]]) -> None:
+    for st in states:
+        st["step"] -= 1
 
 
 # ----------------------------------------------------------------------------------------------- Shampoo
@@ -522,6 +569,10 @@ class Shampoo(KroneckerOptimizer):
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults of the AdamW groups (lr and weight decay
             default to ``lr`` and ``weight_decay``).
         skip_nonfinite: skip (and count) the update of a parameter whose gradient is NaN/Inf instead of raising.
+        deferred_nonfinite: check the gradients without a host sync: a step with a NaN/Inf gradient writes nothing
+            (every state write and the parameter update weighted by the device flag) and the next ``step()`` or
+            ``state_dict()`` raises. A step that computes roots reads the flag on the host (it reads its results
+            there anyway). Not with ``skip_nonfinite``.
         state_dtype, offload: compact state and CPU offload, as in :class:`matrixopt.Muon` (the momentum and Adam
             moments compact; the factors and roots keep ``factor_dtype``; offload moves all of it, a matrix group's
             state to the device at once, since its refreshes and batches span the group).
@@ -541,7 +592,7 @@ class Shampoo(KroneckerOptimizer):
                  side_stream: bool = False, *, matmul_precision: str = "fp32", adamw_lr: float | None = None,
                  adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None, skip_nonfinite: bool = False,
-                 weight_decay_mode: str = "decoupled", state_dtype: Any = None,
+                 deferred_nonfinite: bool = False, weight_decay_mode: str = "decoupled", state_dtype: Any = None,
                  offload: str | Offload | None = None) -> None:
         matrix_defaults = dict(
             lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
@@ -559,7 +610,7 @@ class Shampoo(KroneckerOptimizer):
         adamw_defaults = adamw_group_defaults(lr, weight_decay, weight_decay_mode, adamw_lr, adamw_betas, adamw_eps,
                                               adamw_weight_decay)
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
-                         state_dtype=state_dtype, offload=offload)
+                         deferred_nonfinite=deferred_nonfinite, state_dtype=state_dtype, offload=offload)
 
     def _validate_matrix_group(self, group: dict[str, Any]) -> None:
         super()._validate_matrix_group(group)
@@ -584,29 +635,34 @@ class Shampoo(KroneckerOptimizer):
             st["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         self._init_factors(group, st, p, "root")
 
-    def _updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+    def _computes_bases(self, group: dict[str, Any], step: int) -> bool:
+        start = group["start_preconditioning_step"]
+        return step >= start and (step - start) % group["precondition_frequency"] == 0
+
+    def _updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                 skip: Tensor | None) -> list[Tensor]:
         beta1 = group["betas"][0]
         graft = group["grafting"] == "adam"
         states = [self._state(group, p) for p in params]
         layout = self._layout(group, params)
-        for st in states:
-            st["step"] += 1
-        g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
+        self._advance(states, skip)
+        live = None if skip is None else 1 - skip
+        g32 = [g if g.dtype == torch.float32 else g.float() for g in grads] if skip is None else sanitized(grads, skip)
         bufs = [st["momentum_buffer"] for st in states]
         if graft:  # B = beta1 B + (1 - beta1) G, and the graft's V = beta2 V + (1 - beta2) G^2
-            adam_moments_(bufs, [st["exp_avg_sq"] for st in states], g32, group["betas"])
+            adam_moments_(bufs, [st["exp_avg_sq"] for st in states], g32, group["betas"], live)
         else:
-            torch._foreach_lerp_(bufs, g32, 1 - beta1)
+            torch._foreach_lerp_(bufs, g32, 1 - beta1 if live is None else [live * (1 - beta1)] * len(bufs))
         D = torch._foreach_lerp(g32, bufs, beta1) if group["nesterov"] else bufs
         # the Adam update A = (D / bc1) / (sqrt(V / bc2) + eps)
         fallback = adam_direction(D, [st["exp_avg_sq"] for st in states], [st["step"] for st in states],
                                   group["betas"], group["eps"]) if graft else D
         gviews = [block_views(p, self._plan(group, p), g) for p, g in zip(params, g32)]
-        self._update_factors(group, layout, states, gviews)
+        self._update_factors(group, layout, states, gviews, live)
 
-        start, freq = group["start_preconditioning_step"], group["precondition_frequency"]
-        due = [i for i, st in enumerate(states) if st["step"] >= start and (st["step"] - start) % freq == 0]
-        if due:
+        start = group["start_preconditioning_step"]
+        due = [i for i, st in enumerate(states) if self._computes_bases(group, st["step"])]
+        if due:  # never with skip (_device_skip)
             gi = next(j for j, g in enumerate(self.param_groups) if g is group)
             items = [(self._plan(group, params[i]), states[i]) for i in due]
             self._refresh(gi, group, self._root_runs(group, items), lambda result: self._install_roots(group, result))

@@ -74,6 +74,7 @@ from matrixopt.linalg.roots import eigenbasis, refresh_eigenbasis
 from matrixopt.optim.adam import adam_direction, adam_moments_
 from matrixopt.optim.base import adamw_group_defaults
 from matrixopt.optim.layout import capped_runs
+from matrixopt.optim.nonfinite import sanitized
 from matrixopt.optim.offload import Offload
 from matrixopt.optim.shampoo import Block, KroneckerOptimizer, Layout, accumulate, block_views, resolve_factor_dtype
 
@@ -113,8 +114,9 @@ class SOAP(KroneckerOptimizer):
         side_stream: on CUDA, refresh eigenbases on a side stream, used one refresh later (default False).
         matmul_precision: "fp32" (default) or "tf32": the precision of every matrix product on CUDA (module
             docstring).
-        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, skip_nonfinite, state_dtype, offload: as in
-            :class:`matrixopt.Shampoo`.
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, skip_nonfinite, deferred_nonfinite, state_dtype,
+            offload: as in :class:`matrixopt.Shampoo` (a step that refreshes the eigenbases, and a parameter's
+            first, read a deferred check's flag on the host).
 
     State per parameter: ``step`` (int), ``exp_avg`` and ``exp_avg_sq`` (float32, the parameter's shape, each
     block in its eigen-coordinates), and per block k ``left{k}``, ``right{k}`` (factors), ``left_basis{k}``,
@@ -134,7 +136,8 @@ class SOAP(KroneckerOptimizer):
                  matmul_precision: str = "fp32", adamw_lr: float | None = None,
                  adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None,
-                 skip_nonfinite: bool = False, weight_decay_mode: str = "decoupled", state_dtype: Any = None,
+                 skip_nonfinite: bool = False, deferred_nonfinite: bool = False,
+                 weight_decay_mode: str = "decoupled", state_dtype: Any = None,
                  offload: str | Offload | None = None) -> None:
         matrix_defaults = dict(
             lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
@@ -146,7 +149,7 @@ class SOAP(KroneckerOptimizer):
         adamw_defaults = adamw_group_defaults(lr, weight_decay, weight_decay_mode, adamw_lr, adamw_betas, adamw_eps,
                                               adamw_weight_decay)
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
-                         state_dtype=state_dtype, offload=offload)
+                         deferred_nonfinite=deferred_nonfinite, state_dtype=state_dtype, offload=offload)
 
     def _validate_matrix_group(self, group: dict[str, Any]) -> None:
         super()._validate_matrix_group(group)
@@ -166,11 +169,15 @@ class SOAP(KroneckerOptimizer):
 
     first_step_moves = False  # the first step builds the factors and their eigenbases only
 
-    def _updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[Tensor | None]:
+    def _computes_bases(self, group: dict[str, Any], step: int) -> bool:
+        return (step - 1) % group["precondition_frequency"] == 0  # the first step's eigh, then every freq Adam steps
+
+    def _updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                 skip: Tensor | None) -> list[Tensor | None]:
         kl = group["factor_update"] == "kl"
         states = [self._state(group, p) for p in params]
-        for st in states:
-            st["step"] += 1
+        self._advance(states, skip)
+        live = None if skip is None else 1 - skip
         out: list[Tensor | None] = [None] * len(params)
         first = [i for i, st in enumerate(states) if st["step"] == 1]
         rest = [i for i in range(len(params)) if states[i]["step"] > 1]
@@ -190,7 +197,7 @@ class SOAP(KroneckerOptimizer):
         layout = self._layout(group, params)
         plans = [self._plan(group, p) for p in params]
         steps = [st["step"] - 1 for st in states]  # Adam steps: the first call only initializes
-        g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
+        g32 = [g if g.dtype == torch.float32 else g.float() for g in grads] if skip is None else sanitized(grads, skip)
         gviews = [block_views(p, plan, g) for p, plan, g in zip(params, plans, g32)]
 
         # Adam in the eigenbasis: project, update the moments, precondition, project back (batches: Layout.runs)
@@ -202,11 +209,11 @@ class SOAP(KroneckerOptimizer):
             X = self._rotate(states, ents, G, key, to_eigen=True)
             torch._foreach_copy_([gpviews[i][k] for i, k, _ in ents], list(X.unbind(0)))
             if not kl:  # this run's factors, from the stack at hand: the projections read the bases, not the factors
-                self._accumulate_factors(states, ents, G, key, beta)
+                self._accumulate_factors(states, ents, G, key, beta, live)
             del G, X
         M = [st["exp_avg"] for st in states]
         V = [st["exp_avg_sq"] for st in states]
-        adam_moments_(M, V, gp, group["betas"])
+        adam_moments_(M, V, gp, group["betas"], live)
         projected = gpviews if kl else None  # only the KL factor update reads G' again: free it otherwise
         del gp, gpviews
         updates = adam_direction(M, V, steps, group["betas"], group["eps"])  # N, rotated back in place below
@@ -216,10 +223,9 @@ class SOAP(KroneckerOptimizer):
             torch._foreach_copy_([uviews[i][k] for i, k, _ in ents], list(U.unbind(0)))
 
         if kl:  # KL's factors read this step's projection
-            self._update_factors_kl(group, layout, states, gviews, projected)
-        freq = group["precondition_frequency"]
-        due = [i for i, t in enumerate(steps) if t % freq == 0]
-        if due:
+            self._update_factors_kl(group, layout, states, gviews, projected, live)
+        due = [i for i, st in enumerate(states) if self._computes_bases(group, st["step"])]
+        if due:  # never with skip (_device_skip)
             gi = next(j for j, g in enumerate(self.param_groups) if g is group)
             items = [(params[i], plans[i], states[i]) for i in due]
             self._refresh(gi, group, [functools.partial(self._new_bases, group, jobs)
@@ -245,10 +251,11 @@ class SOAP(KroneckerOptimizer):
 
     # ----------------------------------------------------------------------------------- factors (KL)
     def _update_factors_kl(self, group: dict[str, Any], layout: Layout, states: list[dict[str, Any]],
-                           gviews: list[list[Tensor]], projected: list[list[Tensor]] | None) -> None:
+                           gviews: list[list[Tensor]], projected: list[list[Tensor]] | None,
+                           live: Tensor | None = None) -> None:
         """KL-Shampoo factor updates (module docstring), batched by :meth:`Layout.runs`. ``projected``: block views
         of this step's ``G' = Q_L^T G Q_R`` per parameter, None at the first call (then the other factor is taken
-        as the identity)."""
+        as the identity). ``live``: as in :func:`~matrixopt.optim.shampoo.accumulate` (the estimates too)."""
         beta = self._shampoo_beta(group)
         init = projected is None
         for key, ents in layout.runs():
@@ -263,20 +270,21 @@ class SOAP(KroneckerOptimizer):
                 H = G if init or not right else G @ torch.stack(
                     [states[i][f"right_basis{k}"] for i, k, _ in ents]).float()
                 H = H * inv_r.sqrt()[:, None, :]
-                accumulate([states[i][f"left{k}"] for i, k, _ in ents], H @ H.mT / n, beta)
+                accumulate([states[i][f"left{k}"] for i, k, _ in ents], H @ H.mT / n, beta, live)
             if right:  # R += (1 - beta)/m G^T L^-1 G
                 H = G if init or not left else torch.stack(
                     [states[i][f"left_basis{k}"] for i, k, _ in ents]).float().mT @ G
                 H = H * inv_l.sqrt()[:, :, None]
-                accumulate([states[i][f"right{k}"] for i, k, _ in ents], H.mT @ H / m, beta)
+                accumulate([states[i][f"right{k}"] for i, k, _ in ents], H.mT @ H / m, beta, live)
             if not init:  # eigenvalue estimates, from this step's G' = Q_L^T G Q_R
                 P2 = torch.stack([projected[i][k] for i, k, _ in ents]).square()  # (b, m, n)
+                weight = 1 - beta if live is None else [live * (1 - beta)] * len(ents)
                 if left:
                     d = [states[i][f"left_eig{k}"] for i, k, _ in ents]
-                    torch._foreach_lerp_(d, list(((P2 * inv_r[:, None, :]).sum(-1) / n).unbind(0)), 1 - beta)
+                    torch._foreach_lerp_(d, list(((P2 * inv_r[:, None, :]).sum(-1) / n).unbind(0)), weight)
                 if right:
                     d = [states[i][f"right_eig{k}"] for i, k, _ in ents]
-                    torch._foreach_lerp_(d, list(((P2 * inv_l[:, :, None]).sum(-2) / m).unbind(0)), 1 - beta)
+                    torch._foreach_lerp_(d, list(((P2 * inv_l[:, :, None]).sum(-2) / m).unbind(0)), weight)
 
     # ----------------------------------------------------------------------------------- eigenbases
     def _factor_jobs(self, items: list[tuple[Tensor, list[Block], dict[str, Any]]]) -> dict[int, list[tuple]]:

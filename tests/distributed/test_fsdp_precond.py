@@ -302,6 +302,69 @@ def test_checkpoint_from_four_ranks_resumes_at_two(saved_at_4):
     run(_resume, 2, saved_at_4)
 
 
+def _deferred(rank: int, world: int) -> None:
+    """deferred_nonfinite=True under FSDP2: the ranks agree on the local shards' flags on the device. A NaN in one
+    rank's shard at a step that computes no roots or bases writes nothing on any rank (the owners' state, every
+    rank's step counts, AdamW's shards) and every rank raises at the next call; at a step that computes them every
+    rank raises in the step. Either way the run then equals the run without that step, bit for bit."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def run(name: str, nan_at: int | None, left_out: int | None, how: list[bool]) -> dict[str, torch.Tensor]:
+        _, cls, hp = OPTIMIZERS[name]
+        torch.manual_seed(0)
+        model = apply_fsdp(Net(), mesh).mark()
+        opt = cls(param_groups(model, matrix_flag=cls.matrix_flag), deferred_nonfinite=True, **hp)
+        for step in range(5):
+            if step == left_out:
+                continue
+            x, y = data(step)
+            nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+            if step != nan_at:
+                opt.step()
+                opt.zero_grad()
+                continue
+            if rank == 1:
+                model.layers[3].weight.grad.to_local()[0, 0] = float("nan")
+            params = [local(p).clone() for p in model.parameters()]
+            state = [(p, copy.deepcopy({k: local(v) for k, v in st.items()})) for p, st in opt.state.items()]
+            try:
+                opt.step()
+            except NonFiniteGradientError as e:  # a step computing roots or bases: read on the host, every rank
+                assert "layers.3.weight" in str(e)
+                how.append(False)
+            else:
+                how.append(True)
+                with pytest.raises(NonFiniteGradientError, match=r"at the last step in `layers\.3\.weight`"):
+                    opt.state_dict()
+            opt.zero_grad()
+            assert all(torch.equal(a, local(p)) for a, p in zip(params, model.parameters())), name
+            for p, st in state:
+                assert opt.state[p].keys() == st.keys(), name
+                for k, v in st.items():
+                    w = local(opt.state[p][k])
+                    assert torch.equal(v, w) if torch.is_tensor(v) else v == w, (name, k)
+        return full_params(model)
+
+    for name in OPTIMIZERS:
+        how: list[bool] = []
+        for nan_at in (1, 2, 3):
+            got, want = run(name, nan_at, None, how), run(name, None, nan_at, how)
+            assert all(torch.equal(got[n], want[n]) for n in want), (name, nan_at)
+        assert True in how and False in how, (name, how)
+
+
+def test_deferred_nonfinite_check_skips_on_every_rank():
+    run(_deferred, 2, timeout=300)
+
+
 def test_plain_parameters_are_refused():
     with pytest.raises(ValueError, match=r"ShardedShampoo handles the DTensor matrices of an FSDP2 model; "
                                          r"`params\[0\]` \(shape \(4, 4\)\) is a plain Parameter"):

@@ -271,14 +271,15 @@ def test_faults_mismatch_nonfinite_dead_rank():
     run(_faults_worker, 2)
 
 
-def _deferred_nonfinite_worker(rank: int, world: int) -> None:
+def _deferred_nonfinite_worker(rank: int, world: int, name: str) -> None:
     """deferred_nonfinite=True: the ranks agree on the device, a NaN step writes nothing on any rank and raises at
-    the next step() or state_dict() on every rank; training then goes on as if the bad step never happened."""
+    the next step() or state_dict() on every rank; training then goes on as if the bad step never happened (SOAP's
+    and Shampoo's step counts, host ints, are taken back too)."""
     import copy
 
     def run_steps(nan_at: int | None, raise_by: str) -> list[torch.Tensor]:
         torch.manual_seed(0)
-        model, opt = mdist.layerwise(Net(), "muon", lr=0.01, deferred_nonfinite=True)
+        model, opt = mdist.layerwise(Net(), name, lr=0.01, deferred_nonfinite=True)
         assert opt.nonfinite.deferred and all(c.optimizer.nonfinite.wrapped for c in opt.chunks)
         for s in range(4):
             idx, tgt = batch(s, "net")
@@ -303,20 +304,25 @@ def _deferred_nonfinite_worker(rank: int, world: int) -> None:
                 else:  # the next step raises before anything, its gradients dropped; the step after runs
                     loss_of(model, *batch(s, "net")).backward()
                     opt.step()
+            for before, c in zip(states, opt.chunks):  # the counts too, once the error is out
+                after = {id(p): st for p, st in c.optimizer.state.items()}
+                for k, st in before.items():
+                    assert all(v == after[k][n] for n, v in st.items() if not isinstance(v, torch.Tensor)), name
         return [p.detach().clone() for p in model.parameters()]
 
     torch.manual_seed(0)
-    model, opt = mdist.layerwise(Net(), "muon", lr=0.01, deferred_nonfinite=True)
+    model, opt = mdist.layerwise(Net(), name, lr=0.01, deferred_nonfinite=True)
     for s in (0, 1, 3):  # the run without the bad step
         loss_of(model, *batch(s, "net")).backward()
         opt.step()
     for raise_by in ("state_dict", "step"):
         for a, b in zip(run_steps(2, raise_by), model.parameters()):
-            assert torch.equal(a, b.detach()), raise_by
+            assert torch.equal(a, b.detach()), (name, raise_by)
 
 
-def test_deferred_nonfinite_agreement():
-    run(_deferred_nonfinite_worker, 2)
+@pytest.mark.parametrize("name", ["muon", "soap", "shampoo"])
+def test_deferred_nonfinite_agreement(name):
+    run(_deferred_nonfinite_worker, 2, name)
 
 
 def _bf16_broadcast_worker(rank: int, world: int) -> None:

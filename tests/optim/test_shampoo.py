@@ -494,3 +494,63 @@ def test_step_workspace_is_bounded(monkeypatch, name, step_bytes):
         workspace.append(live.peak - live.now)  # what the step freed again (not the state step 1 allocates)
     # every batch's stacks: at most 16 of cap float32 values (measured 8 to 10: operands, products, masks)
     assert max(workspace) <= (step_bytes + 4) * n + 16 * 4 * cap
+
+
+# Shampoo (roots from step 2, every 3 steps; graft, or none with summed factors and independent decay) and SOAP
+# (bases at the first step and every 3 Adam steps; Shampoo's or KL's factors)
+DEFERRED = [("shampoo", dict(precondition_frequency=3, start_preconditioning_step=2)),
+            ("shampoo", dict(precondition_frequency=3, grafting="none", shampoo_beta=1.0,
+                             weight_decay_mode="independent")),
+            ("soap", dict(precondition_frequency=3)),
+            ("soap", dict(precondition_frequency=3, factor_update="kl", weight_decay_mode="cautious"))]
+
+
+@pytest.mark.parametrize("name,hparams", DEFERRED)
+def test_deferred_nonfinite_skips_on_the_device_and_the_run_goes_on_as_without_that_step(name, hparams):
+    """deferred_nonfinite=True: a NaN gradient at any step leaves the parameters and every state entry (moments,
+    factors, roots or bases, estimates, the host step counts) as they were; the error comes at the next call (or,
+    at a step that computes roots or bases, which reads the flag on the host, in that step), and the run then
+    equals the run without that step bit for bit."""
+    from matrixopt import NonFiniteGradientError
+
+    def run(nan_at: int | None, left_out: int | None) -> tuple[list[torch.Tensor], list[bool]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 6))
+        opt = matrixopt.build_optimizer(model, name, lr=1e-2, deferred_nonfinite=True, **hparams)
+        g = torch.Generator().manual_seed(1)
+        deferred = []
+        for step in range(8):
+            x = torch.randn(5, 12, generator=g)
+            if step == left_out:
+                continue
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            if step != nan_at:
+                opt.step()
+                continue
+            model[0].weight.grad[0, 0] = float("nan")
+            before = [(p, copy.deepcopy(st)) for p, st in opt.state.items()]
+            params = [p.detach().clone() for p in model.parameters()]
+            try:
+                opt.step()
+            except NonFiniteGradientError as e:  # read on the host in this step
+                assert "`0.weight`" in str(e)
+                deferred.append(False)
+            else:
+                deferred.append(True)
+                with pytest.raises(NonFiniteGradientError, match=r"at the last step in `0\.weight`"):
+                    opt.state_dict()
+            assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+            for p, st in before:
+                assert opt.state[p].keys() == st.keys()
+                for k, v in st.items():
+                    assert torch.equal(v, opt.state[p][k]) if torch.is_tensor(v) else v == opt.state[p][k], k
+        return [p.detach().clone() for p in model.parameters()], deferred
+
+    how = []
+    for step in range(1, 7):
+        got, deferred = run(step, None)
+        want, _ = run(None, step)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+        how += deferred
+    assert True in how and False in how  # both ways were taken: on the device, and on the host at a refresh
