@@ -426,7 +426,6 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def _rechunk(self) -> None:
         """Chunks for new buckets, each owned parameter's optimizer state moved to its new chunk's optimizer."""
-        self._land_state()  # the state moves to the new chunks' optimizers (and their offloads' streams)
         held = {t: c.optimizer.state[t] for c in self.chunks for t in list(c.optimizer.state)}
         self.chunks = self._build_chunks()
         for c in self.chunks:
@@ -434,14 +433,6 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 for t in g["params"]:
                     if t in held:
                         c.optimizer.state[t] = held[t]
-
-    def _land_state(self) -> None:
-        """Wait for offloaded state still on its way to the host (an offloaded step returns before its last
-        stores land: :meth:`matrixopt.optim.offload.Offload.land`), before the host reads or moves it."""
-        for c in self.chunks:
-            offload = getattr(c.optimizer, "offload", None)
-            if offload is not None:
-                offload.synchronize()
 
     def _adopt_arrival_order(self) -> None:
         """At the first step after a backward: rank 0's order of gradient arrival (parameters that got no gradient
@@ -743,7 +734,6 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         hyperparameters. Not collective. For a whole checkpoint use :func:`matrixopt.distributed.checkpoint.save`.
         Raises a deferred non-finite error first (:meth:`raise_deferred_nonfinite`)."""
         self.raise_deferred_nonfinite()
-        self._land_state()
         state = {}
         for p in self.params:
             if not self.owns(p):
@@ -759,7 +749,6 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         :func:`matrixopt.distributed.checkpoint.export` writes): hyperparameters of every group, state of the
         parameters this rank owns (of a block parameter, its block's, as
         :func:`matrixopt.distributed.checkpoint.load` reads it). Not collective."""
-        self._land_state()
         if state_dict.get("optimizer", self.name) != self.name:
             raise ValueError(f"this state dict was saved by {state_dict['optimizer']!r}, not {self.name!r}; build "
                              f"the same optimizer it came from to load it")

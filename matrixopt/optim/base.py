@@ -540,8 +540,6 @@ class MatrixOptimizer(Optimizer):
         """PyTorch's structure ``{"state": {index: {...}}, "param_groups": [...]}`` plus ``"optimizer"``: the
         class name, checked on load. Raises a deferred non-finite error first (:meth:`raise_deferred_nonfinite`)."""
         self.raise_deferred_nonfinite()
-        if self.offload is not None:  # the last step's stores to the host may still be landing
-            self.offload.synchronize()
         sd = super().state_dict()
         sd["optimizer"] = type(self).__name__
         if self.state_dtype is not None:
@@ -590,8 +588,6 @@ class MatrixOptimizer(Optimizer):
                 if isinstance(v, Tensor) and v.ndim > 0 and v.shape != p.shape and k in self._shaped_state_keys:
                     raise ValueError(f"state '{k}' has shape {tuple(v.shape)} but the parameter has shape "
                                      f"{tuple(p.shape)}: the state dict comes from a different model")
-        if self.offload is not None:  # no store of the last step may land in the state being replaced
-            self.offload.synchronize()
         super().load_state_dict(state_dict)
         generators: dict[torch.device, torch.Generator] = {}
         formats = {p: self._state_format(g) for g in self.param_groups for p in g["params"]}

@@ -24,9 +24,7 @@ every chunk has succeeded, and the parameters have a copy on the host (a *backup
 exception (or KeyboardInterrupt) anywhere in the step restores the parameters and leaves the state of the step
 before. The backups are refreshed right after each step on the D2H stream, overlapping the next forward and
 backward, and checked against the parameters' version counters when the next step begins
-(:meth:`Offload.backup`). A step returns with its last stores still on their way (:meth:`Offload.land`): the next
-step's fetches wait for them on the device and ``state_dict()`` on the host, so read ``optimizer.state`` directly only
-after ``torch.cuda.synchronize()``. Host memory: the state twice (live and shadow) plus one copy of the parameters.
+(:meth:`Offload.backup`). Host memory: the state twice (live and shadow) plus one copy of the parameters.
 Gradients are not copied. An optimizer built with offload checks at construction, before any state exists, that
 the host has that much memory available (:meth:`Offload.check_fits`), and raises MemoryError otherwise; an
 allocation that fails later, mid-step, raises MemoryError naming its size and leaves the step before.
@@ -77,12 +75,11 @@ class Offload:
         self._streams: dict[torch.device, tuple[Any, Any]] = {}
         self._packers: dict[torch.device, Any] = {}  # per device: the stream sub-chunks' momentum passes run on
         self._stored: collections.deque = collections.deque()  # events: a staged unit's state stored to the host
-        self._landing: dict[torch.device, Any] = {}  # per device: the last committed step's stores (an event)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"pin_memory": self.pin_memory, "device_copy": self.device_copy, "host_bytes": 0, "shadows": {},
                 "backups": {}, "_versions": {}, "_refreshing": set(), "_streams": {}, "_packers": {},
-                "_stored": collections.deque(), "_landing": {}}
+                "_stored": collections.deque()}
 
     # ----------------------------------------------------------------------------------- host memory
     def check_fits(self, nbytes: int, what: str) -> None:
@@ -147,9 +144,6 @@ class Offload:
             return self.device_copy(host, device)
         if self._overlapped(device):
             h2d, _ = self._cuda_streams(device)
-            landing = self._landing.pop(device, None)
-            if landing is not None:  # the state was committed with its last stores in flight: read it after them
-                h2d.wait_event(landing)
             with torch.cuda.stream(h2d):  # from host memory into a new tensor: nothing on the main stream to wait for
                 return host.to(device, non_blocking=True)
         return host.to(device, copy=True)
@@ -176,20 +170,10 @@ class Offload:
             dst.copy_(src)
 
     def synchronize(self) -> None:
-        """Wait for every copy to the host issued so far: before the host reads the state (``state_dict()``)."""
+        """Wait for every copy to the host issued so far."""
         for _, d2h in self._streams.values():
             d2h.synchronize()
         self._stored.clear()
-        self._landing.clear()
-
-    def land(self) -> None:
-        """The copies to the host issued so far hold the state from now on, without waiting for them: the next
-        :meth:`fetch` on a device makes the copy stream wait for them there, and a host read waits first
-        (:meth:`synchronize`). The next forward then starts while the step's last stores are still on their way."""
-        for device, (_, d2h) in self._streams.items():
-            event = torch.cuda.Event()
-            event.record(d2h)
-            self._landing[device] = event
 
     def mark_stored(self, device: torch.device) -> None:
         """Note that a unit's state has been issued to the host (CUDA: an event on the D2H stream), for
@@ -529,10 +513,10 @@ class StagedStep:
         return t.view(-1)[start:stop]
 
     def commit(self) -> None:
-        """Make the new state current: the shadows swapped in, their last host copies still landing on CUDA
-        (:meth:`Offload.land`); then start refreshing the parameters' host backups for the next step (offload)."""
+        """Make the new state current: every chunk's host copies finished, the shadows swapped in; then start
+        refreshing the parameters' host backups for the next step (offload)."""
         if self.offload is not None:
-            self.offload.land()
+            self.offload.synchronize()
             for p, new in self._pending.items():
                 old = self.state.get(p)
                 self.state[p] = new
