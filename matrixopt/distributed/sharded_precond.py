@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 from matrixopt.distributed import comm
 from matrixopt.distributed.balance import lpt, shampoo_cost, soap_cost
 from matrixopt.distributed.sharded import OnLocalShards
-from matrixopt.optim.base import param_label
+from matrixopt.optim.base import MatrixOptimizer, param_label
 from matrixopt.optim.layout import copy_marks
 from matrixopt.optim.shampoo import Block, Shampoo
 from matrixopt.optim.soap import SOAP
@@ -86,7 +86,8 @@ class _OwnerSharded(OnLocalShards):
     def _check_matrices(self, group: dict[str, Any]) -> None:
         super()._check_matrices(group)
         name = type(self).__name__
-        base = next(c.__name__ for c in type(self).__mro__ if not issubclass(c, _OwnerSharded))  # Shampoo, SOAP
+        base = next(c.__name__ for c in type(self).__mro__  # Shampoo, SOAP
+                    if issubclass(c, MatrixOptimizer) and not issubclass(c, _OwnerSharded))
         for i, p in enumerate(group["params"]):
             what = param_label(group, i, p)
             if not isinstance(p, DTensor):
