@@ -10,6 +10,8 @@ r"""Muon's elementwise passes around Newton–Schulz: the dispatch between the f
 - :func:`second_moment_normalize`: AdaMuon's element-wise second moment, and the stack divided by its root.
 - :func:`row_sums_of_squares`: the sum of squares of each row of each stacked matrix as it lies (NorMuon's).
 - :func:`nonfinite_flags`: which gradients hold a NaN or an Inf (the optimizers' check before a step).
+- :func:`fused_for`: the kernels' module for other fused passes over lists of tensors (Adam's one pass, which SOAP
+  runs in its eigenbasis).
 
 Each pass takes its matrices as a list of tensors, each one ``(m, n)`` matrix or a stack ``(E, m, n)`` of E
 matrices of one shape (stacked experts, :func:`matrixopt.optim.layout.mark_experts`), k matrices in all, in stack
@@ -295,6 +297,14 @@ def nonfinite_flags(grads: Sequence[Tensor]) -> Tensor:
     if fused is None:
         return nonfinite_flags_reference(grads)
     return fused.nonfinite_flags_triton(grads)
+
+
+def fused_for(*tensors: Sequence[Tensor]) -> ModuleType | None:
+    """The fused kernels' module for a pass over these lists of contiguous float32 tensors (on the GPU, or anywhere
+    under a forced ``"triton"`` backend), else None: the caller runs its torch reference. Used by Adam's one-pass
+    kernel (:func:`matrixopt.optim.adam.adam_step`)."""
+    takes = all(t.dtype == torch.float32 and t.is_contiguous() for ts in tensors for t in ts)
+    return _kernels(_on_gpu(*tensors)) if takes else None
 
 
 def elementwise_backend(name: str) -> contextlib.AbstractContextManager[None]:

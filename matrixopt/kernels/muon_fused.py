@@ -562,3 +562,64 @@ def nonfinite_flags_triton(grads: Sequence[Tensor]) -> Tensor:
         _nonfinite_kernel[(len(chunks),)](table, chunks, flags, G_DTYPE=_TL_DTYPES[grads[0].dtype],
                                           BLOCK=CHECK_BLOCK, CHUNK=CHECK_CHUNK, num_warps=4)
     return flags
+
+
+# ----------------------------------------------------------------------------------------------- Adam, one pass
+
+@triton.jit
+def _adam_kernel(
+    # (n, 5) int64 table: gradient, first moment, second moment and output addresses, element count; (P, 2) int64
+    # work list: tensor, first element of the chunk (the non-finite check's)
+    table_ptr, chunks_ptr,
+    # 0-d float32 skip flag (nonzero: write no moment, and zeros as the direction), read when HAS_SKIP
+    skip_ptr,
+    beta1, beta2, eps, bc1, sqrt_bc2,
+    HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+):
+    work = chunks_ptr + tl.program_id(0).to(tl.int64) * 2
+    i = tl.load(work)
+    start = tl.load(work + 1)
+    row = table_ptr + i * 5
+    g_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    o_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    numel = tl.load(row + 4)
+    kept = tl.where(tl.load(skip_ptr) == 0, numel, 0) if HAS_SKIP else numel  # no element at all when skipping
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < numel
+        keep = idx < kept
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0)
+        m = tl.load(m_ptr + idx, mask=mask, other=0.0)
+        v = tl.load(v_ptr + idx, mask=mask, other=0.0)
+        m = m + (1.0 - beta1) * (g - m)
+        v = v * beta2 + (1.0 - beta2) * g * g
+        d = tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps) * bc1
+        tl.store(m_ptr + idx, m, mask=keep)
+        tl.store(v_ptr + idx, v, mask=keep)
+        tl.store(o_ptr + idx, tl.where(keep, d, 0.0), mask=mask)
+
+
+def adam_triton(exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], grads: Sequence[Tensor],
+                step: int, betas: tuple[float, float], eps: float, skip: Tensor | None = None,
+                out: Sequence[Tensor] | None = None) -> list[Tensor]:
+    """Adam's moments and bias-corrected direction in one pass over each tensor (one launch for the lists):
+    ``m <- lerp(m, g, 1 - beta1)``, ``v <- beta2 v + (1 - beta2) g^2``, and the returned new tensors
+    ``(m / (1 - beta1^t)) / (sqrt(v) / sqrt(1 - beta2^t) + eps)``, t = ``step`` for every tensor. 24 bytes per
+    element against about 90 for the same work as foreach ops. All contiguous float32 on one device, each
+    ``grads[i]`` shaped as ``exp_avgs[i]`` and ``exp_avg_sqs[i]``. ``skip``: a 0-d float32 device flag; nonzero
+    leaves the moments unwritten and returns zeros. ``out``: where to write the directions instead (contiguous
+    float32, shaped alike; may be ``grads`` themselves, each element read before it is written)."""
+    beta1, beta2 = betas
+    outs = list(out) if out is not None else [torch.empty_like(m) for m in exp_avgs]
+    numels = tuple(m.numel() for m in exp_avgs)
+    device = exp_avgs[0].device if exp_avgs else None
+    chunks = _chunk_table(numels, device) if exp_avgs else ()
+    if len(chunks):
+        table = _table(tuple(((g.data_ptr(), m.data_ptr(), v.data_ptr(), o.data_ptr(), n), (0,) * 5, 1)
+                             for g, m, v, o, n in zip(grads, exp_avgs, exp_avg_sqs, outs, numels)), device)
+        launch_kernel(_adam_kernel, (len(chunks),), table, chunks, table if skip is None else skip,
+                      float(beta1), float(beta2), float(eps), 1.0 / (1 - beta1**step), (1 - beta2**step) ** 0.5,
+                      HAS_SKIP=skip is not None, BLOCK=CHECK_BLOCK, CHUNK=CHECK_CHUNK, num_warps=4)
+    return outs

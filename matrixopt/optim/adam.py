@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from matrixopt.kernels import muon_elementwise
+
 
 def adam_moments_(exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], grads: list[Tensor],
                   betas: tuple[float, float], live: Tensor | None = None) -> None:
@@ -42,3 +44,22 @@ def adam_direction(exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], steps: lis
     out = torch._foreach_div(exp_avgs, denom)
     torch._foreach_mul_(out, [lr / (1 - beta1**t) for t in steps])
     return out
+
+
+def adam_step(exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], grads: list[Tensor], steps: list[int],
+              betas: tuple[float, float], eps: float, skip: Tensor | None = None,
+              into_grads: bool = False) -> list[Tensor]:
+    """:func:`adam_moments_` then :func:`adam_direction` (lr 1): the moments updated in place, the directions
+    returned as new float32 tensors. Where every tensor is contiguous float32 on the GPU and the steps are one
+    int, in one pass (:func:`matrixopt.kernels.muon_fused.adam_triton`: 24 bytes per element instead of about 90).
+    ``skip``: a 0-d float32 device flag, nonzero for a step that must write nothing; its gradients must then be
+    finite (:func:`matrixopt.optim.nonfinite.sanitized`): the moments are left as they were and the directions are
+    finite (zeros from the kernel), for a caller that applies them with weight ``1 - skip``. ``into_grads``: the
+    one-pass kernel writes the directions over ``grads`` (no new tensors; the reference returns new ones)."""
+    fused = muon_elementwise.fused_for(exp_avgs, exp_avg_sqs, grads) if len(set(steps)) == 1 and all(
+        isinstance(t, int) for t in steps) else None
+    if fused is not None:
+        return fused.adam_triton(exp_avgs, exp_avg_sqs, grads, steps[0], betas, eps, skip,
+                                 grads if into_grads else None)
+    adam_moments_(exp_avgs, exp_avg_sqs, grads, betas, None if skip is None else 1 - skip)
+    return adam_direction(exp_avgs, exp_avg_sqs, steps, betas, eps)

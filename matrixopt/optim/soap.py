@@ -53,8 +53,9 @@ state ``8 + 8 (m^2 + n^2) / (m n)`` bytes in float32 (two moments, two factors, 
 square block, as Shampoo); ``factor_dtype=torch.bfloat16`` makes it 16 (the factors and bases in bfloat16: a basis
 rounded to bfloat16 is orthogonal to about 2e-3 RMS and a rotation by it off by about 2e-3 relative, measured at
 n = 1024, against 3e-4 for TF32 products); ``factor_update="kl"`` adds ``4 (m + n) / (m n)``. A step's workspace
-is two float32 tensors of the parameter's shape (the rotated gradient, freed after the moments unless the KL
-update needs it, and the update: up to 12 bytes while the Adam direction is computed) plus a few stacked batches
+is one float32 tensor of the parameter's shape on the GPU (the rotated gradient, which Adam's one-pass kernel
+overwrites with the update; with ``factor_update="kl"``, which reads it again, and on the CPU, two: up to 12 bytes
+while the Adam direction is computed) plus a few stacked batches
 of at most :data:`~matrixopt.optim.layout.BUCKET_NUMEL` values. A synchronous refresh computes and installs one
 batch at a time; with ``side_stream`` every factor's new basis is held from one refresh to the next
 (``4 (m^2 + n^2) / (m n)`` bytes, 8 for a square block).
@@ -71,7 +72,7 @@ import torch
 from torch import Tensor
 
 from matrixopt.linalg.roots import eigenbasis, refresh_eigenbasis
-from matrixopt.optim.adam import adam_direction, adam_moments_
+from matrixopt.optim.adam import adam_step
 from matrixopt.optim.base import adamw_group_defaults
 from matrixopt.optim.layout import capped_runs
 from matrixopt.optim.nonfinite import sanitized
@@ -213,10 +214,10 @@ class SOAP(KroneckerOptimizer):
             del G, X
         M = [st["exp_avg"] for st in states]
         V = [st["exp_avg_sq"] for st in states]
-        adam_moments_(M, V, gp, group["betas"], live)
+        # N, rotated back in place below; over G' where nothing reads G' again (the KL factor update does)
+        updates = adam_step(M, V, gp, steps, group["betas"], group["eps"], skip, into_grads=not kl)
         projected = gpviews if kl else None  # only the KL factor update reads G' again: free it otherwise
         del gp, gpviews
-        updates = adam_direction(M, V, steps, group["betas"], group["eps"])  # N, rotated back in place below
         uviews = [block_views(p, plan, t) for p, plan, t in zip(params, plans, updates)]
         for key, ents in layout.runs():
             U = self._rotate(states, ents, torch.stack([uviews[i][k] for i, k, _ in ents]), key, to_eigen=False)
