@@ -198,7 +198,10 @@ class SOAP(KroneckerOptimizer):
         layout = self._layout(group, params)
         plans = [self._plan(group, p) for p in params]
         steps = [st["step"] - 1 for st in states]  # Adam steps: the first call only initializes
-        g32 = [g if g.dtype == torch.float32 else g.float() for g in grads] if skip is None else sanitized(grads, skip)
+        # a skipped step reads its gradients as they are where every use of them is masked (a non-finite factor
+        # block is dropped, Adam keeps its moments), as zeros where KL's eigenvalue estimates would read them
+        g32 = [g if g.dtype == torch.float32 else g.float() for g in grads] if skip is None or not kl else \
+            sanitized(grads, skip)
         gviews = [block_views(p, plan, g) for p, plan, g in zip(params, plans, g32)]
 
         # Adam in the eigenbasis: project, update the moments, precondition, project back (batches: Layout.runs)
