@@ -544,10 +544,10 @@ def _nonfinite_kernel(
 
 
 @functools.lru_cache(maxsize=16)
-def _chunk_table(numels: tuple[int, ...], device: torch.device) -> Tensor:
-    """The check's work list for tensors of these sizes, ``[tensor, first element]`` per CHECK_CHUNK, on ``device``
+def _chunk_table(numels: tuple[int, ...], device: torch.device, chunk: int = CHECK_CHUNK) -> Tensor:
+    """A work list for tensors of these sizes, ``[tensor, first element]`` per ``chunk`` elements, on ``device``
     (built once per set of sizes: thousands of rows for a model)."""
-    rows = [[i, start] for i, n in enumerate(numels) for start in range(0, n, CHECK_CHUNK)]
+    rows = [[i, start] for i, n in enumerate(numels) for start in range(0, n, chunk)]
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, 2).to(device)
 
 
@@ -566,6 +566,9 @@ def nonfinite_flags_triton(grads: Sequence[Tensor]) -> Tensor:
 
 # ----------------------------------------------------------------------------------------------- Adam, one pass
 
+ADAM_BLOCK, ADAM_CHUNK, ADAM_WARPS = 4096, 16 * 4096, 4  # elements per iteration and per program, warps
+
+
 @triton.jit
 def _adam_kernel(
     # (n, 5) int64 table: gradient, first moment, second moment and output addresses, element count; (P, 2) int64
@@ -574,20 +577,26 @@ def _adam_kernel(
     # 0-d float32 skip flag (nonzero: write no moment, and zeros as the direction), read when HAS_SKIP
     skip_ptr,
     beta1, beta2, eps, bc1, sqrt_bc2,
-    HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    HAS_SKIP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):
     work = chunks_ptr + tl.program_id(0).to(tl.int64) * 2
     i = tl.load(work)
     start = tl.load(work + 1)
     row = table_ptr + i * 5
-    g_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
-    m_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    o_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    g_addr, m_addr, v_addr, o_addr = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
+    if ALIGNED:  # every address a multiple of 16 bytes: vector loads and stores
+        g_addr, m_addr = tl.multiple_of(g_addr, 16), tl.multiple_of(m_addr, 16)
+        v_addr, o_addr = tl.multiple_of(v_addr, 16), tl.multiple_of(o_addr, 16)
+    g_ptr = g_addr.to(tl.pointer_type(tl.float32))
+    m_ptr = m_addr.to(tl.pointer_type(tl.float32))
+    v_ptr = v_addr.to(tl.pointer_type(tl.float32))
+    o_ptr = o_addr.to(tl.pointer_type(tl.float32))
     numel = tl.load(row + 4)
     kept = tl.where(tl.load(skip_ptr) == 0, numel, 0) if HAS_SKIP else numel  # no element at all when skipping
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
+        if ALIGNED:
+            idx = tl.max_contiguous(tl.multiple_of(idx, BLOCK), BLOCK)
         mask = idx < numel
         keep = idx < kept
         g = tl.load(g_ptr + idx, mask=mask, other=0.0)
@@ -615,11 +624,13 @@ def adam_triton(exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], grads
     outs = list(out) if out is not None else [torch.empty_like(m) for m in exp_avgs]
     numels = tuple(m.numel() for m in exp_avgs)
     device = exp_avgs[0].device if exp_avgs else None
-    chunks = _chunk_table(numels, device) if exp_avgs else ()
+    chunks = _chunk_table(numels, device, ADAM_CHUNK) if exp_avgs else ()
     if len(chunks):
-        table = _table(tuple(((g.data_ptr(), m.data_ptr(), v.data_ptr(), o.data_ptr(), n), (0,) * 5, 1)
-                             for g, m, v, o, n in zip(grads, exp_avgs, exp_avg_sqs, outs, numels)), device)
+        addresses = [(g.data_ptr(), m.data_ptr(), v.data_ptr(), o.data_ptr())
+                     for g, m, v, o in zip(grads, exp_avgs, exp_avg_sqs, outs)]
+        table = _table(tuple(((*a, n), (0,) * 5, 1) for a, n in zip(addresses, numels)), device)
         launch_kernel(_adam_kernel, (len(chunks),), table, chunks, table if skip is None else skip,
                       float(beta1), float(beta2), float(eps), 1.0 / (1 - beta1**step), (1 - beta2**step) ** 0.5,
-                      HAS_SKIP=skip is not None, BLOCK=CHECK_BLOCK, CHUNK=CHECK_CHUNK, num_warps=4)
+                      HAS_SKIP=skip is not None, ALIGNED=all(x % 16 == 0 for a in addresses for x in a),
+                      BLOCK=ADAM_BLOCK, CHUNK=ADAM_CHUNK, num_warps=ADAM_WARPS)
     return outs

@@ -17,19 +17,26 @@ from torch import Tensor
 from matrixopt.kernels import muon_elementwise
 
 
+def ema_(averages: list[Tensor], values: list[Tensor], weight: float, live: Tensor | None = None) -> None:
+    """``a <- a + weight (x - a)`` in place (a lerp). ``live``: an optional 0-d float32 device tensor, 1 for a step
+    and 0 for a skipped one, whose values must then be zeros (:func:`matrixopt.optim.nonfinite.sanitized`): taken
+    as ``a (1 - weight live) + weight x``, which leaves ``a`` as it was, bit for bit, when skipped (two passes on
+    fast foreach kernels, where a lerp by a tensor weight would take torch's per-tensor path)."""
+    if live is None:
+        torch._foreach_lerp_(averages, values, weight)
+    else:
+        torch._foreach_mul_(averages, 1 - weight * live)
+        torch._foreach_add_(averages, values, alpha=weight)
+
+
 def adam_moments_(exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], grads: list[Tensor],
                   betas: tuple[float, float], live: Tensor | None = None) -> None:
     """``m <- beta1 m + (1 - beta1) g`` and ``v <- beta2 v + (1 - beta2) g^2``, in place. All float32, each
-    ``grads[i]`` shaped like ``exp_avgs[i]`` and ``exp_avg_sqs[i]``. ``live``: an optional 0-d float32 device
-    tensor, 1 for a step and 0 for a skipped one (with zero gradients, :func:`matrixopt.optim.nonfinite.sanitized`),
-    which then leaves both moments as they were, bit for bit; no host sync."""
+    ``grads[i]`` shaped like ``exp_avgs[i]`` and ``exp_avg_sqs[i]``. ``live``: as in :func:`ema_` (zero gradients
+    on a skipped step, which leaves both moments as they were, bit for bit); no host sync."""
     beta1, beta2 = betas
-    if live is None:
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-    else:
-        torch._foreach_lerp_(exp_avgs, grads, [live * (1 - beta1)] * len(exp_avgs))
-        torch._foreach_mul_(exp_avg_sqs, 1 - live * (1 - beta2))
+    ema_(exp_avgs, grads, 1 - beta1, live)
+    torch._foreach_mul_(exp_avg_sqs, beta2 if live is None else 1 - live * (1 - beta2))
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
 
 

@@ -83,7 +83,7 @@ from torch import Tensor
 
 from matrixopt.kernels.decay import decay_
 from matrixopt.linalg.roots import InverseRootConfig, fall_back, inverse_root, newton_inverse_root
-from matrixopt.optim.adam import adam_direction, adam_moments_
+from matrixopt.optim.adam import adam_direction, adam_moments_, ema_
 from matrixopt.optim.base import (
     MatrixOptimizer,
     _check_finite,
@@ -239,15 +239,18 @@ def finite_blocks(X: Tensor) -> Tensor:
 def accumulate(factors: list[Tensor], GG: Tensor, beta: float, live: Tensor | None = None) -> None:
     """``F = beta F + (1 - beta) GG`` (``F += GG`` for beta = 1) for each factor; a block of GG that is not finite
     (:func:`finite_blocks`) contributes nothing. factors: b tensors ``(d, d)``; GG: ``(b, d, d)`` float32.
-    ``live``: an optional 0-d float32 device flag, 0 for a skipped step (GG then zero), which leaves the factors
-    as they were."""
-    GG = torch.where(finite_blocks(GG), GG, 0.0).to(factors[0].dtype)
+    ``live``: an optional 0-d float32 device flag, 0 for a skipped step, which leaves the factors as they were
+    (GG, whatever it holds, then counts as zero; the average is then taken as ``F (1 - (1 - beta) live) + (1 - beta)
+    GG``, two passes on fast foreach kernels, where a lerp by a tensor weight would take torch's per-tensor path)."""
+    ok = finite_blocks(GG) if live is None else finite_blocks(GG) & (live > 0)
+    GG = torch.where(ok, GG, 0.0).to(factors[0].dtype)
     if beta == 1.0:
         torch._foreach_add_(factors, list(GG.unbind(0)))
     elif live is None:
         torch._foreach_lerp_(factors, list(GG.unbind(0)), 1.0 - beta)
     else:
-        torch._foreach_lerp_(factors, list(GG.unbind(0)), [(live * (1.0 - beta)).to(GG.dtype)] * len(factors))
+        torch._foreach_mul_(factors, 1 - (1 - beta) * live)
+        torch._foreach_add_(factors, list(GG.unbind(0)), alpha=1 - beta)
 
 
 # ----------------------------------------------------------------------------------------------- shared base
@@ -652,7 +655,7 @@ class Shampoo(KroneckerOptimizer):
         if graft:  # B = beta1 B + (1 - beta1) G, and the graft's V = beta2 V + (1 - beta2) G^2
             adam_moments_(bufs, [st["exp_avg_sq"] for st in states], g32, group["betas"], live)
         else:
-            torch._foreach_lerp_(bufs, g32, 1 - beta1 if live is None else [live * (1 - beta1)] * len(bufs))
+            ema_(bufs, g32, 1 - beta1, live)
         D = torch._foreach_lerp(g32, bufs, beta1) if group["nesterov"] else bufs
         # the Adam update A = (D / bc1) / (sqrt(V / bc2) + eps)
         fallback = adam_direction(D, [st["exp_avg_sq"] for st in states], [st["step"] for st in states],
