@@ -240,6 +240,18 @@ def test_excluded_rows_are_listed_but_not_counted():
     assert "(+100.0%, excluded)" in text and "1 of 2 rows within 15%" in text and "1 shipped-profile rows" in text
 
 
+def test_stale_time_rows_are_listed_but_not_counted():
+    files, parts, why = validate.STALE[0]
+    what = "1.3b, 2 H100, 16k tokens per GPU, fsdp: Muon optimizer step"
+    assert all(p in what for p in parts)
+    assert validate._row(what, files[0], "measured", 2.0, 1.0, "ms")["excluded"] == why
+    assert validate._row(what.replace("optimizer step", "peak memory per GPU"), files[0], "measured", 2.0, 1.0,
+                         "GB")["excluded"] is None  # memory rows still count
+    layerwise = "1.3b, 2 H100, 16k tokens per GPU, layerwise: Muon optimizer step"
+    assert validate._row(layerwise, files[0], "measured", 2.0, 1.0, "ms")["excluded"] is None
+    assert validate._row(what, "scale_1.3b_4k_fsdp_2xh100.json", "measured", 2.0, 1.0, "ms")["excluded"] is None
+
+
 def test_layerwise_step_on_one_gpu_is_the_cost_models_step_with_adamw_beside_it():
     """One owner steps every matrix (one stack per matrix entry) with its AdamW groups on a side stream."""
     from matrixopt.distributed.cost import Shapes, matrix_step_time
