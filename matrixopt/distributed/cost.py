@@ -20,6 +20,13 @@ by ``matrixopt plan --calibrate`` or filled from nominal figures (``"source": "n
 A call's time is its size over the rate interpolated (linearly in log size) between the two nearest points; below
 the first point it takes the first point's time (launch-bound), above the last it runs at the last point's rate.
 
+A product table measured on the calibration's stacks (:data:`CALIBRATION_STACKS`: ``(b, s, s) @ (b, s, 4 s)``, one
+batch ``b`` per width ``s``, so its sizes are ``8 b s^3``) is also a table of rates by matrix width: a product of
+a stack of width ``s`` runs no faster than the calibration's stack of that width (interpolated in log width,
+clamped to the grid's ends), whatever its batch. A larger batch adds tiles, not reuse per tile: a stack of 320
+matrices of 384 x 1024 has the FLOPs of the 768-wide calibration stack but the inner dimension of a 384-wide one.
+Tables not on that grid (the nominal rooflines) give rates by size alone.
+
 **Collectives** (:func:`collective_time`): the α–β model, α the latency of one message step, β the per-GPU
 bandwidth of the slowest link the group crosses (a group inside one node uses ``intra``, one spanning nodes
 ``inter``); ``P`` ranks, ``n`` bytes:
@@ -37,7 +44,12 @@ all-to-all         :math:`(P-1)\alpha + \frac{P-1}{P} n \beta`  (pairwise)      
 
 **Optimizer steps** on lists of same-shape matrix groups (our optimizers batch same-shape matrices into one
 stack): Muon (:func:`newton_schulz_time` plus its elementwise passes), AdamW, Shampoo and SOAP (their factor
-products every step, their roots or eigenbases every ``precondition_frequency`` steps, amortized).
+products every step, their roots or eigenbases every ``precondition_frequency`` steps, amortized). A matrix
+optimizer's AdamW groups run on a side stream beside its matrix groups
+(:meth:`matrixopt.optim.base.MatrixOptimizer._update`): their pass is hidden behind the matrix groups' products,
+not behind their elementwise passes, which contend for the same memory bandwidth. A step that is not handed the
+clip's per-gradient norms (no ``clip_grad_norm_`` through the optimizer) first reads every gradient once for its
+non-finite check (:data:`CHECK_BYTES`).
 :func:`matrix_step_flops` gives the FLOPs of one step on one matrix, which the balancer packs on.
 
 **Tensor-parallel Newton–Schulz** (:func:`tp_ns_times`): the three modes of :mod:`.tp` and what they overlap;
@@ -65,10 +77,14 @@ SOURCES = ("nominal", "measured")
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 
 # Bytes each step moves per parameter in its elementwise passes (fp32 state and weights):
-MUON_BYTES = 20  # read grad and momentum, write momentum, read and write the weight
+# Muon (matrixopt.kernels.muon_elementwise): the momentum pass reads the gradient and the momentum and writes the
+# momentum and the update into the 16-bit Newton-Schulz stack (4 + 4 + 4 + 2); the normalization reads and
+# writes the stack (2 + 2); the update pass reads the 16-bit result and reads and writes the weight (2 + 4 + 4)
+MUON_BYTES = 28
 ADAMW_BYTES = 28  # read grad, weight, m, v; write weight, m, v
 SHAMPOO_BYTES = 44  # AdamW's passes for the graft plus reading and writing the momentum
 SOAP_BYTES = 36  # AdamW's passes in the eigenbasis plus the projected gradient written and read
+CHECK_BYTES = 4  # the non-finite check reads each fp32 gradient once (nonfinite.nonfinite_flags)
 
 # Optimizer state bytes per parameter of a matrix (the per-factor state of Shampoo and SOAP is counted apart):
 STATE_BYTES = {"adamw": 8, "muon": 4, "shampoo": 8, "soap": 8}  # Shampoo: momentum and the Adam graft's moment
@@ -80,6 +96,10 @@ ROOT_STEPS = 20
 ROOT_PRODUCTS = 4
 MAX_PRECONDITIONER_DIM = 1024
 NS_STEPS = 5
+
+CALIBRATION_STACKS = ((256, 64), (512, 32), (768, 24), (1024, 16), (2048, 8), (4096, 4), (8192, 1))
+"""``(s, b)``: the stacks ``matrixopt plan --calibrate`` times each product table on, on CUDA
+(:data:`matrixopt.distributed.calibrate.CUDA_SHAPES`): ``(b, s, s) @ (b, s, 4 s)``, ``8 b s^3`` FLOPs per call."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -131,6 +151,33 @@ def _check_table(name: str, table: Any) -> Table:
     return points
 
 
+def _rate_at(points: Table, x: float) -> float:
+    """The rate at ``x`` inside the table's span, interpolated linearly in log ``x``."""
+    xs = [p for p, _ in points]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(points) - 1)
+    (x0, r0), (x1, r1) = points[i - 1], points[i]
+    t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return r0 + t * (r1 - r0)
+
+
+def _interpolate(points: Table, size: float) -> float:
+    """Seconds of one call of ``size`` by the table's rates (module docstring)."""
+    if size <= points[0][0]:
+        return points[0][0] / points[0][1]  # launch-bound floor
+    if size >= points[-1][0]:
+        return size / points[-1][1]
+    return size / _rate_at(points, size)
+
+
+def width_rates(points: Table) -> Table | None:
+    """``((s, rate), ...)`` for a product table measured on :data:`CALIBRATION_STACKS` (its sizes are their
+    ``8 b s^3``, to a part in a million), else None."""
+    grid = [8.0 * b * s**3 for s, b in CALIBRATION_STACKS]
+    if len(points) != len(grid) or any(abs(x / g - 1) > 1e-6 for (x, _), g in zip(points, grid)):
+        return None
+    return tuple((float(s), r) for (s, _), (_, r) in zip(CALIBRATION_STACKS, points))
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeviceProfile:
     """A device's achieved rates and links; see the module docstring for the JSON format. Checks itself."""
@@ -168,20 +215,19 @@ class DeviceProfile:
             raise ValueError(f"profile links need 'intra' and 'inter', missing {sorted(missing)}")
 
     # -- rates ------------------------------------------------------------------------------------------
-    def seconds(self, table: str, size: float) -> float:
-        """Seconds of one call of ``size`` (FLOPs, or bytes for ``elementwise``) from the named table."""
+    def seconds(self, table: str, size: float, width: int | None = None) -> float:
+        """Seconds of one call of ``size`` (FLOPs, or bytes for ``elementwise``) from the named table. ``width``:
+        the matrices' short side, for a product; where the table is on the calibration's grid
+        (:func:`width_rates`), the call runs no faster than the table's rate at that width (module docstring)."""
         points: Table = getattr(self, table)
         if size <= 0:
             return 0.0
-        xs = [x for x, _ in points]
-        i = bisect.bisect_left(xs, size)
-        if i == 0:
-            return points[0][0] / points[0][1]  # launch-bound floor
-        if i == len(points):
-            return size / points[-1][1]
-        (x0, r0), (x1, r1) = points[i - 1], points[i]
-        t = (math.log(size) - math.log(x0)) / (math.log(x1) - math.log(x0))
-        return size / (r0 + t * (r1 - r0))
+        by_size = _interpolate(points, size)
+        widths = width_rates(points) if width is not None else None
+        if widths is None:
+            return by_size
+        w = min(max(float(width), widths[0][0]), widths[-1][0])  # clamped to the grid's widths
+        return max(by_size, size / _rate_at(widths, w))
 
     def link(self, group_size: int, stride: int = 1, gpus_per_node: int | None = None) -> Link:
         """The link a group of ``group_size`` ranks ``stride`` apart crosses: ``intra`` if it fits in a node."""
@@ -352,13 +398,14 @@ def newton_schulz_time(profile: DeviceProfile, batch: int, m: int, n: int, steps
                        method: str = "auto") -> float:
     """Seconds of ``steps`` Newton–Schulz iterations on a ``(batch, m, n)`` bf16 stack, product by product as
     :func:`matrixopt.linalg.ortho.newton_schulz` runs them (replayed from a CUDA graph, so ``auto`` takes the Gram
-    form by aspect alone). The FLOPs add up to :func:`~matrixopt.linalg.ortho.newton_schulz_flops`."""
+    form by aspect alone), each product at most at the rate of its width ``min(m, n)`` (module docstring). The
+    FLOPs add up to :func:`~matrixopt.linalg.ortho.newton_schulz_flops`."""
     if batch == 0:
         return 0.0
     s, l = min(m, n), max(m, n)
-    gram = profile.seconds("syrk", 2.0 * batch * s * s * l)  # X X^T
-    square = profile.seconds("gemm", 2.0 * batch * s**3)  # (s, s) @ (s, s)
-    apply = profile.seconds("gemm", 2.0 * batch * s * s * l)  # (s, s) @ (s, l)
+    gram = profile.seconds("syrk", 2.0 * batch * s * s * l, s)  # X X^T
+    square = profile.seconds("gemm", 2.0 * batch * s**3, s)  # (s, s) @ (s, s)
+    apply = profile.seconds("gemm", 2.0 * batch * s * s * l, s)  # (s, s) @ (s, l)
     if not uses_gram(method, batch, s, l):
         return steps * (gram + square + apply)
     return sum(gram + (4 * k - 3) * square + apply for k in gram_phases(steps))
@@ -383,17 +430,25 @@ def _blocks(dim: int) -> list[int]:
 
 
 def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Shapes], *,
-                     ns_steps: int = NS_STEPS, precondition_frequency: int = 10) -> float:
+                     ns_steps: int = NS_STEPS, precondition_frequency: int = 10, adamw_numel: int = 0,
+                     check: bool = False) -> float:
     """Seconds of one step of ``optimizer`` ("muon", "shampoo", "soap" or "adamw") on the matrices ``groups`` of
     one rank, each group one stack, plus the step's elementwise passes (one fused pass over all of them).
     Shampoo's roots and SOAP's eigenbases are refreshed every ``precondition_frequency`` steps; their cost is
-    amortized over the period."""
+    amortized over the period.
+
+    ``adamw_numel``: elements of the matrix optimizer's AdamW groups (vectors, tables), stepped on a side stream
+    beside the matrix groups, so their pass counts only where it outlasts the matrix products:
+    ``passes + max(products, adamw)`` (module docstring). ``check``: the step runs its own non-finite check, one
+    read of every gradient (:data:`CHECK_BYTES`), as it does when not handed the clip's norms."""
     numel = sum(g.numel for g in groups)
+    checked = profile.seconds("elementwise", CHECK_BYTES * (numel + adamw_numel)) if check else 0.0
+    side = profile.seconds("elementwise", ADAMW_BYTES * adamw_numel)
     if optimizer == "adamw":
-        return profile.seconds("elementwise", ADAMW_BYTES * numel)
+        return profile.seconds("elementwise", ADAMW_BYTES * (numel + adamw_numel)) + checked
     if optimizer == "muon":
         t = sum(newton_schulz_time(profile, g.count, g.m, g.n, ns_steps) for g in groups)
-        return t + profile.seconds("elementwise", MUON_BYTES * numel)
+        return checked + max(t, side) + profile.seconds("elementwise", MUON_BYTES * numel)
     if optimizer not in ("shampoo", "soap"):
         raise ValueError(f"no step-time model for optimizer {optimizer!r}; use muon, adamw, shampoo or soap")
     if precondition_frequency < 1:
@@ -402,17 +457,18 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
     for g in groups:
         for mb in _blocks(g.m):
             for nb in _blocks(g.n):
-                side = 2.0 * g.count * mb * nb * (mb + nb)  # L += G G^T and R += G^T G, or one product by each
-                products = 2 if optimizer == "shampoo" else 3  # factors, preconditioning (, projection back)
-                every += products * profile.seconds("fp32_gemm", side)
+                pair = 2.0 * g.count * mb * nb * (mb + nb)  # L += G G^T and R += G^T G, or one product by each
+                passes = 2 if optimizer == "shampoo" else 3  # factors, preconditioning (, projection back)
+                every += passes * profile.seconds("fp32_gemm", pair, min(mb, nb))
                 for k in (mb, nb):
-                    cube = profile.seconds("fp32_gemm", 2.0 * g.count * k**3)
+                    cube = profile.seconds("fp32_gemm", 2.0 * g.count * k**3, k)
                     if optimizer == "shampoo":
                         refresh += ROOT_STEPS * ROOT_PRODUCTS * cube
                     else:
                         refresh += cube + g.count * profile.seconds("qr", qr_flops(k))
     per_param = SHAMPOO_BYTES if optimizer == "shampoo" else SOAP_BYTES
-    return every + refresh / precondition_frequency + profile.seconds("elementwise", per_param * numel)
+    products = every + refresh / precondition_frequency
+    return checked + max(products, side) + profile.seconds("elementwise", per_param * numel)
 
 
 def qr_flops(n: int) -> float:

@@ -32,6 +32,9 @@ flops_per_token`) and an assumed MFU (forward a third, backward two thirds). The
   post_backward`` upcasts them whenever it does not reduce). The
   step gathers each matrix to one owner and scatters the update back (two all-to-alls), pipelined over the shape
   buckets, so the all-to-alls hide behind the owners' Newton–Schulz except for one bucket's share.
+- In either, a rank's matrix optimizer steps its AdamW groups (tables, vectors) on a side stream beside its
+  matrix groups (:func:`matrixopt.distributed.cost.matrix_step_time`): their pass counts only where it outlasts
+  the rank's matrix products.
 - ``tpK <mode>``: FSDP over world/K with each block's matrices split over K ranks of a node (Megatron layout); the
   per-layer activation all-reduces (two in forward, two in backward, not overlapped) and Muon's TP Newton–Schulz in
   ``duplicated``, ``distributed`` or ``blockwise`` mode (:func:`matrixopt.distributed.cost.tp_ns_times`).
@@ -381,9 +384,9 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         sync = max(0.0, reduce - bwd) + max(0.0, bcast - fwd)
         adamw_sync = max(0.0, collective_time("all_reduce", 4 * params_el, dp, dp_link) - bwd)
         ns, opt_comm, owned = _owner_load(profile, cfg, mats, dp, 1, None)
-        elementwise = profile.seconds("elementwise", (ELEMENTWISE_BYTES[cfg.optimizer] * owned
-                                                      + ADAMW_BYTES * rest_el / dp))
-        opt = ns + elementwise
+        elementwise = profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * owned)
+        side = profile.seconds("elementwise", ADAMW_BYTES * rest_el / dp)  # AdamW groups on a side stream
+        opt = max(ns, side) + elementwise
         adamw_opt = profile.seconds("elementwise", ADAMW_BYTES * params_el)
         state_total = _state(cfg.optimizer, mats, 1) + 8 * rest_el
         state = max(state_total / dp, 8.0 * getattr(model, "vocab", 0) * d)  # a whole-owned embedding
@@ -416,9 +419,9 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         opt_comm = comm_d + comm_e + max(0.0, a2a - ns) + a2a / buckets
         local_mat = dense_mat_shard + expert_shard
         local_rest = rest_el / dp
-        elementwise = profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * local_mat
-                                      + ADAMW_BYTES * local_rest)
-        opt = ns + max(0.0, a2a - ns) + a2a / buckets + elementwise  # ns holds the TP traffic
+        elementwise = profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * local_mat)
+        side = profile.seconds("elementwise", ADAMW_BYTES * local_rest)  # AdamW groups on a side stream
+        opt = max(ns, side) + max(0.0, a2a - ns) + a2a / buckets + elementwise  # ns holds the TP traffic
         adamw_opt = profile.seconds("elementwise", ADAMW_BYTES * (dense_shard + expert_shard))
         state = (_state(cfg.optimizer, dense, tp) / dp + _state(cfg.optimizer, experts, 1) / edp
                  + 8 * local_rest)

@@ -68,6 +68,40 @@ def test_rate_tables_interpolate_in_log_size():
     assert p.seconds("gemm", 0) == 0.0
 
 
+def _on_grid(rates: list[float]) -> tuple[tuple[float, float], ...]:
+    """A product table measured on the calibration's stacks, with ``rates`` by width."""
+    return tuple((8.0 * b * s**3, r) for (s, b), r in zip(cost.CALIBRATION_STACKS, rates))
+
+
+def test_calibration_stacks_are_the_calibrations():
+    from matrixopt.distributed import calibrate
+
+    assert cost.CALIBRATION_STACKS == calibrate.CUDA_SHAPES
+
+
+def test_a_table_on_the_calibration_grid_caps_each_width_at_its_rate():
+    """Width 256 at 2e14 FLOP/s and 512 at 5e14 (the rest 7e14): a stack of 320 matrices of 384 x 1024 has
+    FLOPs between the 768- and 1024-wide points, but runs at most at the rate of width 384, log2(1.5) = 0.585 of
+    the way (in log width) from 256 to 512."""
+    table = _on_grid([2e14, 5e14] + [7e14] * 5)
+    p = DeviceProfile(**{**_flat()._fields(), "gemm": table})
+    assert cost.width_rates(table)[:2] == ((256.0, 2e14), (512.0, 5e14))
+    flops = 2.0 * 320 * 384 * 384 * 1024  # 96.6 GFLOP: between the 768- and 1024-wide points by size
+    assert p.seconds("gemm", flops) == pytest.approx(flops / 7e14)  # by size alone
+    assert p.seconds("gemm", flops, 384) == pytest.approx(flops / (2e14 + math.log2(1.5) * 3e14))
+    assert p.seconds("gemm", flops, 4096) == pytest.approx(flops / 7e14)  # wide enough: the size's rate
+    assert p.seconds("gemm", flops, 64) == pytest.approx(flops / 2e14)  # narrower than the grid: its first width
+    small = 2.0 * 384**3  # below the first point: the launch floor, slower than either rate
+    assert p.seconds("gemm", small, 384) == pytest.approx(table[0][0] / 2e14)
+
+
+def test_a_table_off_the_calibration_grid_has_no_widths():
+    assert cost.width_rates(((1e6, 1e9), (1e8, 3e9))) is None
+    p = nominal(next(iter(NOMINAL)))
+    assert cost.width_rates(p.gemm) is None
+    assert p.seconds("gemm", 1e11, 256) == p.seconds("gemm", 1e11)
+
+
 @pytest.mark.parametrize("b, m, n", [(1, 64, 64), (3, 64, 256), (2, 256, 64), (1, 96, 100)])
 def test_newton_schulz_time_counts_the_shared_flops(b, m, n):
     p = _flat(rate=1e12)
@@ -85,6 +119,7 @@ def test_step_times_and_state():
     muon = cost.matrix_step_time(p, "muon", groups)
     assert muon == pytest.approx(ortho.newton_schulz_flops(64, 256, 5, batch=3) / 1e12
                                  + cost.MUON_BYTES * 3 * 64 * 256 / 1e11)
+    assert cost.MUON_BYTES == (4 + 4 + 4 + 2) + (2 + 2) + (2 + 4 + 4)  # momentum + pack, normalize, update
     every = cost.matrix_step_time(p, "shampoo", groups, precondition_frequency=1)
     tenth = cost.matrix_step_time(p, "shampoo", groups, precondition_frequency=10)
     assert every > tenth > 0  # roots amortized over the period
@@ -96,6 +131,23 @@ def test_step_times_and_state():
         cost.matrix_step_time(p, "lion", groups)
     with pytest.raises(ValueError, match="precondition_frequency"):
         cost.matrix_step_time(p, "soap", groups, precondition_frequency=0)
+
+
+def test_adamw_groups_hide_behind_the_products_and_the_check_reads_every_gradient():
+    """Muon on 3 x (64, 256) at 1e12 FLOP/s and 1e11 B/s, with AdamW groups of 1e5 or 1e7 elements."""
+    p = _flat(rate=1e12, bw=1e11)
+    groups, numel = [Shapes(64, 256, 3)], 3 * 64 * 256
+    ns = ortho.newton_schulz_flops(64, 256, 5, batch=3) / 1e12  # 0.12 ms
+    passes = cost.MUON_BYTES * numel / 1e11
+    small, large = 1e5, 1e7  # AdamW's pass: 28 us (hidden behind the products) and 2.8 ms (not)
+    assert cost.matrix_step_time(p, "muon", groups, adamw_numel=small) == pytest.approx(ns + passes)
+    assert cost.matrix_step_time(p, "muon", groups, adamw_numel=large) == pytest.approx(
+        cost.ADAMW_BYTES * large / 1e11 + passes)
+    check = cost.CHECK_BYTES * (numel + small) / 1e11  # one fp32 read of every gradient
+    assert cost.matrix_step_time(p, "muon", groups, adamw_numel=small, check=True) == pytest.approx(
+        ns + passes + check)
+    assert cost.matrix_step_time(p, "adamw", groups, adamw_numel=small) == pytest.approx(
+        cost.ADAMW_BYTES * (numel + small) / 1e11)
 
 
 def test_tp_modes_by_hand():

@@ -240,6 +240,29 @@ def test_excluded_rows_are_listed_but_not_counted():
     assert "(+100.0%, excluded)" in text and "1 of 2 rows within 15%" in text and "1 shipped-profile rows" in text
 
 
+def test_stale_time_rows_are_listed_but_not_counted():
+    files, parts, why = validate.STALE[0]
+    what = "1.3b, 2 H100, 16k tokens per GPU, fsdp: Muon optimizer step"
+    assert all(p in what for p in parts)
+    assert validate._row(what, files[0], "measured", 2.0, 1.0, "ms")["excluded"] == why
+    assert validate._row(what.replace("optimizer step", "peak memory per GPU"), files[0], "measured", 2.0, 1.0,
+                         "GB")["excluded"] is None  # memory rows still count
+    layerwise = "1.3b, 2 H100, 16k tokens per GPU, layerwise: Muon optimizer step"
+    assert validate._row(layerwise, files[0], "measured", 2.0, 1.0, "ms")["excluded"] is None
+    assert validate._row(what, "scale_1.3b_4k_fsdp_2xh100.json", "measured", 2.0, 1.0, "ms")["excluded"] is None
+
+
+def test_layerwise_step_on_one_gpu_is_the_cost_models_step_with_adamw_beside_it():
+    """One owner steps every matrix (one stack per matrix entry) with its AdamW groups on a side stream."""
+    from matrixopt.distributed.cost import Shapes, matrix_step_time
+
+    model = gpt("gpt2-small")
+    p = planner.predict(planner.Layout(kind="layerwise"), planner.PlanConfig(model=model, gpus=1), H100)
+    groups = [Shapes(m.m, m.n, m.count) for m in model.matrices()]
+    rest = model.table_params() + model.vector_params()
+    assert p.opt_step_s == pytest.approx(matrix_step_time(H100, "muon", groups, adamw_numel=rest))
+
+
 def test_fsdp_gather_once_gathers_twice_per_step_and_holds_the_gathered_model():
     """Gathering once per step (the trainer's ``--fsdp-gather-once``): the first micro-batch's forward and the
     last one's backward gather the whole model, the last backward reduce-scatters, the micro-batches between
