@@ -52,6 +52,7 @@ def test_optimizer_kwargs_defer_the_nonfinite_check_where_the_optimizer_can():
 
     kw = lambda name, **hp: OptimConfig(name=name, hparams=hp).optimizer_kwargs()  # noqa: E731
     assert kw("muon")["deferred_nonfinite"] is True and kw("muon")["adamw_betas"] == (0.9, 0.99)
-    assert "deferred_nonfinite" not in kw("adamw") and "deferred_nonfinite" not in kw("shampoo")
+    assert "deferred_nonfinite" not in kw("adamw") and kw("shampoo")["deferred_nonfinite"] is True
+    assert kw("soap")["deferred_nonfinite"] is True
     assert "deferred_nonfinite" not in kw("muon", skip_nonfinite=True)
     assert kw("muon", deferred_nonfinite=False)["deferred_nonfinite"] is False
