@@ -300,10 +300,10 @@ def nonfinite_flags(grads: Sequence[Tensor]) -> Tensor:
 
 
 def fused_for(*tensors: Sequence[Tensor]) -> ModuleType | None:
-    """The fused kernels' module for a pass over these lists of contiguous float32 tensors (on the GPU, or anywhere
-    under a forced ``"triton"`` backend), else None: the caller runs its torch reference. Used by Adam's one-pass
-    kernel (:func:`matrixopt.optim.adam.adam_step`)."""
-    takes = all(t.dtype == torch.float32 and t.is_contiguous() for ts in tensors for t in ts)
+    """The fused kernels' module for a pass over these lists of float32 matrices with unit column stride (on the
+    GPU, or anywhere under a forced ``"triton"`` backend), else None: the caller runs its torch reference. Used by
+    Adam's one-pass kernel (:func:`matrixopt.optim.adam.adam_step`)."""
+    takes = all(t.dtype == torch.float32 and t.ndim == 2 and t.stride(1) == 1 for ts in tensors for t in ts)
     return _kernels(_on_gpu(*tensors)) if takes else None
 
 

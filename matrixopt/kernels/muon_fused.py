@@ -544,10 +544,10 @@ def _nonfinite_kernel(
 
 
 @functools.lru_cache(maxsize=16)
-def _chunk_table(numels: tuple[int, ...], device: torch.device, chunk: int = CHECK_CHUNK) -> Tensor:
-    """A work list for tensors of these sizes, ``[tensor, first element]`` per ``chunk`` elements, on ``device``
+def _chunk_table(numels: tuple[int, ...], device: torch.device) -> Tensor:
+    """The check's work list for tensors of these sizes, ``[tensor, first element]`` per CHECK_CHUNK, on ``device``
     (built once per set of sizes: thousands of rows for a model)."""
-    rows = [[i, start] for i, n in enumerate(numels) for start in range(0, n, chunk)]
+    rows = [[i, start] for i, n in enumerate(numels) for start in range(0, n, CHECK_CHUNK)]
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, 2).to(device)
 
 
@@ -566,72 +566,84 @@ def nonfinite_flags_triton(grads: Sequence[Tensor]) -> Tensor:
 
 # ----------------------------------------------------------------------------------------------- Adam, one pass
 
-ADAM_BLOCK, ADAM_CHUNK, ADAM_WARPS = 2048, 8 * 2048, 4  # elements per iteration and per program, warps: the best of
-# seven tried on an H100 over 1.2G values (2.9 TB/s; 16 times as many elements per program ran at 1.8 TB/s)
+ADAM_ROWS, ADAM_BLOCK, ADAM_WARPS = 8, 1024, 4  # rows per program, columns per iteration, warps
 
 
 @triton.jit
 def _adam_kernel(
-    # (n, 5) int64 table: gradient, first moment, second moment and output addresses, element count; (P, 2) int64
-    # work list: tensor, first element of the chunk (the non-finite check's)
+    # (n, 10) int64 table, one row per matrix: gradient, first moment, second moment and output addresses, rows,
+    # columns, and the four row strides (elements); (P, 2) int64 work list: matrix, first row
     table_ptr, chunks_ptr,
     # 0-d float32 skip flag (nonzero: write no moment, and zeros as the direction), read when HAS_SKIP
     skip_ptr,
     beta1, beta2, eps, bc1, sqrt_bc2,
-    HAS_SKIP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    HAS_SKIP: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     work = chunks_ptr + tl.program_id(0).to(tl.int64) * 2
     i = tl.load(work)
-    start = tl.load(work + 1)
-    row = table_ptr + i * 5
+    r0 = tl.load(work + 1)
+    row = table_ptr + i * 10
     g_addr, m_addr, v_addr, o_addr = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
-    if ALIGNED:  # every address a multiple of 16 bytes: vector loads and stores
+    R, C = tl.load(row + 4), tl.load(row + 5)
+    g_rs, m_rs, v_rs, o_rs = tl.load(row + 6), tl.load(row + 7), tl.load(row + 8), tl.load(row + 9)
+    if ALIGNED:  # every address a multiple of 16 bytes, every row stride of 4 elements: vector loads and stores
         g_addr, m_addr = tl.multiple_of(g_addr, 16), tl.multiple_of(m_addr, 16)
         v_addr, o_addr = tl.multiple_of(v_addr, 16), tl.multiple_of(o_addr, 16)
+        g_rs, m_rs, v_rs, o_rs = tl.multiple_of(g_rs, 4), tl.multiple_of(m_rs, 4), tl.multiple_of(v_rs, 4), \
+            tl.multiple_of(o_rs, 4)
     g_ptr = g_addr.to(tl.pointer_type(tl.float32))
     m_ptr = m_addr.to(tl.pointer_type(tl.float32))
     v_ptr = v_addr.to(tl.pointer_type(tl.float32))
     o_ptr = o_addr.to(tl.pointer_type(tl.float32))
-    numel = tl.load(row + 4)
-    kept = tl.where(tl.load(skip_ptr) == 0, numel, 0) if HAS_SKIP else numel  # no element at all when skipping
-    for off in range(0, CHUNK, BLOCK):
-        idx = start + off + tl.arange(0, BLOCK)
-        if ALIGNED:
-            idx = tl.max_contiguous(tl.multiple_of(idx, BLOCK), BLOCK)
-        mask = idx < numel
-        keep = idx < kept
-        g = tl.load(g_ptr + idx, mask=mask, other=0.0)
-        m = tl.load(m_ptr + idx, mask=mask, other=0.0)
-        v = tl.load(v_ptr + idx, mask=mask, other=0.0)
-        m = m + (1.0 - beta1) * (g - m)
-        v = v * beta2 + (1.0 - beta2) * g * g
-        d = tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps) * bc1
-        tl.store(m_ptr + idx, m, mask=keep)
-        tl.store(v_ptr + idx, v, mask=keep)
-        tl.store(o_ptr + idx, tl.where(keep, d, 0.0), mask=mask)
+    kept = tl.where(tl.load(skip_ptr) == 0, R, 0) if HAS_SKIP else R  # no row at all when skipping
+    for r in range(r0, r0 + ROWS):
+        for c0 in range(0, C, BLOCK):
+            col = c0 + tl.arange(0, BLOCK)
+            if ALIGNED:
+                col = tl.max_contiguous(tl.multiple_of(col, BLOCK), BLOCK)
+            mask = (col < C) & (r < R)
+            keep = (col < C) & (r < kept)
+            g = tl.load(g_ptr + r * g_rs + col, mask=mask, other=0.0)
+            m = tl.load(m_ptr + r * m_rs + col, mask=mask, other=0.0)
+            v = tl.load(v_ptr + r * v_rs + col, mask=mask, other=0.0)
+            m = m + (1.0 - beta1) * (g - m)
+            v = v * beta2 + (1.0 - beta2) * g * g
+            d = tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps) * bc1
+            tl.store(m_ptr + r * m_rs + col, m, mask=keep)
+            tl.store(v_ptr + r * v_rs + col, v, mask=keep)
+            tl.store(o_ptr + r * o_rs + col, tl.where(keep, d, 0.0), mask=mask)
+
+
+@functools.lru_cache(maxsize=16)
+def _row_chunks(rows: tuple[int, ...], device: torch.device, per: int) -> Tensor:
+    """Adam's work list for matrices of these row counts, ``[matrix, first row]`` per ``per`` rows, on ``device``."""
+    items = [[i, r] for i, n in enumerate(rows) for r in range(0, n, per)]
+    return torch.tensor(items, dtype=torch.int64).reshape(-1, 2).to(device)
 
 
 def adam_triton(exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], grads: Sequence[Tensor],
                 step: int, betas: tuple[float, float], eps: float, skip: Tensor | None = None,
                 out: Sequence[Tensor] | None = None) -> list[Tensor]:
-    """Adam's moments and bias-corrected direction in one pass over each tensor (one launch for the lists):
-    ``m <- lerp(m, g, 1 - beta1)``, ``v <- beta2 v + (1 - beta2) g^2``, and the returned new tensors
-    ``(m / (1 - beta1^t)) / (sqrt(v) / sqrt(1 - beta2^t) + eps)``, t = ``step`` for every tensor. 24 bytes per
-    element against about 90 for the same work as foreach ops. All contiguous float32 on one device, each
-    ``grads[i]`` shaped as ``exp_avgs[i]`` and ``exp_avg_sqs[i]``. ``skip``: a 0-d float32 device flag; nonzero
-    leaves the moments unwritten and returns zeros. ``out``: where to write the directions instead (contiguous
-    float32, shaped alike; may be ``grads`` themselves, each element read before it is written)."""
+    """Adam's moments and bias-corrected direction in one pass over each matrix (one launch for the lists):
+    ``m <- lerp(m, g, 1 - beta1)``, ``v <- beta2 v + (1 - beta2) g^2``, and the returned tensors
+    ``(m / (1 - beta1^t)) / (sqrt(v) / sqrt(1 - beta2^t) + eps)``, t = ``step`` for every matrix. 24 bytes per
+    element against about 90 for the same work as foreach ops. All float32 ``(R, C)`` matrices with unit column
+    stride (any row stride: blocks of larger tensors) on one device, each ``grads[i]`` shaped as ``exp_avgs[i]``
+    and ``exp_avg_sqs[i]``. ``skip``: a 0-d float32 device flag; nonzero leaves the moments unwritten and returns
+    zeros. ``out``: where to write the directions instead of new tensors (shaped alike, unit column stride; may be
+    ``grads`` themselves, each element read before it is written)."""
     beta1, beta2 = betas
-    outs = list(out) if out is not None else [torch.empty_like(m) for m in exp_avgs]
-    numels = tuple(m.numel() for m in exp_avgs)
+    outs = list(out) if out is not None else [torch.empty_like(m, memory_format=torch.contiguous_format)
+                                              for m in exp_avgs]
     device = exp_avgs[0].device if exp_avgs else None
-    chunks = _chunk_table(numels, device, ADAM_CHUNK) if exp_avgs else ()
+    chunks = _row_chunks(tuple(m.shape[0] for m in exp_avgs), device, ADAM_ROWS) if exp_avgs else ()
     if len(chunks):
-        addresses = [(g.data_ptr(), m.data_ptr(), v.data_ptr(), o.data_ptr())
-                     for g, m, v, o in zip(grads, exp_avgs, exp_avg_sqs, outs)]
-        table = _table(tuple(((*a, n), (0,) * 5, 1) for a, n in zip(addresses, numels)), device)
-        launch_kernel(_adam_kernel, (len(chunks),), table, chunks, table if skip is None else skip,
-                      float(beta1), float(beta2), float(eps), 1.0 / (1 - beta1**step), (1 - beta2**step) ** 0.5,
-                      HAS_SKIP=skip is not None, ALIGNED=all(x % 16 == 0 for a in addresses for x in a),
-                      BLOCK=ADAM_BLOCK, CHUNK=ADAM_CHUNK, num_warps=ADAM_WARPS)
+        ts = list(zip(grads, exp_avgs, exp_avg_sqs, outs))
+        rows = tuple(((*(t.data_ptr() for t in q), m.shape[0], m.shape[1], *(t.stride(0) for t in q)),
+                      (0,) * 10, 1) for q, m in ((q, q[1]) for q in ts))
+        aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0 for q in ts for t in q)
+        launch_kernel(_adam_kernel, (len(chunks),), _table(rows, device), chunks, skip if skip is not None else
+                      chunks, float(beta1), float(beta2), float(eps), 1.0 / (1 - beta1**step),
+                      (1 - beta2**step) ** 0.5, HAS_SKIP=skip is not None, ALIGNED=aligned, ROWS=ADAM_ROWS,
+                      BLOCK=ADAM_BLOCK, num_warps=ADAM_WARPS)
     return outs

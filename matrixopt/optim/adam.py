@@ -57,12 +57,13 @@ def adam_step(exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], grads: list[Ten
               betas: tuple[float, float], eps: float, skip: Tensor | None = None,
               into_grads: bool = False) -> list[Tensor]:
     """:func:`adam_moments_` then :func:`adam_direction` (lr 1): the moments updated in place, the directions
-    returned as new float32 tensors. Where every tensor is contiguous float32 on the GPU and the steps are one
-    int, in one pass (:func:`matrixopt.kernels.muon_fused.adam_triton`: 24 bytes per element instead of about 90).
+    returned as float32 tensors. Where every tensor is a float32 matrix with unit column stride (a block of a
+    larger tensor too) on the GPU and the steps are one int, in one pass
+    (:func:`matrixopt.kernels.muon_fused.adam_triton`: 24 bytes per element instead of about 90).
     ``skip``: a 0-d float32 device flag, nonzero for a step that must write nothing: the moments are left as they
     were, bit for bit, and the directions are zeros, whatever the gradients hold (NaN/Inf included), for a caller
-    that applies them with weight ``1 - skip``. ``into_grads``: the one-pass kernel writes the directions over
-    ``grads`` (no new tensors; the reference returns new ones)."""
+    that applies them with weight ``1 - skip``. ``into_grads``: the directions are written over ``grads``
+    and returned as them."""
     fused = muon_elementwise.fused_for(exp_avgs, exp_avg_sqs, grads) if len(set(steps)) == 1 and all(
         isinstance(t, int) for t in steps) else None
     if fused is not None:
@@ -70,11 +71,15 @@ def adam_step(exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], grads: list[Ten
                                  grads if into_grads else None)
     if skip is None:
         adam_moments_(exp_avgs, exp_avg_sqs, grads, betas)
-        return adam_direction(exp_avgs, exp_avg_sqs, steps, betas, eps)
-    # the reference computes the step aside and keeps it where the flag is clear (the kernel masks its stores)
-    new_m, new_v = [m.clone() for m in exp_avgs], [v.clone() for v in exp_avg_sqs]
-    adam_moments_(new_m, new_v, grads, betas)
-    keep = skip == 0
-    for old, new in zip(exp_avgs + exp_avg_sqs, new_m + new_v):
-        old.copy_(torch.where(keep, new, old))
-    return [torch.where(keep, d, 0.0) for d in adam_direction(new_m, new_v, steps, betas, eps)]
+        out = adam_direction(exp_avgs, exp_avg_sqs, steps, betas, eps)
+    else:  # the reference computes the step aside and keeps it where the flag is clear (the kernel masks its stores)
+        new_m, new_v = [m.clone() for m in exp_avgs], [v.clone() for v in exp_avg_sqs]
+        adam_moments_(new_m, new_v, grads, betas)
+        keep = skip == 0
+        for old, new in zip(exp_avgs + exp_avg_sqs, new_m + new_v):
+            old.copy_(torch.where(keep, new, old))
+        out = [torch.where(keep, d, 0.0) for d in adam_direction(new_m, new_v, steps, betas, eps)]
+    if into_grads:
+        torch._foreach_copy_(grads, out)
+        return grads
+    return out

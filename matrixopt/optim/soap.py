@@ -53,9 +53,7 @@ state ``8 + 8 (m^2 + n^2) / (m n)`` bytes in float32 (two moments, two factors, 
 square block, as Shampoo); ``factor_dtype=torch.bfloat16`` makes it 16 (the factors and bases in bfloat16: a basis
 rounded to bfloat16 is orthogonal to about 2e-3 RMS and a rotation by it off by about 2e-3 relative, measured at
 n = 1024, against 3e-4 for TF32 products); ``factor_update="kl"`` adds ``4 (m + n) / (m n)``. A step's workspace
-is one float32 tensor of the parameter's shape on the GPU (the rotated gradient, which Adam's one-pass kernel
-overwrites with the update; with ``factor_update="kl"``, which reads it again, and on the CPU, two: up to 12 bytes
-while the Adam direction is computed) plus a few stacked batches
+is the update, a float32 tensor of the parameter's shape (4 bytes), plus a few stacked batches
 of at most :data:`~matrixopt.optim.layout.BUCKET_NUMEL` values. A synchronous refresh computes and installs one
 batch at a time; with ``side_stream`` every factor's new basis is held from one refresh to the next
 (``4 (m^2 + n^2) / (m n)`` bytes, 8 for a square block).
@@ -77,7 +75,7 @@ from matrixopt.optim.base import adamw_group_defaults
 from matrixopt.optim.layout import capped_runs
 from matrixopt.optim.nonfinite import sanitized
 from matrixopt.optim.offload import Offload
-from matrixopt.optim.shampoo import Block, KroneckerOptimizer, Layout, accumulate, block_views, resolve_factor_dtype
+from matrixopt.optim.shampoo import Block, KroneckerOptimizer, accumulate, block_views, resolve_factor_dtype
 
 FACTOR_UPDATES = ("shampoo", "kl")
 
@@ -188,7 +186,9 @@ class SOAP(KroneckerOptimizer):
             gviews1 = [block_views(p, plan, g) for p, plan, g in zip(params1, plans1, grads1)]
             layout1 = self._layout(group, params1)
             if kl:
-                self._update_factors_kl(group, layout1, states1, gviews1, None)
+                for key, ents in layout1.runs():
+                    G = torch.stack([gviews1[i][k] for i, k, _ in ents])
+                    self._kl_factors(group, states1, ents, key, G, None, None)
             else:
                 self._update_factors(group, layout1, states1, gviews1)
             self._first_bases(group, list(zip(params1, plans1, states1)))
@@ -204,30 +204,27 @@ class SOAP(KroneckerOptimizer):
             sanitized(grads, skip)
         gviews = [block_views(p, plan, g) for p, plan, g in zip(params, plans, g32)]
 
-        # Adam in the eigenbasis: project, update the moments, precondition, project back (batches: Layout.runs)
-        gp = [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]  # G' = Q_L^T G Q_R
-        gpviews = [block_views(p, plan, t) for p, plan, t in zip(params, plans, gp)]
+        # Adam in the eigenbasis, run by run (batches: Layout.runs): project, the factors, Adam on the projected
+        # stack in place (the moments' blocks read and written where they lie), project back into the update
+        updates = [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]
+        uviews = [block_views(p, plan, t) for p, plan, t in zip(params, plans, updates)]
+        mviews = [block_views(p, plan, st["exp_avg"]) for p, plan, st in zip(params, plans, states)]
+        vviews = [block_views(p, plan, st["exp_avg_sq"]) for p, plan, st in zip(params, plans, states)]
         beta = self._shampoo_beta(group)
         for key, ents in layout.runs():
             G = torch.stack([gviews[i][k] for i, k, _ in ents])  # (b, m, n)
-            X = self._rotate(states, ents, G, key, to_eigen=True)
-            torch._foreach_copy_([gpviews[i][k] for i, k, _ in ents], list(X.unbind(0)))
-            if not kl:  # this run's factors, from the stack at hand: the projections read the bases, not the factors
+            bases = self._bases(states, ents, key)
+            X = self._rotate(bases, G, to_eigen=True)  # G' = Q_L^T G Q_R
+            if kl:  # KL's factors read this step's projection
+                self._kl_factors(group, states, ents, key, G, X, bases, live)
+            else:  # this run's factors, from the stack at hand: the projections read the bases, not the factors
                 self._accumulate_factors(states, ents, G, key, beta, live)
-            del G, X
-        M = [st["exp_avg"] for st in states]
-        V = [st["exp_avg_sq"] for st in states]
-        # N, rotated back in place below; over G' where nothing reads G' again (the KL factor update does)
-        updates = adam_step(M, V, gp, steps, group["betas"], group["eps"], skip, into_grads=not kl)
-        projected = gpviews if kl else None  # only the KL factor update reads G' again: free it otherwise
-        del gp, gpviews
-        uviews = [block_views(p, plan, t) for p, plan, t in zip(params, plans, updates)]
-        for key, ents in layout.runs():
-            U = self._rotate(states, ents, torch.stack([uviews[i][k] for i, k, _ in ents]), key, to_eigen=False)
+            del G
+            adam_step([mviews[i][k] for i, k, _ in ents], [vviews[i][k] for i, k, _ in ents], list(X.unbind(0)),
+                      [steps[i] for i, _, _ in ents], group["betas"], group["eps"], skip, into_grads=True)
+            U = self._rotate(bases, X, to_eigen=False)  # Q_L N Q_R^T
             torch._foreach_copy_([uviews[i][k] for i, k, _ in ents], list(U.unbind(0)))
-
-        if kl:  # KL's factors read this step's projection
-            self._update_factors_kl(group, layout, states, gviews, projected, live)
+            del X, U, bases
         due = [i for i, st in enumerate(states) if self._computes_bases(group, st["step"])]
         if due:  # never with skip (_device_skip)
             gi = next(j for j, g in enumerate(self.param_groups) if g is group)
@@ -241,54 +238,57 @@ class SOAP(KroneckerOptimizer):
 
     # ----------------------------------------------------------------------------------- rotations
     @staticmethod
-    def _rotate(states: list[dict[str, Any]], ents: list[tuple[int, int, Block]], X: Tensor,
-                key: tuple[int, int, bool, bool], to_eigen: bool) -> Tensor:
-        """``Q_L^T X Q_R`` (``to_eigen``) or ``Q_L X Q_R^T`` for a stack ``(b, m, n)`` of blocks sharing ``key``."""
+    def _bases(states: list[dict[str, Any]], ents: list[tuple[int, int, Block]],
+               key: tuple[int, int, bool, bool]) -> tuple[Tensor | None, Tensor | None]:
+        """``(Q_L, Q_R)`` of a run of blocks sharing ``key``, stacked ``(b, d, d)`` float32 (None for a side
+        without a basis): stacked once for both rotations of a step."""
         _, _, left, right = key
-        if left:
-            QL = torch.stack([states[i][f"left_basis{k}"] for i, k, _ in ents]).float()
+        return tuple(torch.stack([states[i][f"{side}_basis{k}"] for i, k, _ in ents]).float() if has else None
+                     for side, has in (("left", left), ("right", right)))
+
+    @staticmethod
+    def _rotate(bases: tuple[Tensor | None, Tensor | None], X: Tensor, to_eigen: bool) -> Tensor:
+        """``Q_L^T X Q_R`` (``to_eigen``) or ``Q_L X Q_R^T`` for a stack ``(b, m, n)`` and its :meth:`_bases`."""
+        QL, QR = bases
+        if QL is not None:
             X = (QL.mT if to_eigen else QL) @ X
-        if right:
-            QR = torch.stack([states[i][f"right_basis{k}"] for i, k, _ in ents]).float()
+        if QR is not None:
             X = X @ (QR if to_eigen else QR.mT)
         return X
 
     # ----------------------------------------------------------------------------------- factors (KL)
-    def _update_factors_kl(self, group: dict[str, Any], layout: Layout, states: list[dict[str, Any]],
-                           gviews: list[list[Tensor]], projected: list[list[Tensor]] | None,
-                           live: Tensor | None = None) -> None:
-        """KL-Shampoo factor updates (module docstring), batched by :meth:`Layout.runs`. ``projected``: block views
-        of this step's ``G' = Q_L^T G Q_R`` per parameter, None at the first call (then the other factor is taken
-        as the identity). ``live``: as in :func:`~matrixopt.optim.shampoo.accumulate` (the estimates too)."""
+    def _kl_factors(self, group: dict[str, Any], states: list[dict[str, Any]], ents: list[tuple[int, int, Block]],
+                    key: tuple[int, int, bool, bool], G: Tensor, P: Tensor | None,
+                    bases: tuple[Tensor | None, Tensor | None] | None, live: Tensor | None = None) -> None:
+        """KL-Shampoo factor updates (module docstring) of one run of blocks sharing ``key``: ``G`` the gradient
+        stack ``(b, m, n)``, ``P`` this step's projection ``Q_L^T G Q_R`` and ``bases`` the run's :meth:`_bases`,
+        both None at the first call (then the other factor is taken as the identity). ``live``: as in
+        :func:`~matrixopt.optim.shampoo.accumulate` (the eigenvalue estimates too)."""
         beta = self._shampoo_beta(group)
-        init = projected is None
-        for key, ents in layout.runs():
-            m, n, left, right = key
-            G = torch.stack([gviews[i][k] for i, k, _ in ents])  # (b, m, n)
-            ones_m, ones_n = G.new_ones(len(ents), m), G.new_ones(len(ents), n)
-            inv_l = ones_m if init or not left else _inverse(
-                torch.stack([states[i][f"left_eig{k}"] for i, k, _ in ents]), group["damping"])  # (b, m)
-            inv_r = ones_n if init or not right else _inverse(
-                torch.stack([states[i][f"right_eig{k}"] for i, k, _ in ents]), group["damping"])  # (b, n)
-            if left:  # L += (1 - beta)/n G R^-1 G^T, R^-1 = Q_R diag(inv_r) Q_R^T
-                H = G if init or not right else G @ torch.stack(
-                    [states[i][f"right_basis{k}"] for i, k, _ in ents]).float()
-                H = H * inv_r.sqrt()[:, None, :]
-                accumulate([states[i][f"left{k}"] for i, k, _ in ents], H @ H.mT / n, beta, live)
-            if right:  # R += (1 - beta)/m G^T L^-1 G
-                H = G if init or not left else torch.stack(
-                    [states[i][f"left_basis{k}"] for i, k, _ in ents]).float().mT @ G
-                H = H * inv_l.sqrt()[:, :, None]
-                accumulate([states[i][f"right{k}"] for i, k, _ in ents], H.mT @ H / m, beta, live)
-            if not init:  # eigenvalue estimates, from this step's G' = Q_L^T G Q_R
-                P2 = torch.stack([projected[i][k] for i, k, _ in ents]).square()  # (b, m, n)
-                weight = 1 - beta if live is None else [live * (1 - beta)] * len(ents)
-                if left:
-                    d = [states[i][f"left_eig{k}"] for i, k, _ in ents]
-                    torch._foreach_lerp_(d, list(((P2 * inv_r[:, None, :]).sum(-1) / n).unbind(0)), weight)
-                if right:
-                    d = [states[i][f"right_eig{k}"] for i, k, _ in ents]
-                    torch._foreach_lerp_(d, list(((P2 * inv_l[:, :, None]).sum(-2) / m).unbind(0)), weight)
+        init = P is None
+        m, n, left, right = key
+        ones_m, ones_n = G.new_ones(len(ents), m), G.new_ones(len(ents), n)
+        inv_l = ones_m if init or not left else _inverse(
+            torch.stack([states[i][f"left_eig{k}"] for i, k, _ in ents]), group["damping"])  # (b, m)
+        inv_r = ones_n if init or not right else _inverse(
+            torch.stack([states[i][f"right_eig{k}"] for i, k, _ in ents]), group["damping"])  # (b, n)
+        if left:  # L += (1 - beta)/n G R^-1 G^T, R^-1 = Q_R diag(inv_r) Q_R^T
+            H = G if init or not right else G @ bases[1]
+            H = H * inv_r.sqrt()[:, None, :]
+            accumulate([states[i][f"left{k}"] for i, k, _ in ents], H @ H.mT / n, beta, live)
+        if right:  # R += (1 - beta)/m G^T L^-1 G
+            H = G if init or not left else bases[0].mT @ G
+            H = H * inv_l.sqrt()[:, :, None]
+            accumulate([states[i][f"right{k}"] for i, k, _ in ents], H.mT @ H / m, beta, live)
+        if not init:  # eigenvalue estimates, from this step's G' = Q_L^T G Q_R
+            P2 = P.square()  # (b, m, n)
+            weight = 1 - beta if live is None else [live * (1 - beta)] * len(ents)
+            if left:
+                d = [states[i][f"left_eig{k}"] for i, k, _ in ents]
+                torch._foreach_lerp_(d, list(((P2 * inv_r[:, None, :]).sum(-1) / n).unbind(0)), weight)
+            if right:
+                d = [states[i][f"right_eig{k}"] for i, k, _ in ents]
+                torch._foreach_lerp_(d, list(((P2 * inv_l[:, :, None]).sum(-2) / m).unbind(0)), weight)
 
     # ----------------------------------------------------------------------------------- eigenbases
     def _factor_jobs(self, items: list[tuple[Tensor, list[Block], dict[str, Any]]]) -> dict[int, list[tuple]]:

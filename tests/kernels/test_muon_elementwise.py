@@ -384,30 +384,40 @@ def test_momentum_pack_packs_the_sign_when_asked():
     assert all(torch.equal(a, b) for a, b in zip(outs[True][2], outs[False][2]))
 
 
-def test_adam_one_pass_matches_float64_and_skips_on_the_flag():
+def test_adam_one_pass_matches_float64_and_skips_on_the_flag(monkeypatch):
     """Adam's one-pass kernel (SOAP's Adam in the eigenbasis): the moments and the bias-corrected direction of
-    float64 math, over tensors of several sizes in one launch (one larger than a program's chunk, one empty);
-    a set skip flag writes no moment and returns zeros; the directions can overwrite the gradients."""
+    float64 math, over matrices of several shapes in one launch: more rows than a program takes, more columns than
+    an iteration, an empty one, and blocks of larger tensors (row strides of their own); a set skip flag writes no
+    moment and returns zeros; the directions can overwrite the gradients."""
     from matrixopt.optim.adam import adam_step
 
+    launched = []
+    kernel = fused.adam_triton
+    monkeypatch.setattr(fused, "adam_triton", lambda *a, **k: launched.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(fused, "ADAM_BLOCK", 16)  # so that a row takes several iterations
     g = torch.Generator().manual_seed(0)
-    shapes = [(3, 5), (70_001,), (0, 4), (16, 16)]
-    M = [torch.randn(s, generator=g) for s in shapes]
-    V = [torch.rand(s, generator=g) for s in shapes]
-    G = [torch.randn(s, generator=g) for s in shapes]
+    shapes = [(3, 5), (21, 40), (0, 4), (16, 16)]
+    big_m, big_v = torch.randn(30, 50, generator=g), torch.rand(30, 50, generator=g)
+    M = [torch.randn(s, generator=g) for s in shapes] + [big_m[2:12, 7:40], big_m[12:30, 7:40]]
+    V = [torch.rand(s, generator=g) for s in shapes] + [big_v[2:12, 7:40], big_v[12:30, 7:40]]
+    G = [torch.randn(m.shape, generator=g) for m in M]
     (b1, b2), eps, t = (0.9, 0.95), 1e-8, 3
     want_m = [m.double() + (1 - b1) * (x.double() - m.double()) for m, x in zip(M, G)]
     want_v = [b2 * v.double() + (1 - b2) * x.double() ** 2 for v, x in zip(V, G)]
     want_d = [(m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps) for m, v in zip(want_m, want_v)]
+    outside = big_m.clone(), big_v.clone()
     with ew.elementwise_backend("triton"):
         m0, v0 = [m.clone() for m in M], [v.clone() for v in V]
-        zeros = adam_step(m0, v0, G, [t] * 4, (b1, b2), eps, skip=torch.ones(()))
+        zeros = adam_step(m0, v0, G, [t] * 6, (b1, b2), eps, skip=torch.ones(()))
         assert all(torch.equal(a, b) for a, b in zip(m0 + v0, M + V)) and all(not z.any() for z in zeros)
         grads = [x.clone() for x in G]
-        d = adam_step(M, V, grads, [t] * 4, (b1, b2), eps, skip=torch.zeros(()), into_grads=True)
-    assert all(a is b for a, b in zip(d, grads))
+        d = adam_step(M, V, grads, [t] * 6, (b1, b2), eps, skip=torch.zeros(()), into_grads=True)
+    assert len(launched) == 2 and all(a is b for a, b in zip(d, grads))
     for got, want in zip(M + V + d, want_m + want_v + want_d):
         torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=1e-7)
+    for big, before in zip((big_m, big_v), outside):  # the blocks' neighbours untouched
+        assert torch.equal(big[:2], before[:2]) and torch.equal(big[:, :7], before[:, :7])
+        assert torch.equal(big[:, 40:], before[:, 40:])
 
 
 def test_soap_through_the_adam_kernel_matches_its_foreach_path():
