@@ -240,17 +240,13 @@ def accumulate(factors: list[Tensor], GG: Tensor, beta: float, live: Tensor | No
     """``F = beta F + (1 - beta) GG`` (``F += GG`` for beta = 1) for each factor; a block of GG that is not finite
     (:func:`finite_blocks`) contributes nothing. factors: b tensors ``(d, d)``; GG: ``(b, d, d)`` float32.
     ``live``: an optional 0-d float32 device flag, 0 for a skipped step, which leaves the factors as they were
-    (GG, whatever it holds, then counts as zero; the average is then taken as ``F (1 - (1 - beta) live) + (1 - beta)
-    GG``, two passes on fast foreach kernels, where a lerp by a tensor weight would take torch's per-tensor path)."""
+    (GG, whatever it holds, then counts as zero; the average as :func:`~matrixopt.optim.adam.ema_` takes it)."""
     ok = finite_blocks(GG) if live is None else finite_blocks(GG) & (live > 0)
-    GG = torch.where(ok, GG, 0.0).to(factors[0].dtype)
+    GG = list(torch.where(ok, GG, 0.0).to(factors[0].dtype).unbind(0))
     if beta == 1.0:
-        torch._foreach_add_(factors, list(GG.unbind(0)))
-    elif live is None:
-        torch._foreach_lerp_(factors, list(GG.unbind(0)), 1.0 - beta)
+        torch._foreach_add_(factors, GG)
     else:
-        torch._foreach_mul_(factors, 1 - (1 - beta) * live)
-        torch._foreach_add_(factors, list(GG.unbind(0)), alpha=1 - beta)
+        ema_(factors, GG, 1.0 - beta, live)
 
 
 # ----------------------------------------------------------------------------------------------- shared base
@@ -502,8 +498,8 @@ class KroneckerOptimizer(MatrixOptimizer):
         never read, so a sharded optimizer can pass its DTensor parameters with whole gradients. ``grads``: shaped
         as the parameters (whole), any float dtype. ``skip``: a deferred check's 0-d float32 device flag, on a step
         that computes no roots or eigenbases (:meth:`_device_skip`): nonzero makes every state write keep its old
-        value (the gradients read as zeros, the moving averages weighted by ``1 - skip``), and the caller applies
-        U with the same weight."""
+        value (the moving averages weighted by ``1 - skip``, no NaN/Inf reaching a state write), and the caller
+        applies U with the same weight."""
         with cuda_matmul_precision(group["matmul_precision"]):
             return self._updates(group, params, grads, skip)
 

@@ -70,7 +70,7 @@ import torch
 from torch import Tensor
 
 from matrixopt.linalg.roots import eigenbasis, refresh_eigenbasis
-from matrixopt.optim.adam import adam_step
+from matrixopt.optim.adam import adam_step, ema_
 from matrixopt.optim.base import adamw_group_defaults
 from matrixopt.optim.layout import capped_runs
 from matrixopt.optim.nonfinite import sanitized
@@ -282,13 +282,12 @@ class SOAP(KroneckerOptimizer):
             accumulate([states[i][f"right{k}"] for i, k, _ in ents], H.mT @ H / m, beta, live)
         if not init:  # eigenvalue estimates, from this step's G' = Q_L^T G Q_R
             P2 = P.square()  # (b, m, n)
-            weight = 1 - beta if live is None else [live * (1 - beta)] * len(ents)
             if left:
                 d = [states[i][f"left_eig{k}"] for i, k, _ in ents]
-                torch._foreach_lerp_(d, list(((P2 * inv_r[:, None, :]).sum(-1) / n).unbind(0)), weight)
+                ema_(d, list(((P2 * inv_r[:, None, :]).sum(-1) / n).unbind(0)), 1 - beta, live)
             if right:
                 d = [states[i][f"right_eig{k}"] for i, k, _ in ents]
-                torch._foreach_lerp_(d, list(((P2 * inv_l[:, :, None]).sum(-2) / m).unbind(0)), weight)
+                ema_(d, list(((P2 * inv_l[:, :, None]).sum(-2) / m).unbind(0)), 1 - beta, live)
 
     # ----------------------------------------------------------------------------------- eigenbases
     def _factor_jobs(self, items: list[tuple[Tensor, list[Block], dict[str, Any]]]) -> dict[int, list[tuple]]:
