@@ -8,7 +8,8 @@ the GPU, as the trainer's Muon step runs), median of ``reps``:
 - ``syrk``: the Gram product ``X X^T`` of a ``(b, s, 4 s)`` stack through :func:`matrixopt.kernels.ns_step.gram`
   (Triton SYRK or cuBLAS, whichever the dispatcher picks), rate on the dense FLOPs;
 - ``fp32_gemm``: the same products as ``gemm`` in float32;
-- ``qr``: ``torch.linalg.qr`` of one ``(n, n)`` float32 matrix (eagerly: it synchronizes with the host);
+- ``qr``: :func:`~matrixopt.linalg.roots.cholesky_qr` of one ``(n, n)`` float32 matrix, as SOAP's eigenbasis
+  refresh runs it (eagerly);
 - ``elementwise``: ``c = a + b`` on fp32 vectors (3 passes of 4 bytes per element);
 - ``peak_flops`` (the data sheet's, for MFU) is copied from ``base``;
 - ``links``: with a process group of several ranks, a one-element all-reduce (latency) and a large one
@@ -36,6 +37,7 @@ from matrixopt.distributed.cost import (
     shipped_profile,
 )
 from matrixopt.kernels.ns_step import gram
+from matrixopt.linalg.roots import cholesky_qr
 
 # (s, b): Newton–Schulz-shaped stacks; the CPU list stays small so calibrating in a test takes seconds.
 CUDA_SHAPES = ((256, 64), (512, 32), (768, 24), (1024, 16), (2048, 8), (4096, 4), (8192, 1))
@@ -78,7 +80,7 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
     qr = []
     for n in (CUDA_QR if cuda else CPU_QR):
         A = torch.randn(n, n, device=device, generator=gen)
-        qr.append((qr_flops(n), timed(lambda A=A: torch.linalg.qr(A), graph=False)))
+        qr.append((qr_flops(n), timed(lambda A=A: cholesky_qr(A[None]), graph=False)))
     elementwise = []
     for n in elements:
         # two inputs: c = a + a reads a once, and would count its 4 bytes per element twice

@@ -10,7 +10,7 @@ by ``matrixopt plan --calibrate`` or filled from nominal figures (``"source": "n
   (a SYRK computing one triangle may exceed ``gemm``'s);
 - ``fp32_gemm``: float32 products (Shampoo's inverse roots, SOAP's eigenbases);
 - ``qr``: the QR factorization of one ``(n, n)`` float32 matrix (SOAP's eigenbasis refresh), its rate counted on
-  ``8/3 n^3`` FLOPs (Householder factorization and forming Q); a batch runs one matrix after another;
+  ``8/3 n^3`` FLOPs (those of a Householder factorization forming Q, whatever the algorithm measured);
 - ``elementwise``: ``[[bytes moved by one pass, achieved bytes/s], ...]`` (momentum, AdamW, packing);
 - ``links``: ``{"intra": {"latency": s, "bandwidth": bytes/s}, "inter": {...}}``: inside a node (NVLink) and
   between nodes (the network), per GPU and direction;

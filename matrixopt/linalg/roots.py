@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 _POWER_ITERS = 32  # power steps estimating lambda_max: matvecs, cheap next to the n^3 Newton steps
+REFRESH_SHIFT = 1e-6  # refresh_eigenbasis: the power step's shift, relative to the largest eigenvalue estimate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,28 +210,53 @@ def eigenbasis(A: Tensor) -> tuple[Tensor, Tensor]:
     return Q.flip(-1).float(), ok
 
 
-def refresh_eigenbasis(A: Tensor, Q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def cholesky_qr(Y: Tensor) -> tuple[Tensor, Tensor]:
+    """The Q factor of ``Y = QR`` with R's diagonal positive, by CholeskyQR2 in float64 (Fukaya et al., SIAM J.
+    Sci. Comput. 42(1), 2020): twice :math:`R = \\operatorname{chol}(Y^\\top Y)`, :math:`Y \\leftarrow Y R^{-1}`.
+    The first pass leaves an orthogonality error of about :math:`u \\kappa(Y)^2`, the second removes it; in float64
+    that holds for :math:`\\kappa(Y)` up to about 1e7. Only a Gram product, a Cholesky factorization and a
+    triangular solve per pass: on an H100 ten times faster than torch's Householder QR on batches of 1024^2.
+
+    Y: ``(b, m, n)``, m >= n, any float dtype. Returns ``(Q, ok)``: ``Q`` ``(b, m, n)`` float64; ``ok`` ``(b,)``
+    bool, False where a Cholesky factorization failed (Y rank-deficient to working precision, or not finite),
+    and there Q is not usable. No host sync."""
+    Y = Y.double()
+    ok = torch.ones(Y.shape[0], dtype=torch.bool, device=Y.device)
+    for _ in range(2):
+        R, info = torch.linalg.cholesky_ex(Y.mT @ Y, upper=True)
+        ok &= info == 0
+        Y = torch.linalg.solve_triangular(R, Y, upper=True, left=False)
+    return Y, ok & torch.isfinite(Y).all(dim=(-2, -1))
+
+
+def refresh_eigenbasis(A: Tensor, Q: Tensor, shift: float = REFRESH_SHIFT) -> tuple[Tensor, Tensor, Tensor]:
     """One QR power-iteration step towards the eigenvectors of A, from the previous basis Q.
 
-    A: ``(b, n, n)`` symmetric; Q: ``(b, n, n)`` orthogonal. Returns ``(Q_new, order, ok)``:
+    A: ``(b, n, n)`` symmetric positive semi-definite; Q: ``(b, n, n)`` orthogonal. Returns ``(Q_new, order, ok)``:
 
     - ``order`` ``(b, n)`` int64: the columns of Q sorted by descending :math:`\\operatorname{diag}(Q^\\top A Q)`;
       column j of ``Q_new`` continues column ``order[j]`` of Q (permute anything stored in Q's coordinates, such
       as SOAP's second moment, by ``order``).
-    - ``Q_new`` ``(b, n, n)`` float32: :math:`\\mathrm{qr}(A\\,Q[:, \\mathrm{order}])`, signs fixed so R's
-      diagonal is non-negative (a converged basis maps to itself).
-    - ``ok`` ``(b,)`` bool: False where A or the result is not finite; there ``Q_new`` is ``Q`` (unsorted) and
-      ``order`` the identity permutation. No host sync.
+    - ``Q_new`` ``(b, n, n)`` float32: the Q factor, with R's diagonal positive (a converged basis maps to
+      itself), of :math:`(A + s I)\\,Q[:, \\mathrm{order}]`, by :func:`cholesky_qr`. The shift
+      :math:`s = \\text{shift} \\cdot \\max_j (Q^\\top A Q)_{jj}` leaves the eigenvectors as they are and bounds the
+      product's condition number by about 1/shift, which CholeskyQR needs; it slows the step's convergence only
+      among eigenvalues below s.
+    - ``ok`` ``(b,)`` bool: False where A or the result is not finite or the factorization failed; there
+      ``Q_new`` is ``Q`` (unsorted) and ``order`` the identity permutation. No host sync.
+
+    The product AQ runs in the current matmul precision; the factorization in float64.
     """
     _check_square(A, "refresh_eigenbasis")
     A, Q = A.float(), Q.float()
     n = A.shape[-1]
-    est = (Q * (A @ Q)).sum(dim=-2)  # (b, n): diag(Q^T A Q)
+    AQ = A @ Q
+    est = (Q * AQ).sum(dim=-2)  # (b, n): diag(Q^T A Q)
     order = est.argsort(dim=-1, descending=True)  # (b, n)
-    Qs = torch.take_along_dim(Q, order[:, None, :].expand(-1, n, -1), dim=-1)
-    Q_new, R = torch.linalg.qr(A @ Qs)
-    sign = torch.where(R.diagonal(dim1=-2, dim2=-1) < 0, -1.0, 1.0)  # (b, n)
-    Q_new = Q_new * sign.unsqueeze(-2)
-    ok = torch.isfinite(A).all(dim=(-2, -1)) & torch.isfinite(Q_new).all(dim=(-2, -1))
+    idx = order[:, None, :].expand(-1, n, -1)
+    s = shift * est.amax(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)  # (b,)
+    Y = torch.take_along_dim(AQ, idx, dim=-1) + s[:, None, None] * torch.take_along_dim(Q, idx, dim=-1)
+    Q_new, ok = cholesky_qr(Y)
+    ok &= torch.isfinite(A).all(dim=(-2, -1))
     identity = torch.arange(n, device=A.device).expand_as(order)
-    return torch.where(ok[:, None, None], Q_new, Q), torch.where(ok[:, None], order, identity), ok
+    return torch.where(ok[:, None, None], Q_new.float(), Q), torch.where(ok[:, None], order, identity), ok

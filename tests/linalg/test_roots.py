@@ -7,6 +7,7 @@ import torch
 
 from matrixopt.linalg.roots import (
     InverseRootConfig,
+    cholesky_qr,
     eigenbasis,
     eigh_inverse_root,
     inverse_root,
@@ -123,6 +124,41 @@ def test_refresh_eigenbasis_power_iteration():
     Q1, order, ok = refresh_eigenbasis(A.float(), ref[:, :, perm])
     assert torch.equal(perm[order], torch.arange(12).expand(3, 12))
     torch.testing.assert_close(Q1, ref, atol=1e-4, rtol=0)  # signs kept: a converged basis maps to itself
+
+
+@pytest.mark.parametrize("cond", [1.0, 1e3, 1e6])
+def test_cholesky_qr_matches_householder_qr(cond):
+    g = torch.Generator().manual_seed(3)
+    U = torch.linalg.qr(torch.randn(4, 40, 24, generator=g, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(4, 24, 24, generator=g, dtype=torch.float64))[0]
+    Y = (U * torch.logspace(0, -math.log10(cond), 24, dtype=torch.float64)) @ V.mT  # (4, 40, 24), condition cond
+    Q, ok = cholesky_qr(Y.float())
+    assert ok.all() and Q.dtype == torch.float64 and Q.shape == Y.shape
+    H, R = torch.linalg.qr(Y.float().double())
+    H = H * torch.sign(R.diagonal(dim1=-2, dim2=-1))[:, None, :]  # R's diagonal positive
+    assert (Q - H).abs().max() < 1e-13 * cond + 1e-13  # forward error of Q about u * cond
+    torch.testing.assert_close(Q.mT @ Q, torch.eye(24, dtype=torch.float64).expand(4, 24, 24), atol=1e-13, rtol=0)
+
+
+def test_cholesky_qr_reports_rank_deficient_and_non_finite():
+    Y = torch.randn(3, 8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    Y[0, :, 4] = Y[0, :, 3]  # rank-deficient
+    Y[1, 2, 2] = float("nan")
+    assert cholesky_qr(Y)[1].tolist() == [False, False, True]
+
+
+def test_refresh_eigenbasis_of_a_singular_factor():
+    A = spd(16, 1e2)
+    A[:, :, 8:] = 0
+    A[:, 8:, :] = 0  # rank 8 of 16 (a factor of few gradient rows): the shift keeps the step's product full rank
+    Q = torch.linalg.qr(torch.randn(3, 16, 16, generator=torch.Generator().manual_seed(5)))[0]
+    for _ in range(200):
+        Q, _, ok = refresh_eigenbasis(A.float(), Q)
+        assert ok.all()
+    torch.testing.assert_close(Q.mT @ Q, torch.eye(16).expand(3, 16, 16), atol=ORTHO_TOL, rtol=0)
+    D = Q.double().mT @ A @ Q.double()  # the range is found: the basis diagonalizes A
+    off = D - torch.diag_embed(D.diagonal(dim1=-2, dim2=-1))
+    assert (torch.linalg.matrix_norm(off) / torch.linalg.matrix_norm(A)).max() < 1e-4
 
 
 def test_refresh_eigenbasis_keeps_basis_on_non_finite():
