@@ -8,8 +8,8 @@ the GPU, as the trainer's Muon step runs), median of ``reps``:
 - ``syrk``: the Gram product ``X X^T`` of a ``(b, s, 4 s)`` stack through :func:`matrixopt.kernels.ns_step.gram`
   (Triton SYRK or cuBLAS, whichever the dispatcher picks), rate on the dense FLOPs;
 - ``fp32_gemm``: the same products as ``gemm`` in float32;
-- ``qr``: :func:`~matrixopt.linalg.roots.cholesky_qr` of one ``(n, n)`` float32 matrix, as SOAP's eigenbasis
-  refresh runs it (eagerly);
+- ``qr``: :func:`~matrixopt.linalg.roots.cholesky_qr` of a batch of ``QR_BATCH`` ``(n, n)`` float32 matrices,
+  as SOAP's eigenbasis refresh runs it (eagerly), per matrix;
 - ``elementwise``: ``c = a + b`` on fp32 vectors (3 passes of 4 bytes per element);
 - ``peak_flops`` (the data sheet's, for MFU) is copied from ``base``;
 - ``links``: with a process group of several ranks, a one-element all-reduce (latency) and a large one
@@ -44,6 +44,7 @@ CUDA_SHAPES = ((256, 64), (512, 32), (768, 24), (1024, 16), (2048, 8), (4096, 4)
 CPU_SHAPES = ((32, 4), (64, 4), (128, 2))
 CUDA_QR = (256, 512, 1024, 2048)
 CPU_QR = (32, 64, 128)
+QR_BATCH = 16  # refreshes factor batches of matrices: the per-matrix time of one batch
 CUDA_ELEMENTS = tuple(2**k for k in range(14, 30, 2))
 CPU_ELEMENTS = (2**12, 2**16, 2**20)
 
@@ -79,8 +80,8 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
         syrk.append((2.0 * b * s * s * 4 * s, timed(lambda X=X: gram(X))))
     qr = []
     for n in (CUDA_QR if cuda else CPU_QR):
-        A = torch.randn(n, n, device=device, generator=gen)
-        qr.append((qr_flops(n), timed(lambda A=A: cholesky_qr(A[None]), graph=False)))
+        A = torch.randn(QR_BATCH, n, n, device=device, generator=gen)
+        qr.append((qr_flops(n), timed(lambda A=A: cholesky_qr(A), graph=False) / QR_BATCH))
     elementwise = []
     for n in elements:
         # two inputs: c = a + a reads a once, and would count its 4 bytes per element twice

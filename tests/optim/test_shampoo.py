@@ -9,7 +9,7 @@ from torch import nn
 
 import matrixopt
 from matrixopt import Shampoo
-from matrixopt.linalg.roots import InverseRootConfig
+from matrixopt.linalg.roots import REFRESH_SHIFT, InverseRootConfig
 from matrixopt.optim.shampoo import accumulate, block_plan, block_views, finite_blocks, split_dim
 
 # fp32 optimizer vs float64 reference over 8 steps with damping 1e-3 (factor condition <= 1e3): the roots carry
@@ -18,8 +18,10 @@ ATOL = 5e-5
 
 
 def ref_shampoo(W, grads, *, lr, betas, eps, wd, nesterov, freq, start, r, damping, graft, sides=("left", "right"),
-                shampoo_beta=None):
-    """Shampoo on one matrix (one block) in float64, roots by eigh with damping relative to lambda_max."""
+                shampoo_beta=None, root_method="newton"):
+    """Shampoo on one matrix (one block) in float64, roots by eigh with damping relative to lambda_max; with
+    ``root_method="eigenbasis"`` from a basis taken by eigh at the first root and then by one shifted QR power step
+    per refresh."""
     W = W.double().clone()
     b1, b2 = betas
     bs = b2 if shampoo_beta is None else shampoo_beta
@@ -27,6 +29,7 @@ def ref_shampoo(W, grads, *, lr, betas, eps, wd, nesterov, freq, start, r, dampi
     F = {"left": torch.zeros(m, m, dtype=torch.float64), "right": torch.zeros(n, n, dtype=torch.float64)}
     root = {"left": torch.eye(m, dtype=torch.float64), "right": torch.eye(n, dtype=torch.float64)}
     p = r if len(sides) == 2 else r // 2
+    basis = {}
     B, V = torch.zeros_like(W), torch.zeros_like(W)
     for t, G in enumerate(grads, 1):
         G = G.double()
@@ -38,9 +41,22 @@ def ref_shampoo(W, grads, *, lr, betas, eps, wd, nesterov, freq, start, r, dampi
         F["right"] = bs * F["right"] + (1 - bs) * G.T @ G
         if t >= start and (t - start) % freq == 0:
             for s in sides:
-                lam, Q = torch.linalg.eigh(F[s])
-                lam = lam.clamp_min(0) + damping * lam.max()
-                root[s] = Q @ torch.diag(lam ** (-1 / p)) @ Q.T
+                if root_method == "newton":
+                    lam, Q = torch.linalg.eigh(F[s])
+                    lam = lam.clamp_min(0) + damping * lam.max()
+                    root[s] = Q @ torch.diag(lam ** (-1 / p)) @ Q.T
+                    continue
+                if s not in basis:
+                    Q = torch.linalg.eigh(F[s])[1]
+                else:
+                    est = torch.diag(basis[s].T @ F[s] @ basis[s])
+                    o = torch.argsort(est, descending=True)
+                    shifted = F[s] + REFRESH_SHIFT * est.max() * torch.eye(len(est), dtype=torch.float64)
+                    Q, R = torch.linalg.qr(shifted @ basis[s][:, o])
+                    Q = Q * torch.sign(torch.diag(R))[None, :]
+                basis[s] = Q
+                d = torch.diag(Q.T @ F[s] @ Q).clamp_min(0)
+                root[s] = Q @ torch.diag((d + damping * d.max()) ** (-1 / p)) @ Q.T
         if t < start:
             U = A if graft else D
         else:
@@ -89,6 +105,39 @@ def test_matches_float64_reference(shape, variant):
     ref = ref_shampoo(W0, grads, **hp)
     assert (W.double() - ref).abs().max() < ATOL
     assert opt.root_fallbacks == 0 and opt.root_failures == 0
+
+
+@pytest.mark.parametrize("shape", [(12, 8), (6, 6)])
+@pytest.mark.parametrize("variant", [{}, dict(graft=False, lr=0.01), dict(r=2), dict(start=2, freq=2)])
+def test_eigenbasis_roots_match_float64_reference(shape, variant):
+    """root_method="eigenbasis": eigh at the first root, then one power step per refresh (factors of full rank at
+    the first root, so eigh's basis is unique up to signs, which the roots do not see)."""
+    hp = HP | dict(start=3) | variant | dict(root_method="eigenbasis")
+    W0, grads = data(shape, steps=10)
+    W, opt = run(W0, grads, **kwargs(hp), root_method="eigenbasis")
+    assert (W.double() - ref_shampoo(W0, grads, **hp)).abs().max() < ATOL
+    assert opt.root_failures == 0
+    st = opt.state[opt.param_groups[0]["params"][0]]
+    for side in ("left", "right"):  # the bases stay orthogonal
+        Q = st[f"{side}_basis0"]
+        torch.testing.assert_close(Q.mT @ Q, torch.eye(Q.shape[0]), atol=1e-5, rtol=0)
+
+
+def test_eigenbasis_roots_approach_the_exact_roots_as_the_factor_settles():
+    """With the factors frozen (beta 1 and zero gradients after a while), repeated refreshes converge: the power
+    steps reach the eigenvectors and the roots those of eigh."""
+    W0, grads = data((8, 8), steps=4)
+    W = nn.Parameter(W0.clone())
+    opt = Shampoo([W], lr=1e-3, shampoo_beta=1.0, precondition_frequency=1, start_preconditioning_step=4,
+                  root_method="eigenbasis", damping=1e-3)
+    for g in grads + [torch.zeros(8, 8)] * 300:
+        W.grad = g.clone()
+        opt.step()
+    st = opt.state[W]
+    F = st["left0"].double()
+    lam, Q = torch.linalg.eigh(F)
+    exact = Q @ torch.diag((lam.clamp_min(0) + 1e-3 * lam.max()) ** -0.25) @ Q.T
+    torch.testing.assert_close(st["left_root0"].double(), exact, rtol=1e-4, atol=1e-4 * exact.abs().max().item())
 
 
 def test_blocks_are_independent_shampoos():
@@ -144,7 +193,8 @@ def test_stale_roots_and_schedule():
     assert not torch.allclose(W.detach(), W_adam.detach(), atol=1e-4)  # preconditioned from step 4
 
 
-def test_state_dict_round_trip_is_bit_identical():
+@pytest.mark.parametrize("root_method", ["newton", "eigenbasis"])
+def test_state_dict_round_trip_is_bit_identical(root_method):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
     x, y = torch.randn(32, 6), torch.randn(32, 3)
@@ -155,7 +205,8 @@ def test_state_dict_round_trip_is_bit_identical():
             nn.functional.mse_loss(m(x), y).backward()
             opt.step()
 
-    hp = dict(lr=0.01, precondition_frequency=2, start_preconditioning_step=1, max_preconditioner_dim=8)
+    hp = dict(lr=0.01, precondition_frequency=2, start_preconditioning_step=1, max_preconditioner_dim=8,
+              root_method=root_method)
     opt = matrixopt.build_optimizer(model, "shampoo", **hp)
     train(model, opt, 5)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
@@ -171,6 +222,29 @@ def test_state_dict_round_trip_is_bit_identical():
         matrixopt.build_optimizer(model2, "shampoo", lr=0.01, max_preconditioner_dim=4).load_state_dict(saved_opt)
 
 
+def test_eigenbasis_resumes_from_a_newton_checkpoint():
+    """Roots saved by the Newton iteration, resumed with root_method="eigenbasis" (set after loading: a state dict
+    brings its hyperparameters): its first refresh takes the bases by eigh (they are not in the checkpoint)."""
+    W0, grads = data((6, 5), steps=6)
+    W = nn.Parameter(W0.clone())
+    opt = Shampoo([W], lr=0.01, precondition_frequency=2, start_preconditioning_step=2)
+    for g in grads[:3]:
+        W.grad = g.clone()
+        opt.step()
+    opt2 = Shampoo([W], lr=0.01, precondition_frequency=2, start_preconditioning_step=2, root_method="eigenbasis")
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.param_groups[0]["root_method"] == "newton"
+    opt2.param_groups[0]["root_method"] = "eigenbasis"
+    assert "left_basis0" not in opt2.state[W]
+    for g in grads[3:]:
+        W.grad = g.clone()
+        opt2.step()
+    st = opt2.state[W]
+    Q = st["left_basis0"]
+    torch.testing.assert_close(Q.mT @ Q, torch.eye(6), atol=1e-5, rtol=0)
+    assert opt2.root_failures == 0 and torch.isfinite(W).all()
+
+
 def test_forced_newton_failure_falls_back_to_eigh():
     W0, grads = data((12, 8))
     W, opt = run(W0, grads, **kwargs(HP), root_config=InverseRootConfig(max_iters=1))
@@ -179,21 +253,25 @@ def test_forced_newton_failure_falls_back_to_eigh():
     assert (W.double() - ref_shampoo(W0, grads, **HP)).abs().max() < ATOL
 
 
-def test_non_finite_factor_keeps_previous_root():
+@pytest.mark.parametrize("root_method", ["newton", "eigenbasis"])
+def test_non_finite_factor_keeps_previous_root(root_method):
     W0, grads = data((6, 5), steps=4)
     W = nn.Parameter(W0.clone())
-    opt = Shampoo([W], lr=0.01, precondition_frequency=2, start_preconditioning_step=2)
+    opt = Shampoo([W], lr=0.01, precondition_frequency=2, start_preconditioning_step=2, root_method=root_method)
     for g in grads[:2]:
         W.grad = g.clone()
         opt.step()
     st = opt.state[W]
     root = st["left_root0"].clone()
+    basis = st.get("left_basis0", root).clone()
     st["left0"][0, 0] = float("inf")  # a corrupted factor (e.g. loaded from a bad checkpoint)
     for g in grads[2:]:
         W.grad = g.clone()
         opt.step()
     assert opt.root_failures == 1
     assert torch.equal(st["left_root0"], root)
+    if root_method == "eigenbasis":
+        assert torch.equal(st["left_basis0"], basis)
     assert torch.isfinite(W).all() and all(torch.isfinite(v).all() for k, v in st.items() if k.endswith("root0"))
 
 
@@ -281,7 +359,7 @@ def test_build_optimizer_routes_and_tensor_lr():
     (dict(start_preconditioning_step=0), "start_preconditioning_step"), (dict(inverse_root=3), "inverse_root"),
     (dict(grafting="sgd"), "grafting"), (dict(one_sided_ratio=0.5), "one_sided_ratio"),
     (dict(factor_dtype=torch.float16), "factor_dtype"), (dict(root_config={"max_iters": 3}), "root_config"),
-    (dict(side_stream="yes"), "side_stream"),
+    (dict(side_stream="yes"), "side_stream"), (dict(root_method="svd"), r"root_method 'svd'.*newton"),
 ])
 def test_bad_hyperparameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -501,6 +579,7 @@ def test_step_workspace_is_bounded(monkeypatch, name, step_bytes):
 DEFERRED = [("shampoo", dict(precondition_frequency=3, start_preconditioning_step=2)),
             ("shampoo", dict(precondition_frequency=3, grafting="none", shampoo_beta=1.0,
                              weight_decay_mode="independent")),
+            ("shampoo", dict(precondition_frequency=2, start_preconditioning_step=2, root_method="eigenbasis")),
             ("soap", dict(precondition_frequency=3)),
             ("soap", dict(precondition_frequency=3, factor_update="kl", weight_decay_mode="cautious"))]
 
