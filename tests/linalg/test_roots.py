@@ -136,15 +136,19 @@ def test_cholesky_qr_matches_householder_qr(cond):
     assert ok.all() and Q.dtype == torch.float64 and Q.shape == Y.shape
     H, R = torch.linalg.qr(Y.float().double())
     H = H * torch.sign(R.diagonal(dim1=-2, dim2=-1))[:, None, :]  # R's diagonal positive
-    assert (Q - H).abs().max() < 1e-13 * cond + 1e-13  # forward error of Q about u * cond
+    assert (Q - H).abs().max() < 1e-15 * cond**2 + 1e-13  # the first pass's orthogonality error, u * cond^2
     torch.testing.assert_close(Q.mT @ Q, torch.eye(24, dtype=torch.float64).expand(4, 24, 24), atol=1e-13, rtol=0)
 
 
-def test_cholesky_qr_reports_rank_deficient_and_non_finite():
-    Y = torch.randn(3, 8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+def test_cholesky_qr_reports_rank_deficient_ill_conditioned_and_non_finite():
+    g = torch.Generator().manual_seed(4)
+    Y = torch.randn(4, 8, 5, dtype=torch.float64, generator=g)
     Y[0, :, 4] = Y[0, :, 3]  # rank-deficient
     Y[1, 2, 2] = float("nan")
-    assert cholesky_qr(Y)[1].tolist() == [False, False, True]
+    U, V = torch.linalg.qr(torch.randn(8, 5, dtype=torch.float64, generator=g))[0], torch.linalg.qr(
+        torch.randn(5, 5, dtype=torch.float64, generator=g))[0]
+    Y[2] = (U * torch.logspace(0, -9.5, 5, dtype=torch.float64)) @ V.T  # condition 3e9: u * cond^2 > 0.1
+    assert cholesky_qr(Y)[1].tolist() == [False, False, False, True]
 
 
 def test_refresh_eigenbasis_of_a_singular_factor():
