@@ -401,7 +401,12 @@ def single_gpu_step(preset: str, optimizer: str, settings: Settings, device: tor
     opt = build_optimizer(model, optimizer, splits=QKV_SPLITS, **hparams)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
-    t = time_ms(opt.step, device, reps=settings.iters, warmup=settings.warmup)
+    try:
+        t = time_ms(opt.step, device, reps=settings.iters, warmup=settings.warmup)
+    except torch.OutOfMemoryError:  # the whole model's state need not fit one device: only the ratios are lost
+        print(f"{preset} {optimizer}: the single-device reference step ran out of memory; its ratios are left "
+              f"out", flush=True)
+        return {"step_ms": None, "state_mb": None}
     return {"step_ms": t["median"], "state_mb": state_mb(opt)}  # the caller frees the cache
 
 
@@ -428,11 +433,12 @@ def summarize(per_config: list[list[dict[str, Any]]], singles: list[dict[tuple[s
                     phases={p: {w: max(r["phases"][p][w] for r in ranks) for w in ("device", "host")} for p in PHASES})
         if "inner_step_ms" in r0:
             key = (r0["preset"], parse_config(r0["config"]).optimizer)
-            single = {k: statistics.median(s[key][k] for s in singles) for k in ("step_ms", "state_mb")}
+            single = {k: [s[key][k] for s in singles if s[key][k] is not None] for k in ("step_ms", "state_mb")}
+            single = {k: statistics.median(v) if v else None for k, v in single.items()}
             line |= dict(inner_step_ms_max=max(r["inner_step_ms"] for r in ranks),
                          single_gpu_step_ms=single["step_ms"],
-                         opt_step_vs_single_gpu=line["opt_step_ms_max"] / single["step_ms"],
-                         state_vs_single_gpu=line["state_mb_max"] / single["state_mb"])
+                         opt_step_vs_single_gpu=single["step_ms"] and line["opt_step_ms_max"] / single["step_ms"],
+                         state_vs_single_gpu=single["state_mb"] and line["state_mb_max"] / single["state_mb"])
         out.append(line)
     for line in out:  # throughput against AdamW under DDP at the same preset (the median of its runs)
         base = [b["tokens_per_s"] for b in out if b["preset"] == line["preset"] and b["config"] == "ddp:adamw"]

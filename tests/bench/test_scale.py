@@ -282,3 +282,20 @@ def test_repeated_configurations_are_compared_with_the_median_adamw_run():
     lines = summarize([[_rank_figures(c, ms)] for c, ms in runs], [{}], world=1)
     assert [line["config"] for line in lines] == [c for c, _ in runs]
     assert [line["vs_ddp_adamw"] for line in lines] == pytest.approx([90 / 100, 90 / 110, 90 / 80, 1.0, 1.0])
+
+
+def test_a_single_gpu_reference_out_of_memory_leaves_its_ratios_out(monkeypatch, capsys):
+    """The whole model's state on one device (layer-wise's reference) need not fit: the run goes on without the
+    ratios to it instead of failing."""
+    import matrixopt.bench.scale as scale
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(scale, "time_ms", oom)
+    out = single_gpu_step("tiny-cpu", "muon", Settings(toy=True, iters=2, warmup=0), torch.device("cpu"))
+    assert out == {"step_ms": None, "state_mb": None} and "ran out of memory" in capsys.readouterr().out
+    rank = _rank_figures("layerwise:muon", 100.0) | dict(inner_step_ms=1.0)
+    (line,) = summarize([[rank]], [{("1.3b", "muon"): out}], world=1)
+    assert line["single_gpu_step_ms"] is None and line["opt_step_vs_single_gpu"] is None
+    assert line["state_vs_single_gpu"] is None and line["step_ms"] == 100.0

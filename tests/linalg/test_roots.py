@@ -10,6 +10,7 @@ from matrixopt.linalg.roots import (
     cholesky_qr,
     eigenbasis,
     eigh_inverse_root,
+    inverse_cholesky,
     inverse_root,
     max_eigenvalue,
     newton_inverse_root,
@@ -126,18 +127,38 @@ def test_refresh_eigenbasis_power_iteration():
     torch.testing.assert_close(Q1, ref, atol=1e-4, rtol=0)  # signs kept: a converged basis maps to itself
 
 
+@pytest.mark.parametrize("n, leaf", [(24, 128), (37, 8), (64, 16), (5, 1)])
+@pytest.mark.parametrize("cond", [1.0, 1e4, 1e10])
+def test_inverse_cholesky_matches_the_factorization(n, leaf, cond):
+    """The recursive halving (leaf < n) against torch's Cholesky factor, float64, up to condition 1e10."""
+    G = spd(n, cond)
+    Linv, ok = inverse_cholesky(G, leaf)
+    assert ok.all() and Linv.dtype == torch.float64
+    assert torch.equal(Linv, Linv.tril())  # lower triangular
+    ref = torch.linalg.inv(torch.linalg.cholesky(G))
+    assert rel_err(Linv, ref) < 1e-15 * cond + 1e-13  # explicit inverses: about u * cond(G)
+
+
+def test_inverse_cholesky_reports_blocks_that_are_not_positive_definite():
+    G = spd(16, 10.0, b=3)
+    G[0, 12, 12] = -1e3  # the trailing half's leaf fails
+    G[1, 0, 0] = float("nan")
+    assert inverse_cholesky(G, 4)[1].tolist() == [False, False, True]
+
+
+@pytest.mark.parametrize("leaf", [128, 4])
 @pytest.mark.parametrize("cond", [1.0, 1e3, 1e6])
-def test_cholesky_qr_matches_householder_qr(cond):
+def test_cholesky_qr_matches_householder_qr(cond, leaf):
     g = torch.Generator().manual_seed(3)
     U = torch.linalg.qr(torch.randn(4, 40, 24, generator=g, dtype=torch.float64))[0]
     V = torch.linalg.qr(torch.randn(4, 24, 24, generator=g, dtype=torch.float64))[0]
     Y = (U * torch.logspace(0, -math.log10(cond), 24, dtype=torch.float64)) @ V.mT  # (4, 40, 24), condition cond
-    Q, ok = cholesky_qr(Y.float())
-    assert ok.all() and Q.dtype == torch.float64 and Q.shape == Y.shape
+    Q, ok = cholesky_qr(Y.float(), leaf)
+    assert ok.all() and Q.dtype == torch.float32 and Q.shape == Y.shape
     H, R = torch.linalg.qr(Y.float().double())
     H = H * torch.sign(R.diagonal(dim1=-2, dim2=-1))[:, None, :]  # R's diagonal positive
-    assert (Q - H).abs().max() < 1e-15 * cond**2 + 1e-13  # the first pass's orthogonality error, u * cond^2
-    torch.testing.assert_close(Q.mT @ Q, torch.eye(24, dtype=torch.float64).expand(4, 24, 24), atol=1e-13, rtol=0)
+    assert (Q - H).abs().max() < 1e-15 * cond**2 + 1e-6  # the first pass's orthogonality error u * cond^2, fp32
+    torch.testing.assert_close(Q.mT @ Q, torch.eye(24).expand(4, 24, 24), atol=ORTHO_TOL, rtol=0)
 
 
 def test_cholesky_qr_reports_rank_deficient_ill_conditioned_and_non_finite():
@@ -147,7 +168,7 @@ def test_cholesky_qr_reports_rank_deficient_ill_conditioned_and_non_finite():
     Y[1, 2, 2] = float("nan")
     U, V = torch.linalg.qr(torch.randn(8, 5, dtype=torch.float64, generator=g))[0], torch.linalg.qr(
         torch.randn(5, 5, dtype=torch.float64, generator=g))[0]
-    Y[2] = (U * torch.logspace(0, -9.5, 5, dtype=torch.float64)) @ V.T  # condition 3e9: u * cond^2 > 0.1
+    Y[2] = (U * torch.logspace(0, -8.5, 5, dtype=torch.float64)) @ V.T  # condition 3e8: u * cond^2 > 1e-2
     assert cholesky_qr(Y)[1].tolist() == [False, False, False, True]
 
 
