@@ -431,11 +431,12 @@ def _blocks(dim: int) -> list[int]:
 
 def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Shapes], *,
                      ns_steps: int = NS_STEPS, precondition_frequency: int = 10, adamw_numel: int = 0,
-                     check: bool = False) -> float:
+                     check: bool = False, root_method: str = "newton") -> float:
     """Seconds of one step of ``optimizer`` ("muon", "shampoo", "soap" or "adamw") on the matrices ``groups`` of
     one rank, each group one stack, plus the step's elementwise passes (one fused pass over all of them).
     Shampoo's roots and SOAP's eigenbases are refreshed every ``precondition_frequency`` steps; their cost is
-    amortized over the period.
+    amortized over the period. Shampoo's ``root_method``: "newton" (the coupled iteration's products) or
+    "eigenbasis" (SOAP's refresh of a basis, a product for its Rayleigh quotients and one forming the root).
 
     ``adamw_numel``: elements of the matrix optimizer's AdamW groups (vectors, tables), stepped on a side stream
     beside the matrix groups, so their pass counts only where it outlasts the matrix products:
@@ -453,6 +454,8 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
         raise ValueError(f"no step-time model for optimizer {optimizer!r}; use muon, adamw, shampoo or soap")
     if precondition_frequency < 1:
         raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
+    check_root_method(root_method)
+    newton = optimizer == "shampoo" and root_method == "newton"
     every, refresh = 0.0, 0.0
     for g in groups:
         for mb in _blocks(g.m):
@@ -462,10 +465,11 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
                 every += passes * profile.seconds("fp32_gemm", pair, min(mb, nb))
                 for k in (mb, nb):
                     cube = profile.seconds("fp32_gemm", 2.0 * g.count * k**3, k)
-                    if optimizer == "shampoo":
+                    if newton:
                         refresh += ROOT_STEPS * ROOT_PRODUCTS * cube
-                    else:
-                        refresh += cube + g.count * profile.seconds("qr", qr_flops(k))
+                    else:  # the power step's product and QR (and for Shampoo's roots, two products more)
+                        products = 3 if optimizer == "shampoo" else 1
+                        refresh += products * cube + g.count * profile.seconds("qr", qr_flops(k))
     per_param = SHAMPOO_BYTES if optimizer == "shampoo" else SOAP_BYTES
     products = every + refresh / precondition_frequency
     return checked + max(products, side) + profile.seconds("elementwise", per_param * numel)
@@ -476,14 +480,24 @@ def qr_flops(n: int) -> float:
     return 8.0 / 3.0 * n**3
 
 
-def preconditioner_state_bytes(optimizer: str, m: int, n: int) -> int:
+def preconditioner_state_bytes(optimizer: str, m: int, n: int, root_method: str = "newton") -> int:
     """Optimizer state of one ``(m, n)`` matrix in bytes (fp32): Muon's momentum, AdamW's two moments, or
     Shampoo's and SOAP's per-element state plus two ``(k, k)`` matrices per factor of each block (factor and
-    root, or factor and eigenbasis)."""
+    root, or factor and eigenbasis; Shampoo with ``root_method="eigenbasis"`` three: its basis too)."""
     base = STATE_BYTES[optimizer] * m * n
     if optimizer not in ("shampoo", "soap"):
         return base
-    return base + sum(2 * 4 * (mb * mb + nb * nb) for mb in _blocks(m) for nb in _blocks(n))
+    per_factor = 3 if optimizer == "shampoo" and check_root_method(root_method) == "eigenbasis" else 2
+    return base + sum(per_factor * 4 * (mb * mb + nb * nb) for mb in _blocks(m) for nb in _blocks(n))
+
+
+ROOT_METHODS = ("newton", "eigenbasis")  # Shampoo's (matrixopt.Shampoo's root_method)
+
+
+def check_root_method(root_method: str) -> str:
+    if root_method not in ROOT_METHODS:
+        raise ValueError(f"Unknown root_method {root_method!r}; use one of {ROOT_METHODS}")
+    return root_method
 
 
 # ----------------------------------------------------------------------------------------------------------

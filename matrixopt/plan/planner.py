@@ -62,6 +62,7 @@ from matrixopt.distributed.cost import (
     DeviceProfile,
     Memory,
     Shapes,
+    check_root_method,
     collective_time,
     matrix_step_time,
     newton_schulz_time,
@@ -111,6 +112,8 @@ class PlanConfig:
     """Muon's Newton–Schulz form (:func:`matrixopt.linalg.ortho.newton_schulz`): "auto" (the Gram form for
     matrices at least ``GRAM_MIN_ASPECT`` times longer than wide), "standard" or "gram"."""
     precondition_frequency: int = 10
+    root_method: str = "newton"
+    """Shampoo's roots: "newton" or "eigenbasis" (:class:`matrixopt.Shampoo`)."""
     memory_fraction: float = 0.9
     recompute: bool = False
     """Activation checkpointing of every layer: only layer inputs are kept, and backward recomputes the forward
@@ -125,6 +128,7 @@ class PlanConfig:
             raise ValueError(f"tokens_per_gpu {self.tokens_per_gpu} must split into grad_accum {self.grad_accum} "
                              f"equal micro-batches")
         check_method(self.ns_method)
+        check_root_method(self.root_method)
         if not isinstance(self.fsdp_gather_once, bool):
             raise ValueError(f"fsdp_gather_once must be True or False, got {self.fsdp_gather_once!r}")
         if self.optimizer not in OPTIMIZERS:
@@ -321,7 +325,8 @@ def _matrix_time(profile: DeviceProfile, cfg: PlanConfig, mat: Matrix, batch: in
     rows, cols = _split_matrix(mat, tp)
     if cfg.optimizer != "muon":
         shard = Shapes(rows, -(-cols // tp), batch)
-        t = matrix_step_time(profile, cfg.optimizer, [shard], precondition_frequency=cfg.precondition_frequency)
+        t = matrix_step_time(profile, cfg.optimizer, [shard], precondition_frequency=cfg.precondition_frequency,
+                             root_method=cfg.root_method)
         return t - profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * shard.numel), 0.0
     def ns(s: int, l: int, b: int) -> float:
         return newton_schulz_time(profile, b, s, l, cfg.ns_steps, cfg.ns_method)
@@ -388,7 +393,7 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         side = profile.seconds("elementwise", ADAMW_BYTES * rest_el / dp)  # AdamW groups on a side stream
         opt = max(ns, side) + elementwise
         adamw_opt = profile.seconds("elementwise", ADAMW_BYTES * params_el)
-        state_total = _state(cfg.optimizer, mats, 1) + 8 * rest_el
+        state_total = _state(cfg, mats, 1) + 8 * rest_el
         state = max(state_total / dp, 8.0 * getattr(model, "vocab", 0) * d)  # a whole-owned embedding
         ws = _workspace(mats, dp, 1)
         memory = Memory(params=4 * params_el, grads=4 * params_el, optimizer_state=state, buffers=ws,
@@ -423,7 +428,7 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         side = profile.seconds("elementwise", ADAMW_BYTES * local_rest)  # AdamW groups on a side stream
         opt = max(ns, side) + max(0.0, a2a - ns) + a2a / buckets + elementwise  # ns holds the TP traffic
         adamw_opt = profile.seconds("elementwise", ADAMW_BYTES * (dense_shard + expert_shard))
-        state = (_state(cfg.optimizer, dense, tp) / dp + _state(cfg.optimizer, experts, 1) / edp
+        state = (_state(cfg, dense, tp) / dp + _state(cfg, experts, 1) / edp
                  + 8 * local_rest)
         transient = 2 * 2 * layer_el  # two layers' bf16 parameters gathered (current and prefetched)
         gathered = 2 * params_el if once else transient  # gather-once: the whole model's bf16 parameters
@@ -449,13 +454,13 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
                       tokens_per_gpu=T, notes=tuple(notes))
 
 
-def _state(optimizer: str, mats: Sequence[Matrix], tp: int) -> float:
-    """Optimizer state bytes of ``mats`` (all of them, TP shards where split)."""
+def _state(cfg: PlanConfig, mats: Sequence[Matrix], tp: int) -> float:
+    """Optimizer state bytes of ``mats`` (all of them, TP shards where split) under ``cfg``'s optimizer."""
     total = 0.0
     for m in mats:
         rows, cols = _split_matrix(m, tp)
         cols = -(-cols // tp) if _tp_sharded(m, tp) else cols
-        total += m.count * preconditioner_state_bytes(optimizer, rows, cols)
+        total += m.count * preconditioner_state_bytes(cfg.optimizer, rows, cols, cfg.root_method)
     return total
 
 
@@ -497,7 +502,8 @@ def assumptions(cfg: PlanConfig, profile: DeviceProfile) -> tuple[str, ...]:
         f"device profile {profile.name} ({profile.source}); links: intra {profile.links['intra'].bandwidth / 1e9:g} "
         f"GB/s, inter {profile.links['inter'].bandwidth / 1e9:g} GB/s per GPU",
         f"{cfg.optimizer}: {cfg.ns_steps} Newton-Schulz steps" if cfg.optimizer == "muon"
-        else f"{cfg.optimizer}: roots refreshed every {cfg.precondition_frequency} steps",
+        else f"{cfg.optimizer}: roots refreshed every {cfg.precondition_frequency} steps"
+        + (f" ({cfg.root_method})" if cfg.optimizer == "shampoo" else ""),
         "AdamW in the same layout (layer-wise against DDP); fp32 master weights, gradients and state; bf16 compute",
         *(("FSDP: parameters gathered once per step, the whole model's bf16 copy held between micro-batches",)
           if cfg.fsdp_gather_once and cfg.grad_accum > 1 else ()),

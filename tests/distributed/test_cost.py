@@ -133,6 +133,26 @@ def test_step_times_and_state():
         cost.matrix_step_time(p, "soap", groups, precondition_frequency=0)
 
 
+def test_shampoo_eigenbasis_roots_cost_soaps_refresh_and_two_products():
+    """root_method="eigenbasis": a refresh is SOAP's (a power step's product and a QR) plus two products per
+    factor, where Newton's is ROOT_STEPS * ROOT_PRODUCTS products; the state holds a basis per factor more."""
+    p = _flat(rate=1e12, bw=1e11)
+    groups = [Shapes(64, 256, 3)]
+
+    def refresh(optimizer, method="newton"):  # the refresh's seconds: every step's refresh less one in 10^6
+        t = [cost.matrix_step_time(p, optimizer, groups, precondition_frequency=f, root_method=method)
+             for f in (1, 10**6)]
+        return t[0] - t[1]
+
+    cubes = sum(p.seconds("fp32_gemm", 2.0 * 3 * k**3, k) for k in (64, 256))
+    assert refresh("shampoo") == pytest.approx(cost.ROOT_STEPS * cost.ROOT_PRODUCTS * cubes, rel=1e-5)
+    assert refresh("shampoo", "eigenbasis") == pytest.approx(refresh("soap") + 2 * cubes, rel=1e-5)
+    assert cost.preconditioner_state_bytes("shampoo", 64, 256, "eigenbasis") == (
+        cost.preconditioner_state_bytes("shampoo", 64, 256) + 4 * (64**2 + 256**2))
+    with pytest.raises(ValueError, match="root_method 'svd'"):
+        cost.matrix_step_time(p, "shampoo", groups, root_method="svd")
+
+
 def test_adamw_groups_hide_behind_the_products_and_the_check_reads_every_gradient():
     """Muon on 3 x (64, 256) at 1e12 FLOP/s and 1e11 B/s, with AdamW groups of 1e5 or 1e7 elements."""
     p = _flat(rate=1e12, bw=1e11)

@@ -60,6 +60,7 @@ def test_moe_layouts_split_experts():
     (dict(gpus=8, tokens_per_gpu=0), "tokens_per_gpu must be an int >= 1"),
     (dict(gpus=8, tokens_per_gpu=4096, grad_accum=3), "must split into grad_accum 3 equal micro-batches"),
     (dict(gpus=8, fsdp_gather_once=1), "fsdp_gather_once must be True or False, got 1"),
+    (dict(gpus=8, optimizer="shampoo", root_method="svd"), "Unknown root_method 'svd'; use one of"),
 ])
 def test_bad_configs_name_the_constraint(kwargs, message):
     with pytest.raises(ValueError, match=message):
