@@ -431,12 +431,15 @@ def _blocks(dim: int) -> list[int]:
 
 def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Shapes], *,
                      ns_steps: int = NS_STEPS, precondition_frequency: int = 10, adamw_numel: int = 0,
-                     check: bool = False, root_method: str = "newton") -> float:
+                     check: bool = False, root_method: str = "newton", matmul_precision: str = "fp32") -> float:
     """Seconds of one step of ``optimizer`` ("muon", "shampoo", "soap" or "adamw") on the matrices ``groups`` of
     one rank, each group one stack, plus the step's elementwise passes (one fused pass over all of them).
     Shampoo's roots and SOAP's eigenbases are refreshed every ``precondition_frequency`` steps; their cost is
     amortized over the period. Shampoo's ``root_method``: "newton" (the coupled iteration's products) or
     "eigenbasis" (SOAP's refresh of a basis, a product for its Rayleigh quotients and one forming the root).
+    ``matmul_precision="tf32"``: the factor products, the preconditioning or projections and SOAP's power step at
+    the TF32 rate, taken as half the bf16 ``gemm`` rate (the data sheet's ratio; not calibrated); Shampoo's roots
+    stay fp32 (the optimizers' own rule).
 
     ``adamw_numel``: elements of the matrix optimizer's AdamW groups (vectors, tables), stepped on a side stream
     beside the matrix groups, so their pass counts only where it outlasts the matrix products:
@@ -455,21 +458,31 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
     if precondition_frequency < 1:
         raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
     check_root_method(root_method)
+    if matmul_precision not in ("fp32", "tf32"):
+        raise ValueError(f"Invalid matmul_precision: {matmul_precision!r} (use one of ('fp32', 'tf32'))")
     newton = optimizer == "shampoo" and root_method == "newton"
+
+    def product(flops: float, width: int, fp32: bool = False) -> float:
+        if fp32 or matmul_precision == "fp32":
+            return profile.seconds("fp32_gemm", flops, width)
+        return 2 * profile.seconds("gemm", flops, width)
+
     every, refresh = 0.0, 0.0
     for g in groups:
         for mb in _blocks(g.m):
             for nb in _blocks(g.n):
                 pair = 2.0 * g.count * mb * nb * (mb + nb)  # L += G G^T and R += G^T G, or one product by each
                 passes = 2 if optimizer == "shampoo" else 3  # factors, preconditioning (, projection back)
-                every += passes * profile.seconds("fp32_gemm", pair, min(mb, nb))
+                every += passes * product(pair, min(mb, nb))
                 for k in (mb, nb):
-                    cube = profile.seconds("fp32_gemm", 2.0 * g.count * k**3, k)
+                    cube = 2.0 * g.count * k**3
                     if newton:
-                        refresh += ROOT_STEPS * ROOT_PRODUCTS * cube
-                    else:  # the power step's product and QR (and for Shampoo's roots, two products more)
-                        products = 3 if optimizer == "shampoo" else 1
-                        refresh += products * cube + g.count * profile.seconds("qr", qr_flops(k))
+                        refresh += ROOT_STEPS * ROOT_PRODUCTS * product(cube, k, fp32=True)
+                    else:  # the power step's product and QR (and for Shampoo's roots, two fp32 products more)
+                        shampoo = optimizer == "shampoo"
+                        refresh += product(cube, k, fp32=shampoo) + g.count * profile.seconds("qr", qr_flops(k))
+                        if shampoo:
+                            refresh += 2 * product(cube, k, fp32=True)
     per_param = SHAMPOO_BYTES if optimizer == "shampoo" else SOAP_BYTES
     products = every + refresh / precondition_frequency
     return checked + max(products, side) + profile.seconds("elementwise", per_param * numel)

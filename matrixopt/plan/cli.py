@@ -41,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the last micro-batch (the trainer's --fsdp-gather-once)")
     p.add_argument("--precondition-frequency", type=int, default=10, help="Shampoo/SOAP root refresh (default 10)")
     p.add_argument("--root-method", default="newton", help="Shampoo's roots: newton (default) or eigenbasis")
+    p.add_argument("--matmul-precision", default="fp32", help="Shampoo's and SOAP's products: fp32 (default) or tf32")
     p.add_argument("--out", default=None, help="plan: write OUT.json and OUT.png; --calibrate: the profile file; "
                                                "--validate: a JSON of the rows")
     p.add_argument("--no-curve", action="store_true", help="skip the ratio curve over 8..4096 GPUs")
@@ -76,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
                              dp=args.dp,
                              optimizer=args.optimizer, mfu=args.mfu, recompute=args.recompute,
                              fsdp_gather_once=args.fsdp_gather_once,
-                             precondition_frequency=args.precondition_frequency, root_method=args.root_method)
+                             precondition_frequency=args.precondition_frequency, root_method=args.root_method,
+                             matmul_precision=args.matmul_precision)
     result = planner.plan(cfg, profile)
     print(planner.format_plan(result))
     if args.out:

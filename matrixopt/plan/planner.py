@@ -114,6 +114,8 @@ class PlanConfig:
     precondition_frequency: int = 10
     root_method: str = "newton"
     """Shampoo's roots: "newton" or "eigenbasis" (:class:`matrixopt.Shampoo`)."""
+    matmul_precision: str = "fp32"
+    """Shampoo's and SOAP's products: "fp32" or "tf32" (their ``matmul_precision``)."""
     memory_fraction: float = 0.9
     recompute: bool = False
     """Activation checkpointing of every layer: only layer inputs are kept, and backward recomputes the forward
@@ -129,6 +131,8 @@ class PlanConfig:
                              f"equal micro-batches")
         check_method(self.ns_method)
         check_root_method(self.root_method)
+        if self.matmul_precision not in ("fp32", "tf32"):
+            raise ValueError(f"matmul_precision must be fp32 or tf32, got {self.matmul_precision!r}")
         if not isinstance(self.fsdp_gather_once, bool):
             raise ValueError(f"fsdp_gather_once must be True or False, got {self.fsdp_gather_once!r}")
         if self.optimizer not in OPTIMIZERS:
@@ -326,7 +330,7 @@ def _matrix_time(profile: DeviceProfile, cfg: PlanConfig, mat: Matrix, batch: in
     if cfg.optimizer != "muon":
         shard = Shapes(rows, -(-cols // tp), batch)
         t = matrix_step_time(profile, cfg.optimizer, [shard], precondition_frequency=cfg.precondition_frequency,
-                             root_method=cfg.root_method)
+                             root_method=cfg.root_method, matmul_precision=cfg.matmul_precision)
         return t - profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * shard.numel), 0.0
     def ns(s: int, l: int, b: int) -> float:
         return newton_schulz_time(profile, b, s, l, cfg.ns_steps, cfg.ns_method)
@@ -503,7 +507,8 @@ def assumptions(cfg: PlanConfig, profile: DeviceProfile) -> tuple[str, ...]:
         f"GB/s, inter {profile.links['inter'].bandwidth / 1e9:g} GB/s per GPU",
         f"{cfg.optimizer}: {cfg.ns_steps} Newton-Schulz steps" if cfg.optimizer == "muon"
         else f"{cfg.optimizer}: roots refreshed every {cfg.precondition_frequency} steps"
-        + (f" ({cfg.root_method})" if cfg.optimizer == "shampoo" else ""),
+        + (f" ({cfg.root_method})" if cfg.optimizer == "shampoo" else "")
+        + (f", {cfg.matmul_precision} products" if cfg.optimizer != "muon" else ""),
         "AdamW in the same layout (layer-wise against DDP); fp32 master weights, gradients and state; bf16 compute",
         *(("FSDP: parameters gathered once per step, the whole model's bf16 copy held between micro-batches",)
           if cfg.fsdp_gather_once and cfg.grad_accum > 1 else ()),

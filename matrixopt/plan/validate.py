@@ -71,8 +71,21 @@ STALE = (
 :data:`EXCLUDED`'s rows, predicted and listed but not counted."""
 
 
+HELD_PEAKS = {
+    "scale_1.3b_16k_precond_refresh_2xh100.json":
+        "its peak memories are not the configurations' own: they ran one after another in one process, among them "
+        "layer-wise Shampoo's whole-model reference step, which ran out of memory, and later peaks hold what the "
+        "allocator kept (FSDP2 AdamW 47.2 GB here, 25.2 GB in an FSDP2-only call, "
+        "scale_1.3b_16k_fsdp_precond_refresh_2xh100.json, where SOAP and Shampoo peaked at 37.2 and 42.9 GB)",
+}
+"""Records whose peak-memory rows are not counted, by file: the reason."""
+
+
 def excluded(source: str, what: str, unit: str) -> str | None:
-    """Why a row is not counted (:data:`EXCLUDED`, :data:`STALE`), or None: only time rows (ms, ratios) are."""
+    """Why a row is not counted (:data:`EXCLUDED`, :data:`STALE` for time rows, ms and ratios;
+    :data:`HELD_PEAKS` for memory rows), or None."""
+    if unit == "GB":
+        return HELD_PEAKS.get(source)
     if unit not in ("ms", "x"):
         return None
     if source in EXCLUDED:
@@ -236,10 +249,16 @@ def _summaries(rec: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
     return {key: merged(same) for key, same in lines.items()}
 
 
+NAMES = {"muon": "Muon", "soap": "SOAP", "shampoo": "Shampoo"}
+
+
 def _scale_rows(path: Path, pairs: list[tuple[str, str, Layout]]) -> list[dict[str, Any]]:
     """Rows for ``(matrix optimizer's config, its AdamW config, layout)`` of one ``bench scale`` record: the
-    planner given the record's GPUs, tokens per GPU, micro-batches per step, expert-parallel degree and FSDP2
-    gathering (``fsdp_gather_once``, absent in records from before the option: gathered per micro-batch)."""
+    planner given the record's GPUs, tokens per GPU, micro-batches per step, expert-parallel degree, FSDP2
+    gathering (``fsdp_gather_once``, absent in records from before the option: gathered per micro-batch) and the
+    optimizer's hyperparameters (``--opt``: Shampoo's and SOAP's products, roots and refresh period). Shampoo's
+    and SOAP's optimizer step is measured as the training step less its other phases, so that it holds the
+    refreshes its timed steps ran (their median step has none)."""
     rec = json.loads(path.read_text())
     world, tokens = rec["world_size"], rec["tokens_per_gpu"]
     once = bool(rec.get("fsdp_gather_once", False))
@@ -247,25 +266,34 @@ def _scale_rows(path: Path, pairs: list[tuple[str, str, Layout]]) -> list[dict[s
     by = _summaries(rec)
     for preset in sorted({s["preset"] for s in rec["summary"]}):
         arch = gpt(preset)
-        for muon_cfg, adamw_cfg, layout in pairs:
-            mu, ad = by.get((preset, muon_cfg)), by.get((preset, adamw_cfg))
+        for mat_cfg, adamw_cfg, layout in pairs:
+            mu, ad = by.get((preset, mat_cfg)), by.get((preset, adamw_cfg))
             if mu is None or ad is None:
                 continue
+            optimizer = mat_cfg.split(":")[1]
+            hp = rec.get("hparams", {}).get(optimizer, {})
             cfg = PlanConfig(model=arch, gpus=world, tokens_per_gpu=tokens, grad_accum=mu.get("micro_batches", 1),
                              ep=layout.ep if layout.ep > 1 else None, ns_method=ns_method(rec),
-                             fsdp_gather_once=once)
+                             fsdp_gather_once=once, optimizer=optimizer,
+                             precondition_frequency=int(hp.get("precondition_frequency", 10)),
+                             root_method=hp.get("root_method", "newton"),
+                             matmul_precision=hp.get("matmul_precision", "fp32"))
+            name, step_what = NAMES[optimizer], "optimizer step"
+            opt_ms = mu["opt_step_ms_max"]
+            if optimizer != "muon":
+                step_what += ", refreshes amortized"
+                opt_ms = mu["step_ms"] - sum(mu["phases"][ph]["device"] for ph in ("forward", "backward", "clip"))
             where = f"{preset}, {_gpus(rec, world)}, {tokens // 1024}k tokens per GPU, {layout.label}"
             where += " gathered once" if once and layout.kind == "fsdp" else ""
             for pname, prof in profiles_for(rec).items():
                 p = predict(layout, cfg, prof)
                 fwd_bwd = ad["step_ms"] - (p.adamw_step_s - p.fwd_bwd_s) * 1e3  # measured AdamW step less its model
-                muon_step = fwd_bwd + (p.step_s - p.fwd_bwd_s) * 1e3
-                rows += [_row(f"{where}: Muon optimizer step", path.name, pname, p.opt_step_s * 1e3,
-                              mu["opt_step_ms_max"], "ms"),
-                         _row(f"{where}: Muon training step", path.name, pname, muon_step, mu["step_ms"], "ms"),
-                         _row(f"{where}: Muon/AdamW tokens/s", path.name, pname, ad["step_ms"] / muon_step,
+                step = fwd_bwd + (p.step_s - p.fwd_bwd_s) * 1e3
+                rows += [_row(f"{where}: {name} {step_what}", path.name, pname, p.opt_step_s * 1e3, opt_ms, "ms"),
+                         _row(f"{where}: {name} training step", path.name, pname, step, mu["step_ms"], "ms"),
+                         _row(f"{where}: {name}/AdamW tokens/s", path.name, pname, ad["step_ms"] / step,
                               ad["step_ms"] / mu["step_ms"], "x"),
-                         _row(f"{where}: Muon peak memory per GPU", path.name, pname, p.memory.total / 1e9,
+                         _row(f"{where}: {name} peak memory per GPU", path.name, pname, p.memory.total / 1e9,
                               _peak_gb(mu), "GB"),
                          _row(f"{where}: AdamW peak memory per GPU", path.name, pname, p.adamw_memory.total / 1e9,
                               _peak_gb(ad), "GB")]
@@ -434,6 +462,9 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
         rows += _scale_rows(dist / name, [("layerwise:muon", "ddp:adamw", lw)])
     for name in ("scale_moe-2b_ep2_16k_alt_2xh100.json", "scale_moe-2b_ep2_16k_alt3_2xh100.json"):
         rows += _ddp_rows(dist / name)
+    rows += _scale_rows(dist / "scale_1.3b_16k_precond_refresh_2xh100.json",
+                        [(f"{kind}:{opt}", f"{'ddp' if kind == 'layerwise' else kind}:adamw", layout)
+                         for opt in ("soap", "shampoo") for kind, layout in (("layerwise", lw), ("fsdp", fsdp))])
     return rows
 
 

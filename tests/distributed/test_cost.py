@@ -153,6 +153,26 @@ def test_shampoo_eigenbasis_roots_cost_soaps_refresh_and_two_products():
         cost.matrix_step_time(p, "shampoo", groups, root_method="svd")
 
 
+def test_tf32_products_are_priced_at_half_the_bf16_rate_and_newton_roots_stay_fp32():
+    p = _flat(rate=1e12, bw=1e11)
+    groups = [Shapes(64, 256, 3)]
+    soap = {mp: cost.matrix_step_time(p, "soap", groups, precondition_frequency=10**9, matmul_precision=mp)
+            for mp in ("fp32", "tf32")}
+    pair = 2.0 * 3 * 64 * 256 * (64 + 256)
+    # three passes of products each step: at the fp32 rate, or at twice the bf16 table's time
+    assert soap["fp32"] - soap["tf32"] == pytest.approx(
+        3 * (p.seconds("fp32_gemm", pair, 64) - 2 * p.seconds("gemm", pair, 64)), rel=1e-3)
+
+    def refresh(mp):
+        t = [cost.matrix_step_time(p, "shampoo", groups, precondition_frequency=f, matmul_precision=mp)
+             for f in (1, 10**9)]
+        return t[0] - t[1]
+
+    assert refresh("tf32") == pytest.approx(refresh("fp32"))  # the Newton iteration runs in fp32 either way
+    with pytest.raises(ValueError, match="matmul_precision"):
+        cost.matrix_step_time(p, "soap", groups, matmul_precision="bf16")
+
+
 def test_adamw_groups_hide_behind_the_products_and_the_check_reads_every_gradient():
     """Muon on 3 x (64, 256) at 1e12 FLOP/s and 1e11 B/s, with AdamW groups of 1e5 or 1e7 elements."""
     p = _flat(rate=1e12, bw=1e11)

@@ -344,3 +344,26 @@ def test_validation_reads_gather_once_from_the_record(tmp_path):
     assert row["predicted"] == pytest.approx(400.0 + (p_each.adamw_step_s - p_once.adamw_step_s) * 1e3)
     with pytest.raises(ValueError, match="once.json must gather per micro-batch and each.json once per step"):
         validate._gather_rows(tmp_path / "once.json", tmp_path / "each.json")
+
+
+def test_soap_and_shampoo_scale_rows_take_the_records_hyperparameters():
+    """A bench scale record's SOAP and Shampoo lines are predicted with their --opt hyperparameters (TF32
+    products, Shampoo's eigenbasis roots), their optimizer step measured as the training step less the other
+    phases (it holds the refreshes), and the record's held peak memories listed but not counted."""
+    rows = validate.validate()["scaling, 2 H100"]
+    name = "scale_1.3b_16k_precond_refresh_2xh100.json"
+    mine = [r for r in rows if r["source"] == name and r["profile"] == "measured"]
+    assert len(mine) == 4 * 5  # layer-wise and FSDP2 SOAP and Shampoo, five rows each
+    rec = json.loads((validate.ROOT / "distributed" / name).read_text())
+    (line,) = [s for s in rec["summary"] if s["config"] == "fsdp:shampoo"]
+    (step,) = [r for r in mine if r["what"].endswith("fsdp gathered once: Shampoo optimizer step, refreshes amortized")]
+    assert step["measured"] == pytest.approx(
+        line["step_ms"] - sum(line["phases"][p]["device"] for p in ("forward", "backward", "clip")))
+    cfg = planner.PlanConfig(model=gpt("1.3b"), gpus=2, tokens_per_gpu=16384, grad_accum=4, optimizer="shampoo",
+                             root_method="eigenbasis", matmul_precision="tf32", fsdp_gather_once=True)
+    p = planner.predict(planner.Layout(kind="fsdp"), cfg, H100)
+    assert step["predicted"] == pytest.approx(p.opt_step_s * 1e3)
+    newton = planner.predict(planner.Layout(kind="fsdp"), dataclasses.replace(cfg, root_method="newton"), H100)
+    assert newton.opt_step_s > 2 * p.opt_step_s  # Newton's roots cost more than the eigenbasis refresh
+    peaks = [r for r in mine if r["unit"] == "GB"]
+    assert peaks and all(r["excluded"] == validate.HELD_PEAKS[name] for r in peaks)
