@@ -614,6 +614,62 @@ def _adam_kernel(
             tl.store(o_ptr + r * o_rs + col, tl.where(keep, d, 0.0), mask=mask)
 
 
+@triton.jit
+def _factor_ema_kernel(
+    # (n, 6) int64 table, one row per factor: factor and product addresses, rows, columns, their row strides
+    # (elements); (P, 2) int64 work list: matrix, first row
+    table_ptr, chunks_ptr,
+    # (n,) float32 per product: nonzero where it is finite; 0-d float32 live flag (0: a skipped step), if HAS_LIVE
+    ok_ptr, live_ptr,
+    weight,
+    HAS_LIVE: tl.constexpr, SUM: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    work = chunks_ptr + tl.program_id(0).to(tl.int64) * 2
+    i = tl.load(work)
+    r0 = tl.load(work + 1)
+    row = table_ptr + i * 6
+    f_addr, g_addr = tl.load(row), tl.load(row + 1)
+    R, C = tl.load(row + 2), tl.load(row + 3)
+    f_rs, g_rs = tl.load(row + 4), tl.load(row + 5)
+    if ALIGNED:
+        f_addr, g_addr = tl.multiple_of(f_addr, 16), tl.multiple_of(g_addr, 16)
+        f_rs, g_rs = tl.multiple_of(f_rs, 4), tl.multiple_of(g_rs, 4)
+    f_ptr = f_addr.to(tl.pointer_type(tl.float32))
+    g_ptr = g_addr.to(tl.pointer_type(tl.float32))
+    ok = tl.load(ok_ptr + i) != 0
+    w = weight * tl.load(live_ptr) if HAS_LIVE else weight
+    for r in range(r0, r0 + ROWS):
+        for c0 in range(0, C, BLOCK):
+            col = c0 + tl.arange(0, BLOCK)
+            if ALIGNED:
+                col = tl.max_contiguous(tl.multiple_of(col, BLOCK), BLOCK)
+            mask = (col < C) & (r < R)
+            f = tl.load(f_ptr + r * f_rs + col, mask=mask, other=0.0)
+            g = tl.where(ok, tl.load(g_ptr + r * g_rs + col, mask=mask, other=0.0), 0.0)
+            new = f + w * g if SUM else f * (1.0 - w) + w * g
+            tl.store(f_ptr + r * f_rs + col, new, mask=mask)
+
+
+def factor_ema_triton(factors: Sequence[Tensor], products: Sequence[Tensor], ok: Tensor, weight: float,
+                      live: Tensor | None = None, sum_: bool = False) -> None:
+    """Shampoo's factor update in one pass (one launch for the lists): ``F <- F (1 - w) + w P``, or ``F <- F + w P``
+    with ``sum_``, where ``w = weight * live`` and a product P whose ``ok`` entry is zero counts as zeros (a
+    non-finite block contributes nothing). 12 bytes per element, where the torch reference's select, multiply and
+    add move 28. ``factors``, ``products``: float32 ``(R, C)`` matrices with unit column stride, pairwise shaped
+    alike, on one device; ``ok``: ``(n,)`` float32 or bool; ``live``: a 0-d float32 device flag, 0 on a skipped
+    step, which leaves every factor as it was, bit for bit."""
+    if not factors:
+        return
+    device = factors[0].device
+    chunks = _row_chunks(tuple(f.shape[0] for f in factors), device, ADAM_ROWS)
+    rows = tuple(((f.data_ptr(), p.data_ptr(), f.shape[0], f.shape[1], f.stride(0), p.stride(0)), (0,) * 6, 1)
+                 for f, p in zip(factors, products))
+    aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0 for q in (factors, products) for t in q)
+    launch_kernel(_factor_ema_kernel, (len(chunks),), _table(rows, device), chunks, ok.float(),
+                  live if live is not None else chunks, float(weight), HAS_LIVE=live is not None, SUM=sum_,
+                  ALIGNED=aligned, ROWS=ADAM_ROWS, BLOCK=ADAM_BLOCK, num_warps=ADAM_WARPS)
+
+
 @functools.lru_cache(maxsize=16)
 def _row_chunks(rows: tuple[int, ...], device: torch.device, per: int) -> Tensor:
     """Adam's work list for matrices of these row counts, ``[matrix, first row]`` per ``per`` rows, on ``device``."""

@@ -89,6 +89,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from matrixopt.kernels import muon_elementwise
 from matrixopt.kernels.decay import decay_
 from matrixopt.linalg.roots import (
     InverseRootConfig,
@@ -256,7 +257,14 @@ def accumulate(factors: list[Tensor], GG: Tensor, beta: float, live: Tensor | No
     """``F = beta F + (1 - beta) GG`` (``F += GG`` for beta = 1) for each factor; a block of GG that is not finite
     (:func:`finite_blocks`) contributes nothing. factors: b tensors ``(d, d)``; GG: ``(b, d, d)`` float32.
     ``live``: an optional 0-d float32 device flag, 0 for a skipped step, which leaves the factors as they were
-    (GG, whatever it holds, then counts as zero; the average as :func:`~matrixopt.optim.adam.ema_` takes it)."""
+    (GG, whatever it holds, then counts as zero; the average as :func:`~matrixopt.optim.adam.ema_` takes it).
+    float32 factors on the GPU take one pass (:func:`matrixopt.kernels.muon_fused.factor_ema_triton`)."""
+    products = list(GG.unbind(0))
+    fused = muon_elementwise.fused_for(factors, products)
+    if fused is not None:  # one pass (12 bytes per element instead of 28)
+        fused.factor_ema_triton(factors, products, finite_blocks(GG).flatten(), 1.0 if beta == 1.0 else 1.0 - beta,
+                                live, sum_=beta == 1.0)
+        return
     ok = finite_blocks(GG) if live is None else finite_blocks(GG) & (live > 0)
     GG = list(torch.where(ok, GG, 0.0).to(factors[0].dtype).unbind(0))
     if beta == 1.0:

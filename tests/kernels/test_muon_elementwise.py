@@ -437,3 +437,36 @@ def test_soap_through_the_adam_kernel_matches_its_foreach_path():
     for a, b in zip(runs["torch"], runs["triton"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert not all(torch.equal(a, b) for a, b in zip(runs["torch"], runs["triton"]))  # the kernel ran
+
+
+@pytest.mark.parametrize("beta", [0.95, 1.0])
+def test_factor_update_one_pass_matches_the_reference_drops_non_finite_blocks_and_skips(monkeypatch, beta):
+    """Shampoo's and SOAP's factor update (``accumulate``) through the one-pass kernel: the average (or, for
+    beta = 1, the sum) of float64 math, over factors of several sizes in one launch; a product with a NaN or Inf
+    entry counts as zeros (its factor only decays); a skipped step (live 0) leaves every factor as it was, bit for
+    bit, whatever the products hold."""
+    from matrixopt.optim.shampoo import accumulate
+
+    launched = []
+    kernel = fused.factor_ema_triton
+    monkeypatch.setattr(fused, "factor_ema_triton", lambda *a, **k: launched.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(fused, "ADAM_BLOCK", 16)  # several iterations per row
+    g = torch.Generator().manual_seed(0)
+    for d in (5, 21):
+        F = [torch.randn(d, d, generator=g) for _ in range(3)]
+        GG = torch.randn(3, d, d, generator=g)
+        GG[1, 2, 3] = float("nan") if d == 5 else float("inf")
+        w = 1.0 if beta == 1.0 else 1.0 - beta
+        want = [f.double() + w * p.double() if beta == 1.0 else (1 - w) * f.double() + w * p.double()
+                for f, p in zip(F, torch.where(torch.isfinite(GG).all(dim=(1, 2), keepdim=True), GG, 0.0))]
+        with ew.elementwise_backend("triton"):
+            kept = [f.clone() for f in F]
+            accumulate(kept, GG, beta, live=torch.zeros(()))
+            assert all(torch.equal(a, b) for a, b in zip(kept, F))
+            accumulate(F, GG, beta, live=torch.ones(()))
+            again = [f.clone() for f in kept]
+            accumulate(again, GG, beta)  # no flag: the same update
+        for got, ref, other in zip(F, want, again):
+            torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6)
+            assert torch.equal(got, other)
+    assert len(launched) == 6
