@@ -295,6 +295,24 @@ class KroneckerOptimizer(MatrixOptimizer):
     def __getstate__(self) -> dict[str, Any]:
         return super().__getstate__() | {"root_fallbacks": self.root_fallbacks, "root_failures": self.root_failures}
 
+    @property
+    def root_failures(self) -> int:
+        """Roots or eigenbases that could not be computed (the previous ones were kept). Counted on the device where
+        a refresh runs without a host sync: reading this syncs."""
+        if self._failures_on_device is not None:
+            self._root_failures += int(self._failures_on_device)
+            self._failures_on_device = None
+        return self._root_failures
+
+    @root_failures.setter
+    def root_failures(self, value: int) -> None:
+        self._root_failures, self._failures_on_device = value, None
+
+    def _count_failures(self, failed: Tensor) -> None:
+        """Add the ``(b,)`` bool ``failed`` to :attr:`root_failures` without a host sync."""
+        n = failed.sum()
+        self._failures_on_device = n if self._failures_on_device is None else self._failures_on_device + n
+
     def _state_chunks(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[list[int]]:
         """A matrix group's compact or offloaded state moves as one chunk: its refreshes are scheduled per group
         step and its factor updates and roots batched over the whole group, which a split step would change."""
@@ -304,7 +322,11 @@ class KroneckerOptimizer(MatrixOptimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Caches keyed by parameter identity, streams and refreshes in flight do not survive a pickle."""
+        failures = state.pop("root_failures", None)  # a property: not an entry of __dict__
+        state.pop("_root_failures", None), state.pop("_failures_on_device", None)
         super().__setstate__(state)
+        if failures is not None or "_root_failures" not in self.__dict__:
+            self.root_failures = failures or 0
         self._plans, self._layouts, self._pending, self._side_streams = {}, {}, {}, {}
         for group in self.param_groups:  # pickled before matmul_precision existed
             if group[self.matrix_flag]:
@@ -491,14 +513,26 @@ class KroneckerOptimizer(MatrixOptimizer):
 
     def _device_skip(self, group: dict[str, Any], params: list[Tensor], skip: Tensor | None) -> Tensor | None | bool:
         """How this step of ``params`` honours a deferred check's device flag ``skip``: the flag itself (the
-        updates weight every write by ``1 - skip``, no host sync), or, on a step that computes roots or
-        eigenbases (:meth:`_computes_bases`: those read results on the host anyway, and a QR refresh from the
-        bases it replaces can't be weighted), the flag read on the host now: None to step, False to write
-        nothing (:meth:`~matrixopt.optim.nonfinite.NonFinitePolicy.on_host`; the step's own deferred check raises
-        there). The same on every rank where the step counts are."""
-        if skip is None or not any(self._computes_bases(group, self.state[p].get("step", 0) + 1) for p in params):
+        updates weight every write by ``1 - skip``, no host sync; a refresh that runs on the device keeps what it
+        replaces where the flag is set), or, on a step whose refresh reads its results on the host
+        (:meth:`_refresh_reads_host`) or is one refresh late (``side_stream``, whose results a later step
+        installs), the flag read on the host now: None to step, False to write nothing
+        (:meth:`~matrixopt.optim.nonfinite.NonFinitePolicy.on_host`; the step's own deferred check raises there).
+        The same on every rank where the step counts are."""
+        if skip is None:
             return skip
-        return False if self.nonfinite.on_host(skip) else None
+        late = group["side_stream"] and params and params[0].device.type == "cuda"
+        for p in params:
+            st = self.state[p]
+            step = st.get("step", 0) + 1
+            if self._computes_bases(group, step) and (late or self._refresh_reads_host(group, st, step)):
+                return False if self.nonfinite.on_host(skip) else None
+        return skip
+
+    def _refresh_reads_host(self, group: dict[str, Any], st: dict[str, Any], step: int) -> bool:
+        """Whether the refresh of the state ``st`` at its ``step``-th step reads results on the host (an eigh, or
+        the Newton iteration's check): it can't then run under a device flag."""
+        raise NotImplementedError
 
     def _computes_bases(self, group: dict[str, Any], step: int) -> bool:
         """Whether a parameter's ``step``-th step (counted from 1) computes its roots or eigenbases."""
@@ -596,8 +630,9 @@ class Shampoo(KroneckerOptimizer):
         skip_nonfinite: skip (and count) the update of a parameter whose gradient is NaN/Inf instead of raising.
         deferred_nonfinite: check the gradients without a host sync: a step with a NaN/Inf gradient writes nothing
             (every state write and the parameter update weighted by the device flag) and the next ``step()`` or
-            ``state_dict()`` raises. A step that computes roots reads the flag on the host (it reads its results
-            there anyway). Not with ``skip_nonfinite``.
+            ``state_dict()`` raises. A step whose roots read their results on the host (the Newton iteration's
+            check, the first eigenbasis's eigh) or run on a side stream reads the flag there; eigenbasis refreshes
+            run on the device and are dropped on a skipped step. Not with ``skip_nonfinite``.
         state_dtype, offload: compact state and CPU offload, as in :class:`matrixopt.Muon` (the momentum and Adam
             moments compact; the factors and roots keep ``factor_dtype``; offload moves all of it, a matrix group's
             state to the device at once, since its refreshes and batches span the group).
@@ -676,6 +711,15 @@ class Shampoo(KroneckerOptimizer):
         start = group["start_preconditioning_step"]
         return step >= start and (step - start) % group["precondition_frequency"] == 0
 
+    def _refresh_reads_host(self, group: dict[str, Any], st: dict[str, Any], step: int) -> bool:
+        return group["root_method"] == "newton" or self._first_basis(group, st, step)
+
+    @staticmethod
+    def _first_basis(group: dict[str, Any], st: dict[str, Any], step: int) -> bool:
+        """Whether an eigenbasis root at the state's ``step``-th step starts from eigh: the first root, or a state
+        without bases (saved with the Newton roots)."""
+        return step == group["start_preconditioning_step"] or not any("_basis" in k for k in st)
+
     def _updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                  skip: Tensor | None) -> list[Tensor]:
         beta1 = group["betas"][0]
@@ -699,11 +743,12 @@ class Shampoo(KroneckerOptimizer):
 
         start = group["start_preconditioning_step"]
         due = [i for i, st in enumerate(states) if self._computes_bases(group, st["step"])]
-        if due:  # never with skip (_device_skip)
+        if due:  # with skip only where the refresh runs on the device (_device_skip)
             gi = next(j for j, g in enumerate(self.param_groups) if g is group)
             items = [(self._plan(group, params[i]), states[i]) for i in due]
-            install = self._install_eigen_roots if group["root_method"] == "eigenbasis" else self._install_roots
-            self._refresh(gi, group, self._root_runs(group, items), functools.partial(install, group))
+            install = functools.partial(self._install_eigen_roots, group, live=live) \
+                if group["root_method"] == "eigenbasis" else functools.partial(self._install_roots, group)
+            self._refresh(gi, group, self._root_runs(group, items), install)
 
         active = {i for i, st in enumerate(states) if st["step"] >= start}
         updates = [f if i not in active else torch.empty(p.shape, dtype=torch.float32, device=p.device)
@@ -739,8 +784,7 @@ class Shampoo(KroneckerOptimizer):
         for plan, st in items:
             for k, b in enumerate(plan):
                 for side in ("left", "right")[0 if b.left else 1:2 if b.right else 1]:
-                    first = eigen and (st["step"] == group["start_preconditioning_step"]
-                                       or f"{side}_basis{k}" not in st)
+                    first = eigen and self._first_basis(group, st, st["step"])
                     buckets[(st[f"{side}{k}"].shape[0], r if b.left and b.right else r // 2, first)].append(
                         (st, k, side))
         compute = self._eigen_roots if eigen else self._roots
@@ -789,13 +833,19 @@ class Shampoo(KroneckerOptimizer):
         self.root_fallbacks += int(res.fell_back.sum())
         self.root_failures += int(res.failed.sum())
 
-    def _install_eigen_roots(self, group: dict[str, Any], result: tuple) -> None:
-        """Write one batch's roots and bases (:meth:`_eigen_roots`); a failed one keeps the previous ones."""
+    def _install_eigen_roots(self, group: dict[str, Any], result: tuple, live: Tensor | None = None) -> None:
+        """Write one batch's roots and bases (:meth:`_eigen_roots`); a failed one keeps the previous ones, and so
+        does every one where the device flag ``live`` is 0 (a skipped step). No host sync."""
         jobs, roots, Q, ok = result
         self._adopt(roots, Q, ok)
+        if live is not None:
+            ok = ok | (live == 0)  # a skipped step counts no failure ...
+            self._count_failures(~ok)
+            ok = ok & (live > 0)  # ... and writes nothing
+        else:
+            self._count_failures(~ok)
         for name, new in (("root", roots), ("basis", Q)):
             dsts = [st.setdefault(f"{side}_{name}{k}", torch.eye(new.shape[-1], dtype=st[f"{side}{k}"].dtype,
                                                                  device=new.device)) for st, k, side in jobs]
             kept = torch.where(ok[:, None, None], new, torch.stack(dsts).float())
             torch._foreach_copy_(dsts, list(kept.to(dsts[0].dtype).unbind(0)))
-        self.root_failures += int((~ok).sum())

@@ -114,8 +114,9 @@ class SOAP(KroneckerOptimizer):
         matmul_precision: "fp32" (default) or "tf32": the precision of every matrix product on CUDA (module
             docstring).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, skip_nonfinite, deferred_nonfinite, state_dtype,
-            offload: as in :class:`matrixopt.Shampoo` (a step that refreshes the eigenbases, and a parameter's
-            first, read a deferred check's flag on the host).
+            offload: as in :class:`matrixopt.Shampoo` (a parameter's first step, whose eigh reads the host, reads
+            a deferred check's flag there; the QR refreshes run on the device and are dropped on a skipped step,
+            except with ``side_stream`` on CUDA, whose refresh steps read the flag on the host).
 
     State per parameter: ``step`` (int), ``exp_avg`` and ``exp_avg_sq`` (float32, the parameter's shape, each
     block in its eigen-coordinates), and per block k ``left{k}``, ``right{k}`` (factors), ``left_basis{k}``,
@@ -170,6 +171,9 @@ class SOAP(KroneckerOptimizer):
 
     def _computes_bases(self, group: dict[str, Any], step: int) -> bool:
         return (step - 1) % group["precondition_frequency"] == 0  # the first step's eigh, then every freq Adam steps
+
+    def _refresh_reads_host(self, group: dict[str, Any], st: dict[str, Any], step: int) -> bool:
+        return step == 1  # the eigh; the QR refreshes run on the device
 
     def _updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                  skip: Tensor | None) -> list[Tensor | None]:
@@ -226,12 +230,12 @@ class SOAP(KroneckerOptimizer):
             torch._foreach_copy_([uviews[i][k] for i, k, _ in ents], list(U.unbind(0)))
             del X, U, bases
         due = [i for i, st in enumerate(states) if self._computes_bases(group, st["step"])]
-        if due:  # never with skip (_device_skip)
+        if due:  # with skip only where the refresh runs on the device (_device_skip)
             gi = next(j for j, g in enumerate(self.param_groups) if g is group)
             items = [(params[i], plans[i], states[i]) for i in due]
             self._refresh(gi, group, [functools.partial(self._new_bases, group, jobs)
                                       for jobs in self._factor_runs(items)],
-                          lambda result: self._install_bases(group, result))
+                          functools.partial(self._install_bases, group, live=live))
         for i, u in zip(rest, updates):
             out[i] = u
         return out
@@ -322,7 +326,7 @@ class SOAP(KroneckerOptimizer):
             self._write(jobs, "_basis", Q)
             if group["factor_update"] == "kl":
                 self._write(jobs, "_eig", _eig_estimate(F, Q))
-            self.root_failures += int((~ok).sum())
+            self._count_failures(~ok)
 
     def _new_bases(self, group: dict[str, Any], jobs: list[tuple], sync: bool) -> tuple:
         """One :meth:`_refresh` run: a QR power step from a snapshot of the factors ``jobs`` (and, for
@@ -332,20 +336,27 @@ class SOAP(KroneckerOptimizer):
         Q_new, order, ok = refresh_eigenbasis(F, Q)
         return jobs, Q_new, order, ok, _eig_estimate(F, Q_new) if group["factor_update"] == "kl" else None
 
-    def _install_bases(self, group: dict[str, Any], result: tuple) -> None:
+    def _install_bases(self, group: dict[str, Any], result: tuple, live: Tensor | None = None) -> None:
         """Write one batch's new bases; rotate the first moment into them and permute the second moment with their
-        columns. The old bases are the state's: only an install changes them."""
+        columns. The old bases are the state's: only an install changes them. Where the device flag ``live`` is 0
+        (a skipped step) every basis, moment and estimate is kept as it was, bit for bit. No host sync."""
         jobs, Q_new, order, ok, eig = result
         self._adopt(*(t for t in (Q_new, order, ok, eig) if t is not None))
-        R = Q_new.mT @ self._stack(jobs, "_basis")  # (b, d, d): old eigen-coordinates -> new
-        for (_, _, side, m, v), r, o in zip(jobs, R.unbind(0), order.unbind(0)):
-            if side == "left":
-                m.copy_(r @ m)
-                v.copy_(v[o])
-            else:
-                m.copy_(m @ r.mT)
-                v.copy_(v[:, o])
+        old = self._stack(jobs, "_basis")
+        if live is not None:
+            self._count_failures(~ok & (live > 0))
+            ok = ok & (live > 0)
+            Q_new = torch.where(ok[:, None, None], Q_new, old)
+            order = torch.where(ok[:, None], order, torch.arange(order.shape[1], device=order.device))
+            if eig is not None:
+                eig = torch.where(ok[:, None], eig, self._stack(jobs, "_eig"))
+        else:
+            self._count_failures(~ok)
+        R = Q_new.mT @ old  # (b, d, d): old eigen-coordinates -> new
+        for (_, _, side, m, v), r, o, k in zip(jobs, R.unbind(0), order.unbind(0), ok.unbind(0)):
+            rotated = r @ m if side == "left" else m @ r.mT
+            m.copy_(rotated if live is None else torch.where(k, rotated, m))
+            v.copy_(v[o] if side == "left" else v[:, o])
         self._write(jobs, "_basis", Q_new)
         if eig is not None:
             self._write(jobs, "_eig", eig)
-        self.root_failures += int((~ok).sum())
