@@ -570,6 +570,15 @@ ADAM_ROWS, ADAM_BLOCK, ADAM_WARPS = 8, 1024, 4  # rows per program, columns per 
 
 
 @triton.jit
+def _columns(c0, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """The columns ``c0 .. c0 + BLOCK`` of a row pass; with ``ALIGNED``, hinted for vector loads and stores."""
+    col = c0 + tl.arange(0, BLOCK)
+    if ALIGNED:
+        col = tl.max_contiguous(tl.multiple_of(col, BLOCK), BLOCK)
+    return col
+
+
+@triton.jit
 def _adam_kernel(
     # (n, 10) int64 table, one row per matrix: gradient, first moment, second moment and output addresses, rows,
     # columns, and the four row strides (elements); (P, 2) int64 work list: matrix, first row
@@ -598,9 +607,7 @@ def _adam_kernel(
     kept = tl.where(tl.load(skip_ptr) == 0, R, 0) if HAS_SKIP else R  # no row at all when skipping
     for r in range(r0, r0 + ROWS):
         for c0 in range(0, C, BLOCK):
-            col = c0 + tl.arange(0, BLOCK)
-            if ALIGNED:
-                col = tl.max_contiguous(tl.multiple_of(col, BLOCK), BLOCK)
+            col = _columns(c0, BLOCK, ALIGNED)
             mask = (col < C) & (r < R)
             keep = (col < C) & (r < kept)
             g = tl.load(g_ptr + r * g_rs + col, mask=mask, other=0.0)
@@ -640,9 +647,7 @@ def _factor_ema_kernel(
     w = weight * tl.load(live_ptr) if HAS_LIVE else weight
     for r in range(r0, r0 + ROWS):
         for c0 in range(0, C, BLOCK):
-            col = c0 + tl.arange(0, BLOCK)
-            if ALIGNED:
-                col = tl.max_contiguous(tl.multiple_of(col, BLOCK), BLOCK)
+            col = _columns(c0, BLOCK, ALIGNED)
             mask = (col < C) & (r < R)
             f = tl.load(f_ptr + r * f_rs + col, mask=mask, other=0.0)
             g = tl.where(ok, tl.load(g_ptr + r * g_rs + col, mask=mask, other=0.0), 0.0)
