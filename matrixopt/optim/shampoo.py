@@ -25,9 +25,9 @@ root, then one QR power-iteration step per refresh from the previous basis
 (:func:`matrixopt.linalg.roots.refresh_eigenbasis`), and the root
 :math:`Q \operatorname{diag}((d + \epsilon \max d)^{-1/r}) Q^\top` with :math:`d = \operatorname{diag}(Q^\top L Q)`
 (clamped at 0). Its roots are those of the basis at hand, which lags the factor's eigenvectors where eigenvalues
-are close; a refresh costs about a fifth of the Newton iteration's on an H100 (four fp32 products and a float64
-CholeskyQR2 per factor, against about 80 fp32 products), and the bases take another ``4 (m^2 + n^2) / (m n)``
-bytes per parameter.
+are close; a refresh costs about a sixth of the Newton iteration's on an H100 (three fp32 products and a float64
+CholeskyQR per factor, :func:`matrixopt.linalg.roots.cholesky_qr`, against about 80 fp32 products), and the bases
+take another ``4 (m^2 + n^2) / (m n)`` bytes per parameter.
 Before ``start_preconditioning_step`` the update is the grafted Adam update A (or D without grafting).
 
 Grafting (Agarwal et al., arXiv:2002.11803) gives each block the Frobenius norm of the Adam update, so Shampoo
