@@ -45,8 +45,8 @@ Matrix products on CUDA (``matmul_precision``, as in :mod:`matrixopt.optim.shamp
 or ``"tf32"`` for all of SOAP's products: the factor updates, the rotations :math:`Q_L^\top G Q_R` and
 :math:`Q_L N Q_R^\top`, and the refresh's power step :math:`A Q` and moment rotation. TF32 keeps what the method
 relies on: the bases are orthogonal to fp32 accuracy whatever the product's precision (the QR is a float64
-CholeskyQR with a correction step, and the eigh at step 1 is float64), so a rotation by them is off by about 3e-4 relative, and a
-basis slightly farther from the exact eigenvectors is still a basis Adam runs in.
+CholeskyQR with a correction step, and the eigh at step 1 is float64), so a rotation by them is off by about
+3e-4 relative, and a basis slightly farther from the exact eigenvectors is still a basis Adam runs in.
 
 Memory per matrix parameter of a block ``(m, n)`` with both factors, besides the parameter and its gradient:
 state ``8 + 8 (m^2 + n^2) / (m n)`` bytes in float32 (two moments, two factors, two eigenbases: 24 bytes for a
