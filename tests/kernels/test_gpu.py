@@ -215,3 +215,68 @@ def test_max_logits_kernel_matches_dense_scores_on_gpu(dtype):
     s = q.double() @ k.double().repeat_interleave(3, dim=1).transpose(-1, -2) / 8.0
     ref = s.masked_fill(torch.ones(1024, 1024, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
     torch.testing.assert_close(max_logits_per_head(q, k).double(), ref.amax(dim=(0, 2, 3)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("beta", [0.95, 1.0])
+def test_factor_update_kernel_matches_the_torch_path_on_gpu(beta):
+    """Shampoo's and SOAP's one-pass factor update, compiled, against the torch reference on 1024^2 factors: a
+    non-finite product contributes nothing, and a skipped step (live 0) leaves the factors bit for bit."""
+    from matrixopt.kernels import muon_elementwise as ew
+    from matrixopt.optim.shampoo import accumulate
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    F = [torch.randn(1024, 1024, device="cuda", generator=g) for _ in range(3)] + [
+        torch.randn(300, 300, device="cuda", generator=g)]
+    GG = [torch.randn(3, 1024, 1024, device="cuda", generator=g), torch.randn(1, 300, 300, device="cuda", generator=g)]
+    GG[0][1, 5, 7] = float("nan")
+    out = {}
+    for backend in ("torch", "triton"):
+        with ew.elementwise_backend(backend):
+            got = [f.clone() for f in F]
+            accumulate(got[:3], GG[0], beta, live=torch.ones((), device="cuda"))
+            accumulate(got[3:], GG[1], beta)
+            kept = [f.clone() for f in got]
+            accumulate(kept[:3], GG[0], beta, live=torch.zeros((), device="cuda"))
+            assert all(torch.equal(a, b) for a, b in zip(kept, got))
+            out[backend] = got
+    for a, b in zip(out["torch"], out["triton"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, hparams", [("soap", dict(precondition_frequency=2)),
+                                           ("shampoo", dict(precondition_frequency=2, start_preconditioning_step=2,
+                                                            root_method="eigenbasis"))])
+def test_refresh_under_the_device_flag_drops_a_skipped_steps_results_on_gpu(name, hparams):
+    """A NaN gradient at a step whose refresh runs on the device (SOAP's QR, Shampoo's eigenbasis) leaves every
+    parameter and state entry as it was, bit for bit, compiled kernels and CholeskyQR on the GPU included."""
+    import copy
+
+    import matrixopt
+    from matrixopt import NonFiniteGradientError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 32)).cuda()
+    opt = matrixopt.build_optimizer(model, name, lr=1e-2, deferred_nonfinite=True, **hparams)
+    x = torch.randn(16, 64, device="cuda")
+    for step in range(1, 6):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        if step == 5:  # SOAP refreshes at steps 3, 5; Shampoo's first root at 2, refreshes at 4, 6
+            if name == "shampoo":
+                opt.step()
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+            model[0].weight.grad[0, 0] = float("nan")
+            before = copy.deepcopy(opt.state_dict())
+            params = [p.detach().clone() for p in model.parameters()]
+            opt.step()  # skipped on the device: no error here
+            assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+            with pytest.raises(NonFiniteGradientError):
+                opt.state_dict()
+            after = opt.state_dict()
+            for k, st in before["state"].items():
+                for key, v in st.items():
+                    w = after["state"][k][key]
+                    assert torch.equal(v, w) if torch.is_tensor(v) else v == w, (k, key)
+        else:
+            opt.step()
