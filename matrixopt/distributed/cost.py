@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 from matrixopt.linalg.ortho import gram_phases, newton_schulz_flops, uses_gram
+from matrixopt.optim.shampoo import MATMUL_PRECISIONS, ROOT_METHODS
 
 FORMAT = "matrixopt-profile/1"
 SOURCES = ("nominal", "measured")
@@ -458,8 +459,7 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
     if precondition_frequency < 1:
         raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
     check_root_method(root_method)
-    if matmul_precision not in ("fp32", "tf32"):
-        raise ValueError(f"Invalid matmul_precision: {matmul_precision!r} (use one of ('fp32', 'tf32'))")
+    check_matmul_precision(matmul_precision)
     newton = optimizer == "shampoo" and root_method == "newton"
 
     def product(flops: float, width: int, fp32: bool = False) -> float:
@@ -504,13 +504,18 @@ def preconditioner_state_bytes(optimizer: str, m: int, n: int, root_method: str 
     return base + sum(per_factor * 4 * (mb * mb + nb * nb) for mb in _blocks(m) for nb in _blocks(n))
 
 
-ROOT_METHODS = ("newton", "eigenbasis")  # Shampoo's (matrixopt.Shampoo's root_method)
-
-
 def check_root_method(root_method: str) -> str:
+    """``root_method`` if Shampoo takes it, else ValueError."""
     if root_method not in ROOT_METHODS:
         raise ValueError(f"Unknown root_method {root_method!r}; use one of {ROOT_METHODS}")
     return root_method
+
+
+def check_matmul_precision(precision: str) -> str:
+    """``precision`` if Shampoo and SOAP take it as ``matmul_precision``, else ValueError."""
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"Invalid matmul_precision: {precision!r} (use one of {MATMUL_PRECISIONS})")
+    return precision
 
 
 # ----------------------------------------------------------------------------------------------------------

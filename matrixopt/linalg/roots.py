@@ -210,6 +210,13 @@ def eigenbasis(A: Tensor) -> tuple[Tensor, Tensor]:
     return Q.flip(-1).float(), ok
 
 
+def rayleigh_quotients(A: Tensor, Q: Tensor) -> Tensor:
+    """``diag(Q^T A Q)``, the eigenvalue estimates of A's eigenvectors approximated by Q's columns (one product):
+    ``(b, n, n)`` x ``(b, n, n)`` -> ``(b, n)`` float32, in the current matmul precision."""
+    A, Q = A.float(), Q.float()
+    return (Q * (A @ Q)).sum(dim=-2)
+
+
 CHOLESKY_LEAF = 128  # inverse_cholesky: blocks this size or smaller are factored directly
 
 

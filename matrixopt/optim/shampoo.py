@@ -97,6 +97,7 @@ from matrixopt.linalg.roots import (
     fall_back,
     inverse_root,
     newton_inverse_root,
+    rayleigh_quotients,
     refresh_eigenbasis,
 )
 from matrixopt.optim.adam import adam_direction, adam_moments_, ema_
@@ -312,6 +313,16 @@ class KroneckerOptimizer(MatrixOptimizer):
         """Add the ``(b,)`` bool ``failed`` to :attr:`root_failures` without a host sync."""
         n = failed.sum()
         self._failures_on_device = n if self._failures_on_device is None else self._failures_on_device + n
+
+    def _installable(self, ok: Tensor, live: Tensor | None) -> Tensor:
+        """Which of a refresh's ``(b,)`` results to write: those computed (``ok``), none on a step skipped on the
+        device (``live`` 0). The failures are counted, a skipped step's not."""
+        if live is not None:
+            ok, skipped = ok | (live == 0), live == 0
+            self._count_failures(~ok)
+            return ok & ~skipped
+        self._count_failures(~ok)
+        return ok
 
     def _state_chunks(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[list[int]]:
         """A matrix group's compact or offloaded state moves as one chunk: its refreshes are scheduled per group
@@ -815,7 +826,7 @@ class Shampoo(KroneckerOptimizer):
                 Q, ok = eigenbasis(A)
             else:
                 Q, _, ok = refresh_eigenbasis(A, torch.stack([st[f"{side}_basis{k}"] for st, k, side in jobs]))
-            d = (Q * (A @ Q)).sum(dim=-2).clamp_min(0)  # (b, d): diag(Q^T A Q)
+            d = rayleigh_quotients(A, Q).clamp_min(0)  # (b, d)
             dmax = d.amax(dim=-1, keepdim=True)
             scale = torch.where(dmax > 0, (d + group["damping"] * dmax).pow(-1.0 / p), 1.0)  # 0 -> the identity
             roots = (Q * scale[:, None, :]) @ Q.mT
@@ -831,19 +842,14 @@ class Shampoo(KroneckerOptimizer):
         new = torch.where(res.failed[:, None, None], old, res.root)
         torch._foreach_copy_(dsts, list(new.to(dsts[0].dtype).unbind(0)))
         self.root_fallbacks += int(res.fell_back.sum())
-        self.root_failures += int(res.failed.sum())
+        self._count_failures(res.failed)
 
     def _install_eigen_roots(self, group: dict[str, Any], result: tuple, live: Tensor | None = None) -> None:
         """Write one batch's roots and bases (:meth:`_eigen_roots`); a failed one keeps the previous ones, and so
         does every one where the device flag ``live`` is 0 (a skipped step). No host sync."""
         jobs, roots, Q, ok = result
         self._adopt(roots, Q, ok)
-        if live is not None:
-            ok = ok | (live == 0)  # a skipped step counts no failure ...
-            self._count_failures(~ok)
-            ok = ok & (live > 0)  # ... and writes nothing
-        else:
-            self._count_failures(~ok)
+        ok = self._installable(ok, live)
         for name, new in (("root", roots), ("basis", Q)):
             dsts = [st.setdefault(f"{side}_{name}{k}", torch.eye(new.shape[-1], dtype=st[f"{side}{k}"].dtype,
                                                                  device=new.device)) for st, k, side in jobs]

@@ -69,7 +69,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from matrixopt.linalg.roots import eigenbasis, refresh_eigenbasis
+from matrixopt.linalg.roots import eigenbasis, rayleigh_quotients, refresh_eigenbasis
 from matrixopt.optim.adam import adam_step, ema_
 from matrixopt.optim.base import adamw_group_defaults
 from matrixopt.optim.layout import capped_runs
@@ -78,12 +78,6 @@ from matrixopt.optim.offload import Offload
 from matrixopt.optim.shampoo import Block, KroneckerOptimizer, accumulate, block_views, resolve_factor_dtype
 
 FACTOR_UPDATES = ("shampoo", "kl")
-
-
-def _eig_estimate(F: Tensor, Q: Tensor) -> Tensor:
-    """``diag(Q^T F Q)``: ``(b, d, d)`` x ``(b, d, d)`` -> ``(b, d)`` float32."""
-    F, Q = F.float(), Q.float()
-    return (Q * (F @ Q)).sum(dim=-2)
 
 
 def _inverse(d: Tensor, damping: float) -> Tensor:
@@ -325,7 +319,7 @@ class SOAP(KroneckerOptimizer):
             Q, ok = eigenbasis(F)
             self._write(jobs, "_basis", Q)
             if group["factor_update"] == "kl":
-                self._write(jobs, "_eig", _eig_estimate(F, Q))
+                self._write(jobs, "_eig", rayleigh_quotients(F, Q))
             self._count_failures(~ok)
 
     def _new_bases(self, group: dict[str, Any], jobs: list[tuple], sync: bool) -> tuple:
@@ -334,7 +328,7 @@ class SOAP(KroneckerOptimizer):
         None)``; no host sync either way."""
         F, Q = self._stack(jobs, ""), self._stack(jobs, "_basis")
         Q_new, order, ok = refresh_eigenbasis(F, Q)
-        return jobs, Q_new, order, ok, _eig_estimate(F, Q_new) if group["factor_update"] == "kl" else None
+        return jobs, Q_new, order, ok, rayleigh_quotients(F, Q_new) if group["factor_update"] == "kl" else None
 
     def _install_bases(self, group: dict[str, Any], result: tuple, live: Tensor | None = None) -> None:
         """Write one batch's new bases; rotate the first moment into them and permute the second moment with their
@@ -343,15 +337,12 @@ class SOAP(KroneckerOptimizer):
         jobs, Q_new, order, ok, eig = result
         self._adopt(*(t for t in (Q_new, order, ok, eig) if t is not None))
         old = self._stack(jobs, "_basis")
+        ok = self._installable(ok, live)
         if live is not None:
-            self._count_failures(~ok & (live > 0))
-            ok = ok & (live > 0)
             Q_new = torch.where(ok[:, None, None], Q_new, old)
             order = torch.where(ok[:, None], order, torch.arange(order.shape[1], device=order.device))
             if eig is not None:
                 eig = torch.where(ok[:, None], eig, self._stack(jobs, "_eig"))
-        else:
-            self._count_failures(~ok)
         R = Q_new.mT @ old  # (b, d, d): old eigen-coordinates -> new
         for (_, _, side, m, v), r, o, k in zip(jobs, R.unbind(0), order.unbind(0), ok.unbind(0)):
             rotated = r @ m if side == "left" else m @ r.mT

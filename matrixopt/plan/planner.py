@@ -62,6 +62,7 @@ from matrixopt.distributed.cost import (
     DeviceProfile,
     Memory,
     Shapes,
+    check_matmul_precision,
     check_root_method,
     collective_time,
     matrix_step_time,
@@ -131,8 +132,7 @@ class PlanConfig:
                              f"equal micro-batches")
         check_method(self.ns_method)
         check_root_method(self.root_method)
-        if self.matmul_precision not in ("fp32", "tf32"):
-            raise ValueError(f"matmul_precision must be fp32 or tf32, got {self.matmul_precision!r}")
+        check_matmul_precision(self.matmul_precision)
         if not isinstance(self.fsdp_gather_once, bool):
             raise ValueError(f"fsdp_gather_once must be True or False, got {self.fsdp_gather_once!r}")
         if self.optimizer not in OPTIMIZERS:
