@@ -108,13 +108,17 @@ def get_syrk_configs(batch: int, m: int, k: int, num_sms: int = NUM_SMS_H100, tm
     over the 36 shape decisions of ``docs/results/bench/ns_run14.json`` the 64-tiles won only for single 1024-row
     matrices (36 tiles of 128 on 132 SMs), and a 3-stage persistent variant never won, so it is gone. The wide
     kernel beat the pointer 64-tiles on every single-matrix shape of runs 40 and 45 (e.g. 8.6 against 10.8 us at
-    1 x 1024 x 2048), with a 128-wide K block, except at 2048 x 2048 (a 64-wide one, 3 stages)."""
+    1 x 1024 x 2048), with a 128-wide K block, except at 2048 x 2048 (a 64-wide one, 3 stages). The persistent
+    kernel with one warpgroup (4 warps) and 4 or 5 stages beat two warpgroups by 2-12% on the batched Gram-form
+    shapes of ``docs/results/bench/syrk_configs_h100.json`` (1.3B's 24 x 2048 x 8192 Gram matrices: 1.58 against
+    1.81 ms on one H100); 2 to 4 programs per SM never did."""
     tiles = lambda blk: batch * (triton.cdiv(m, blk) * (triton.cdiv(m, blk) + 1) // 2)  # noqa: E731
     out = [SyrkConfig(128, 64, 1, 8, 4)]
     if tiles(128) < num_sms and not tma:
         out.append(SyrkConfig(64, 64, 1, 4, 4))
     if tma:
-        out += [SyrkConfig(128, 64, 1, 8, 4, persistent=True), SyrkConfig(128, 64, 1, 8, 3, persistent=True, pair=True)]
+        out += [SyrkConfig(128, 64, 1, 8, 4, persistent=True), SyrkConfig(128, 64, 1, 4, 5, persistent=True),
+                SyrkConfig(128, 64, 1, 4, 4, persistent=True), SyrkConfig(128, 64, 1, 8, 3, persistent=True, pair=True)]
         if tiles(128) <= 2 * num_sms:
             out += [SyrkConfig(64, 128, 1, 4, 4, wide=True), SyrkConfig(64, 64, 1, 4, 3, wide=True)]
     for split in (2, 4, 8):
