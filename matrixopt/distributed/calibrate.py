@@ -11,6 +11,9 @@ the GPU, as the trainer's Muon step runs), median of ``reps``:
 - ``qr``: :func:`~matrixopt.linalg.roots.cholesky_qr` of a batch of ``QR_BATCH`` ``(n, n)`` float32 matrices,
   as SOAP's eigenbasis refresh runs it (eagerly), per matrix;
 - ``elementwise``: ``c = a + b`` on fp32 vectors (3 passes of 4 bytes per element);
+- ``fused_adamw``: ``torch.optim.AdamW(fused=True).step()`` on fp32 parameters (split into tensors of at most
+  :data:`ADAMW_TENSOR` elements, as a model's are), counted at ``ADAMW_BYTES`` per element, timed eagerly as
+  it runs in training (its learning rate is a float, so it is not captured in a graph);
 - ``peak_flops`` (the data sheet's, for MFU) is copied from ``base``;
 - ``links``: with a process group of several ranks, a one-element all-reduce (latency) and a large one
   (bandwidth, from the ring formula) on ``intra``; the group is assumed to lie inside one node. ``inter`` and,
@@ -30,6 +33,7 @@ import torch.distributed as dist
 from matrixopt.device import describe, time_ms
 from matrixopt.distributed import comm
 from matrixopt.distributed.cost import (
+    ADAMW_BYTES,
     DeviceProfile,
     link_from_all_reduce,
     nominal_profile,
@@ -47,6 +51,7 @@ CPU_QR = (32, 64, 128)
 QR_BATCH = 16  # refreshes factor batches of matrices: the per-matrix time of one batch
 CUDA_ELEMENTS = tuple(2**k for k in range(14, 30, 2))
 CPU_ELEMENTS = (2**12, 2**16, 2**20)
+ADAMW_TENSOR = 2**22  # a model's tensors are millions of elements: the fused step's chunking as it meets them
 
 
 def _rate_points(sizes_and_ms: list[tuple[float, float]]) -> list[list[float]]:
@@ -88,6 +93,8 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
         a, b, c = torch.ones(n, device=device), torch.ones(n, device=device), torch.empty(n, device=device)
         elementwise.append((12.0 * n, timed(lambda a=a, b=b, c=c: torch.add(a, b, out=c))))
 
+    fused_adamw = [(ADAMW_BYTES * n, timed(_fused_adamw_step(n, device), graph=False)) for n in elements]
+
     links, notes = dict(base.links), []
     world = comm.world_size(group) if dist.is_available() and dist.is_initialized() else 1
     if world > 1:
@@ -108,7 +115,19 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
         name=f"{describe(device)} (measured)", device=describe(device), source="measured", peak_flops=base.peak_flops,
         memory_bytes=float(memory), gpus_per_node=base.gpus_per_node,
         gemm=_rate_points(gemm), syrk=_rate_points(syrk), fp32_gemm=_rate_points(fp32), qr=_rate_points(qr),
-        elementwise=_rate_points(elementwise), links=links, notes="; ".join(notes), env=env)
+        elementwise=_rate_points(elementwise), fused_adamw=_rate_points(fused_adamw), links=links,
+        notes="; ".join(notes), env=env)
+
+
+def _fused_adamw_step(n: int, device: torch.device):
+    """``step`` of a fused torch AdamW over ``n`` fp32 parameters with gradients, its state already made."""
+    params = [torch.zeros(min(ADAMW_TENSOR, n - i), device=device, requires_grad=True)
+              for i in range(0, n, ADAMW_TENSOR)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    opt.step()  # the moments exist from here on
+    return opt.step
 
 
 NOMINAL: dict[str, dict] = {

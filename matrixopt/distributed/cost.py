@@ -12,6 +12,9 @@ by ``matrixopt plan --calibrate`` or filled from nominal figures (``"source": "n
 - ``qr``: the QR factorization of one ``(n, n)`` float32 matrix (SOAP's eigenbasis refresh), its rate counted on
   ``8/3 n^3`` FLOPs (those of a Householder factorization forming Q, whatever the algorithm measured);
 - ``elementwise``: ``[[bytes moved by one pass, achieved bytes/s], ...]`` (momentum, AdamW, packing);
+- ``fused_adamw`` (optional): the same for ``torch.optim.AdamW(fused=True)``'s step, counted at
+  :data:`ADAMW_BYTES` per parameter (four inputs and three outputs per element, torch's launches); a profile
+  without it (the nominal ones) prices that step at the ``elementwise`` rate;
 - ``links``: ``{"intra": {"latency": s, "bandwidth": bytes/s}, "inter": {...}}``: inside a node (NVLink) and
   between nodes (the network), per GPU and direction;
 - ``peak_flops`` (the data sheet's, for MFU), ``memory_bytes`` per GPU, ``gpus_per_node``, ``name``,
@@ -197,6 +200,7 @@ class DeviceProfile:
     qr: Table
     elementwise: Table
     links: dict[str, Link]
+    fused_adamw: Table | None = None
     notes: str = ""
     env: dict[str, Any] = field(default_factory=dict)
 
@@ -211,6 +215,8 @@ class DeviceProfile:
             raise ValueError(f"profile gpus_per_node must be an int >= 1, got {self.gpus_per_node!r}")
         for name in _TABLES:
             object.__setattr__(self, name, _check_table(name, getattr(self, name)))
+        if self.fused_adamw is not None:
+            object.__setattr__(self, "fused_adamw", _check_table("fused_adamw", self.fused_adamw))
         missing = {"intra", "inter"} - set(self.links)
         if missing:
             raise ValueError(f"profile links need 'intra' and 'inter', missing {sorted(missing)}")
@@ -221,6 +227,8 @@ class DeviceProfile:
         the matrices' short side, for a product; where the table is on the calibration's grid
         (:func:`width_rates`), the call runs no faster than the table's rate at that width (module docstring)."""
         points: Table = getattr(self, table)
+        if table == "fused_adamw" and points is None:  # not measured: the plain elementwise rate
+            points = self.elementwise
         if size <= 0:
             return 0.0
         by_size = _interpolate(points, size)
@@ -248,6 +256,10 @@ class DeviceProfile:
         d["links"] = {k: asdict(v) for k, v in self.links.items()}
         for name in _TABLES:
             d[name] = [list(p) for p in d[name]]
+        if d["fused_adamw"] is None:
+            del d["fused_adamw"]
+        else:
+            d["fused_adamw"] = [list(p) for p in d["fused_adamw"]]
         return {"format": FORMAT, **d}
 
     @classmethod
@@ -449,8 +461,8 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
     numel = sum(g.numel for g in groups)
     checked = profile.seconds("elementwise", CHECK_BYTES * (numel + adamw_numel)) if check else 0.0
     side = profile.seconds("elementwise", ADAMW_BYTES * adamw_numel)
-    if optimizer == "adamw":
-        return profile.seconds("elementwise", ADAMW_BYTES * (numel + adamw_numel)) + checked
+    if optimizer == "adamw":  # torch's fused AdamW on every parameter
+        return profile.seconds("fused_adamw", ADAMW_BYTES * (numel + adamw_numel)) + checked
     if optimizer == "muon":
         t = sum(newton_schulz_time(profile, g.count, g.m, g.n, ns_steps) for g in groups)
         return checked + max(t, side) + profile.seconds("elementwise", MUON_BYTES * numel)

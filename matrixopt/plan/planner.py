@@ -396,7 +396,7 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         elementwise = profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * owned)
         side = profile.seconds("elementwise", ADAMW_BYTES * rest_el / dp)  # AdamW groups on a side stream
         opt = max(ns, side) + elementwise
-        adamw_opt = profile.seconds("elementwise", ADAMW_BYTES * params_el)
+        adamw_opt = profile.seconds("fused_adamw", ADAMW_BYTES * params_el)  # torch fused AdamW
         state_total = _state(cfg, mats, 1) + 8 * rest_el
         state = max(state_total / dp, 8.0 * getattr(model, "vocab", 0) * d)  # a whole-owned embedding
         ws = _workspace(mats, dp, 1)
@@ -431,7 +431,7 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         elementwise = profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * local_mat)
         side = profile.seconds("elementwise", ADAMW_BYTES * local_rest)  # AdamW groups on a side stream
         opt = max(ns, side) + max(0.0, a2a - ns) + a2a / buckets + elementwise  # ns holds the TP traffic
-        adamw_opt = profile.seconds("elementwise", ADAMW_BYTES * (dense_shard + expert_shard))
+        adamw_opt = profile.seconds("fused_adamw", ADAMW_BYTES * (dense_shard + expert_shard))
         state = (_state(cfg, dense, tp) / dp + _state(cfg, experts, 1) / edp
                  + 8 * local_rest)
         transient = 2 * 2 * layer_el  # two layers' bf16 parameters gathered (current and prefetched)

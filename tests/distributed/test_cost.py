@@ -190,6 +190,24 @@ def test_adamw_groups_hide_behind_the_products_and_the_check_reads_every_gradien
         cost.ADAMW_BYTES * (numel + small) / 1e11)
 
 
+def test_fused_adamw_runs_at_its_own_rate_where_the_profile_has_one(tmp_path):
+    """torch's fused AdamW at 5e10 B/s where measured; the matrix optimizer's own AdamW groups and every other
+    pass stay at the elementwise 1e11 B/s. Without the table, the fused step falls back to the elementwise rate."""
+    plain = _flat(rate=1e12, bw=1e11)
+    p = DeviceProfile(**{**plain._fields(), "fused_adamw": ((1.0, 5e10), (1e12, 5e10))})
+    groups, numel, rest = [Shapes(64, 256, 3)], 3 * 64 * 256, 1e7
+    assert cost.matrix_step_time(p, "adamw", groups) == pytest.approx(cost.ADAMW_BYTES * numel / 5e10)
+    assert cost.matrix_step_time(plain, "adamw", groups) == pytest.approx(cost.ADAMW_BYTES * numel / 1e11)
+    assert cost.matrix_step_time(p, "muon", groups, adamw_numel=rest) == pytest.approx(
+        cost.matrix_step_time(plain, "muon", groups, adamw_numel=rest))
+    p.save(tmp_path / "p.json")
+    assert DeviceProfile.load(tmp_path / "p.json") == p
+    plain.save(tmp_path / "plain.json")
+    assert "fused_adamw" not in json.loads((tmp_path / "plain.json").read_text())
+    with pytest.raises(ValueError, match="'fused_adamw' sizes must be strictly ascending"):
+        DeviceProfile(**{**plain._fields(), "fused_adamw": ((2.0, 1.0), (1.0, 1.0))})
+
+
 def test_tp_modes_by_hand():
     """TP 2 on a (64, 256) matrix, contracted dim split: hand-computed seconds of each mode."""
     rate, link = 1e12, Link(latency=1e-5, bandwidth=1e9)
@@ -224,7 +242,7 @@ def test_shipped_profiles_and_round_trip(tmp_path):
     assert h100.links["intra"].bandwidth <= sheet["nvlink_bytes_per_s"]
     assert max(r for _, r in h100.gemm) <= sheet["matmul_flops"]
     assert max(r for _, r in h100.fp32_gemm) <= sheet["fp32_flops"]
-    assert max(r for _, r in h100.elementwise) <= sheet["hbm_bytes_per_s"]
+    assert max(r for _, r in h100.elementwise + (h100.fused_adamw or ())) <= sheet["hbm_bytes_per_s"]
     h100.save(tmp_path / "p.json")
     assert DeviceProfile.load(tmp_path / "p.json") == h100
     with pytest.raises(ValueError, match="no shipped profile 'a100'"):
@@ -273,7 +291,7 @@ def test_calibrate_on_cpu_writes_the_shipped_format(tmp_path):
     p = measure(torch.device("cpu"), reps=2)
     assert p.source == "measured" and "links not measured" in p.notes
     assert p.to_dict().keys() == cost.shipped_profile("h100").to_dict().keys()
-    assert all(math.isfinite(r) and r > 0 for _, r in p.gemm + p.syrk + p.qr + p.elementwise)
+    assert all(math.isfinite(r) and r > 0 for _, r in p.gemm + p.syrk + p.qr + p.elementwise + p.fused_adamw)
     p.save(tmp_path / "cpu.json")
     assert DeviceProfile.load(tmp_path / "cpu.json") == p
 
