@@ -234,20 +234,26 @@ def inverse_cholesky(G: Tensor, leaf: int | None = None) -> tuple[Tensor, Tensor
     G: ``(b, n, n)`` symmetric positive definite. Returns ``(L^{-1}, ok)``: ``(b, n, n)``, and ``(b,)`` bool,
     False where a block's factorization failed (G not positive definite to working precision, or not finite).
     No host sync."""
-    n, leaf = G.shape[-1], leaf or CHOLESKY_LEAF
+    Linv = G.new_zeros(G.shape)  # the upper triangle stays zero; the halving writes the rest in place
+    return Linv, _inverse_cholesky_into(G, Linv, leaf or CHOLESKY_LEAF)
+
+
+def _inverse_cholesky_into(G: Tensor, out: Tensor, leaf: int) -> Tensor:
+    """:func:`inverse_cholesky` of G written into the lower triangle of ``out`` (a view of G's shape, zero above
+    the diagonal); returns ``ok``."""
+    n = G.shape[-1]
     if n <= leaf:
         L, info = torch.linalg.cholesky_ex(G)
         eye = torch.eye(n, dtype=G.dtype, device=G.device).expand_as(G)
-        return torch.linalg.solve_triangular(L, eye, upper=False), info == 0
+        out.copy_(torch.linalg.solve_triangular(L, eye, upper=False))
+        return info == 0
     h = n // 2
-    I11, ok1 = inverse_cholesky(G[:, :h, :h], leaf)
+    I11, I22 = out[:, :h, :h], out[:, h:, h:]
+    ok1 = _inverse_cholesky_into(G[:, :h, :h], I11, leaf)
     L21 = G[:, h:, :h] @ I11.mT
-    I22, ok2 = inverse_cholesky(G[:, h:, h:] - L21 @ L21.mT, leaf)
-    Linv = G.new_zeros(G.shape)
-    Linv[:, :h, :h] = I11
-    Linv[:, h:, h:] = I22
-    Linv[:, h:, :h] = -(I22 @ L21) @ I11
-    return Linv, ok1 & ok2
+    ok2 = _inverse_cholesky_into(torch.baddbmm(G[:, h:, h:], L21, L21.mT, alpha=-1.0), I22, leaf)
+    out[:, h:, :h] = torch.bmm(I22 @ L21, I11).neg_()
+    return ok1 & ok2
 
 
 def cholesky_qr(Y: Tensor, leaf: int | None = None) -> tuple[Tensor, Tensor]:
@@ -267,7 +273,7 @@ def cholesky_qr(Y: Tensor, leaf: int | None = None) -> tuple[Tensor, Tensor]:
     Y = Y.double()
     Linv, ok = inverse_cholesky(Y.mT @ Y, leaf)
     Q = Y @ Linv.mT
-    E = torch.eye(Q.shape[-1], dtype=Q.dtype, device=Q.device) - Q.mT @ Q
+    E = torch.baddbmm(torch.eye(Q.shape[-1], dtype=Q.dtype, device=Q.device), Q.mT, Q, alpha=-1.0)  # I - Q^T Q
     ok &= torch.linalg.matrix_norm(E) < 1e-2
     Q = Q.float()
     Q = torch.baddbmm(Q, Q, E.float(), alpha=0.5)
@@ -300,7 +306,7 @@ def refresh_eigenbasis(A: Tensor, Q: Tensor, shift: float = REFRESH_SHIFT) -> tu
     order = est.argsort(dim=-1, descending=True)  # (b, n)
     idx = order[:, None, :].expand(-1, n, -1)
     s = shift * est.amax(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)  # (b,)
-    Y = torch.take_along_dim(AQ, idx, dim=-1) + s[:, None, None] * torch.take_along_dim(Q, idx, dim=-1)
+    Y = torch.take_along_dim(torch.addcmul(AQ, Q, s[:, None, None]), idx, dim=-1)  # (A + s I) Q, columns sorted
     Q_new, ok = cholesky_qr(Y)
     ok &= torch.isfinite(A).all(dim=(-2, -1))
     identity = torch.arange(n, device=A.device).expand_as(order)
