@@ -90,6 +90,23 @@ SHAMPOO_BYTES = 44  # AdamW's passes for the graft plus reading and writing the 
 SOAP_BYTES = 36  # AdamW's passes in the eigenbasis plus the projected gradient written and read
 CHECK_BYTES = 4  # the non-finite check reads each fp32 gradient once (nonfinite.nonfinite_flags)
 
+
+def block_pass_bytes(optimizer: str, m: int, n: int) -> float:
+    """Bytes SOAP's or Shampoo's step moves per ``(m, n)`` preconditioner block besides :data:`SOAP_BYTES` /
+    :data:`SHAMPOO_BYTES` and its products, in fp32 (``matrixopt.optim.soap``, ``matrixopt.optim.shampoo``): the
+    blocks stacked for the batched products (each read where it lies and written into the stack), each side's
+    ``(d, d)`` bases or roots stacked the same way, the factors' one-pass update (``L += G G^T`` reads the factor
+    and the product and writes the factor), and the result copied back into the update's blocks. SOAP stacks the
+    gradient and its bases once per step (both rotations share them). Shampoo stacks the gradient for its factors,
+    the momentum and the roots for the preconditioning and the Adam graft's direction, reads both for the graft's
+    norms, scales the preconditioned stack, and reads it twice more for its finiteness guard and the fallback."""
+    mn, sides = m * n, m * m + n * n
+    if optimizer == "soap":
+        return 8 * mn + 8 * sides + 12 * sides + 8 * mn
+    if optimizer == "shampoo":
+        return 8 * mn + 12 * sides + 8 * mn + 8 * sides + 8 * mn + 8 * mn + 8 * mn + 16 * mn + 8 * mn
+    raise ValueError(f"no block passes for optimizer {optimizer!r}; use shampoo or soap")
+
 # Optimizer state bytes per parameter of a matrix (the per-factor state of Shampoo and SOAP is counted apart):
 STATE_BYTES = {"adamw": 8, "muon": 4, "shampoo": 8, "soap": 8}  # Shampoo: momentum and the Adam graft's moment
 
@@ -479,10 +496,11 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
             return profile.seconds("fp32_gemm", flops, width)
         return 2 * profile.seconds("gemm", flops, width)
 
-    every, refresh = 0.0, 0.0
+    every, refresh, block_bytes = 0.0, 0.0, 0.0
     for g in groups:
         for mb in _blocks(g.m):
             for nb in _blocks(g.n):
+                block_bytes += g.count * block_pass_bytes(optimizer, mb, nb)
                 pair = 2.0 * g.count * mb * nb * (mb + nb)  # L += G G^T and R += G^T G, or one product by each
                 passes = 2 if optimizer == "shampoo" else 3  # factors, preconditioning (, projection back)
                 every += passes * product(pair, min(mb, nb))
@@ -497,7 +515,7 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
                             refresh += 2 * product(cube, k, fp32=True)
     per_param = SHAMPOO_BYTES if optimizer == "shampoo" else SOAP_BYTES
     products = every + refresh / precondition_frequency
-    return checked + max(products, side) + profile.seconds("elementwise", per_param * numel)
+    return checked + max(products, side) + profile.seconds("elementwise", per_param * numel + block_bytes)
 
 
 def qr_flops(n: int) -> float:

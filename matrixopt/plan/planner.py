@@ -325,7 +325,9 @@ def _owner_load(profile: DeviceProfile, cfg: PlanConfig, mats: Sequence[Matrix],
 def _matrix_time(profile: DeviceProfile, cfg: PlanConfig, mat: Matrix, batch: int, tp: int,
                  mode: str | None) -> tuple[float, float]:
     """``(seconds, of which communication)`` of the optimizer's matrix work on ``batch`` matrices of ``mat``'s
-    shape (TP shards when ``tp > 1``), elementwise passes excluded."""
+    shape (TP shards when ``tp > 1``), the per-parameter elementwise passes excluded (Shampoo's and SOAP's
+    per-block stacking and copies, :func:`~matrixopt.distributed.cost.block_pass_bytes`, stay in: they belong to
+    the matrix's owner)."""
     rows, cols = _split_matrix(mat, tp)
     if cfg.optimizer != "muon":
         shard = Shapes(rows, -(-cols // tp), batch)

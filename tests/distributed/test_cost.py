@@ -190,6 +190,21 @@ def test_adamw_groups_hide_behind_the_products_and_the_check_reads_every_gradien
         cost.ADAMW_BYTES * (numel + small) / 1e11)
 
 
+def test_shampoo_and_soap_pay_their_block_stacking_and_copies():
+    """Per (m, n) block, beyond their per-parameter passes and products: SOAP stacks the gradient (8 m n) and the
+    bases (8 (m^2 + n^2)), updates the factors in one pass (12 (m^2 + n^2)) and copies the update back (8 m n);
+    Shampoo moves 64 m n + 20 (m^2 + n^2). At 1e11 B/s the step's passes take exactly their bytes' time."""
+    assert cost.block_pass_bytes("soap", 64, 256) == 16 * 64 * 256 + 20 * (64**2 + 256**2)
+    assert cost.block_pass_bytes("shampoo", 64, 256) == 64 * 64 * 256 + 20 * (64**2 + 256**2)
+    with pytest.raises(ValueError, match="optimizer 'muon'"):
+        cost.block_pass_bytes("muon", 8, 8)
+    p = _flat(rate=1e30, bw=1e11)  # products free: the step is its passes
+    groups, numel = [Shapes(64, 256, 3), Shapes(1500, 700, 1)], 3 * 64 * 256 + 1500 * 700
+    blocks = 3 * cost.block_pass_bytes("soap", 64, 256) + sum(cost.block_pass_bytes("soap", m, n)
+                                                               for m in (750, 750) for n in (700,))
+    assert cost.matrix_step_time(p, "soap", groups) == pytest.approx((cost.SOAP_BYTES * numel + blocks) / 1e11)
+
+
 def test_fused_adamw_runs_at_its_own_rate_where_the_profile_has_one(tmp_path):
     """torch's fused AdamW at 5e10 B/s where measured; the matrix optimizer's own AdamW groups and every other
     pass stay at the elementwise 1e11 B/s. Without the table, the fused step falls back to the elementwise rate."""
