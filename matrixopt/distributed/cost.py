@@ -46,8 +46,10 @@ all-to-all         :math:`(P-1)\alpha + \frac{P-1}{P} n \beta`  (pairwise)      
 =================  ==============================================================  =========================
 
 **Optimizer steps** on lists of same-shape matrix groups (our optimizers batch same-shape matrices into one
-stack): Muon (:func:`newton_schulz_time` plus its elementwise passes), AdamW, Shampoo and SOAP (their factor
-products every step, their roots or eigenbases every ``precondition_frequency`` steps, amortized). A matrix
+stack): Muon (:func:`newton_schulz_time` plus its elementwise passes), AdamW (torch's fused step, at the
+``fused_adamw`` rate where the profile has one), Shampoo and SOAP (their factor products every step, their roots or
+eigenbases every ``precondition_frequency`` steps, amortized, and the per-block stacking and copies of
+:func:`block_pass_bytes`). A matrix
 optimizer's AdamW groups run on a side stream beside its matrix groups
 (:meth:`matrixopt.optim.base.MatrixOptimizer._update`): their pass is hidden behind the matrix groups' products,
 not behind their elementwise passes, which contend for the same memory bandwidth. A step that is not handed the
@@ -101,10 +103,11 @@ def block_pass_bytes(optimizer: str, m: int, n: int) -> float:
     the momentum and the roots for the preconditioning and the Adam graft's direction, reads both for the graft's
     norms, scales the preconditioned stack, and reads it twice more for its finiteness guard and the fallback."""
     mn, sides = m * n, m * m + n * n
-    if optimizer == "soap":
-        return 8 * mn + 8 * sides + 12 * sides + 8 * mn
-    if optimizer == "shampoo":
-        return 8 * mn + 12 * sides + 8 * mn + 8 * sides + 8 * mn + 8 * mn + 8 * mn + 16 * mn + 8 * mn
+    if optimizer == "soap":  # gradient stack 8 m n, bases 8 (m^2 + n^2), factors 12 (m^2 + n^2), copy back 8 m n
+        return 16 * mn + 20 * sides
+    if optimizer == "shampoo":  # stacks of the gradient, the momentum and the graft 24 m n, roots 8 (m^2 + n^2),
+        # factors 12 (m^2 + n^2), the graft's norms 8 m n, its scaling 8 m n, guard and fallback 16 m n, copy 8 m n
+        return 64 * mn + 20 * sides
     raise ValueError(f"no block passes for optimizer {optimizer!r}; use shampoo or soap")
 
 # Optimizer state bytes per parameter of a matrix (the per-factor state of Shampoo and SOAP is counted apart):
