@@ -25,6 +25,7 @@ from matrixopt.bench.scale import (
     single_gpu_step,
     summarize,
     toy_preset,
+    window_warning,
 )
 from matrixopt.train.model import GPT, PRESETS, GPTConfig
 from tests.bench.test_bench import run_cli
@@ -299,3 +300,14 @@ def test_a_single_gpu_reference_out_of_memory_leaves_its_ratios_out(monkeypatch,
     (line,) = summarize([[rank]], [{("1.3b", "muon"): out}], world=1)
     assert line["single_gpu_step_ms"] is None and line["opt_step_vs_single_gpu"] is None
     assert line["state_vs_single_gpu"] is None and line["step_ms"] == 100.0
+
+
+def test_one_time_work_in_the_timed_window_is_flagged():
+    """More cudaMallocs than timed steps on any rank (a CUDA graph's capture in the window) earns a note that says
+    how to time it again; a clean window or one allocation per step does not."""
+    settings = Settings(iters=6, warmup=2)
+    ranks = [{"allocator": {"device_allocs": n, "device_frees": 0, "alloc_retries": 0}} for n in (0, 173)]
+    note = window_warning(ranks, settings)
+    assert note is not None and "173 cudaMalloc calls in the 6 timed steps" in note and "--warmup 4" in note
+    assert window_warning(ranks[:1], settings) is None
+    assert window_warning([{"allocator": {"device_allocs": 6}}], settings) is None
