@@ -851,7 +851,9 @@ class Shampoo(KroneckerOptimizer):
         self._adopt(roots, Q, ok)
         ok = self._installable(ok, live)
         for name, new in (("root", roots), ("basis", Q)):
-            dsts = [st.setdefault(f"{side}_{name}{k}", torch.eye(new.shape[-1], dtype=st[f"{side}{k}"].dtype,
-                                                                 device=new.device)) for st, k, side in jobs]
+            for st, k, side in jobs:  # a state saved with Newton roots has no basis yet: the identity stands in
+                if f"{side}_{name}{k}" not in st:
+                    st[f"{side}_{name}{k}"] = torch.eye(new.shape[-1], dtype=st[f"{side}{k}"].dtype, device=new.device)
+            dsts = [st[f"{side}_{name}{k}"] for st, k, side in jobs]
             kept = torch.where(ok[:, None, None], new, torch.stack(dsts).float())
             torch._foreach_copy_(dsts, list(kept.to(dsts[0].dtype).unbind(0)))
