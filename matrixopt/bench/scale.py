@@ -38,6 +38,9 @@ topk of each layer's experts). Per configuration, the slowest rank's figures:
   rank), and each rank's optimizer state (MiB) and peak memory;
 - the caching allocator's calls to the driver during the timed steps (``allocator``: cudaMalloc, cudaFree and
   retries, most on any rank): in a steady state there are none, and each one can stall the host;
+- Python's garbage collections during the timed steps (per rank ``gc``: collections by generation and their ms per step;
+  ``gc_ms_per_step_max``), and each rank's timed window in Unix seconds (``window_unix``), to line it up with
+  outside samples such as ``nvidia-smi``'s clocks and power;
 - exposed communication (CUDA, with ``--exposed-comm`` or ``--trace DIR``): from a profiler trace of ``--iters``
   more steps, the time NCCL kernels run while no compute kernel does, as a share of those steps' wall time
   (``--trace DIR`` also writes each rank's trace, host activity included). Off by default: reading the trace of a
@@ -267,6 +270,29 @@ class Timeline:
         return out
 
 
+class GcTimer:
+    """Python's garbage collections while entered (``gc.callbacks``): ``collections`` by generation and ``ms``, the
+    host time they took. A collection stalls the host that issues the GPU's work; the record keeps them so a step
+    whose host time grows can be told apart from one whose device work does."""
+
+    def __init__(self) -> None:
+        self.collections, self.ms, self._t0 = [0, 0, 0], 0.0, 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.collections[info["generation"]] += 1
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+
+    def __enter__(self) -> GcTimer:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def time_owner_steps(opt: torch.optim.Optimizer, device: torch.device) -> list[StreamTimer]:
     """For a layer-wise optimizer: a timer around each of this rank's chunks' inner ``step()`` (its own compute,
     without the communication); none otherwise."""
@@ -353,11 +379,14 @@ def run_config(par: Parallelism, config: ScaleConfig, preset: str, settings: Set
     par.barrier()
     sync(device)
     calls = allocator_calls(device)
+    window = [time.time()]
     t0 = time.perf_counter()
-    for _ in range(settings.iters):
-        step()
-    sync(device)
+    with GcTimer() as gc_timer:
+        for _ in range(settings.iters):
+            step()
+        sync(device)
     step_ms = (time.perf_counter() - t0) * 1e3 / settings.iters
+    window.append(time.time())
     allocator = {k: v - calls[k] for k, v in allocator_calls(device).items()}
     routing = moe.metrics() if moe is not None else None
     timed = slice(settings.warmup, settings.warmup + settings.iters)
@@ -367,7 +396,8 @@ def run_config(par: Parallelism, config: ScaleConfig, preset: str, settings: Set
                tokens_per_rank=rows * T // config.tp, micro_batches=len(batches),
                step_ms=step_ms, opt_step_ms=phases["step"]["device"], phases=phases, state_mb=state_mb(opt),
                peak_mem_mb=peak_mem_mb(device), allocator=allocator, comm_s=None, exposed_comm_s=None,
-               profiled_wall_s=None,
+               profiled_wall_s=None, window_unix=window,
+               gc=dict(collections=gc_timer.collections, ms_per_step=gc_timer.ms / settings.iters),
                **owner_summary(opt, owner_timers, settings.iters))
     if device.type == "cuda" and (settings.exposed_comm or settings.trace):
         acts = [torch.profiler.ProfilerActivity.CUDA]  # NCCL and compute kernels are all the share needs
@@ -440,6 +470,7 @@ def summarize(per_config: list[list[dict[str, Any]]], singles: list[dict[tuple[s
                     state_mb_max=max(r["state_mb"] for r in ranks),
                     peak_mem_mb_max=max(r["peak_mem_mb"] for r in ranks),
                     allocator={k: max(r["allocator"][k] for r in ranks) for k in r0["allocator"]},
+                    gc_ms_per_step_max=max(r["gc"]["ms_per_step"] for r in ranks),
                     exposed_comm_share=max(shares) if shares else None,
                     expert_max_load=r0["expert_max_load"],  # averaged over the data-parallel ranks: alike on all
                     phases={p: {w: max(r["phases"][p][w] for r in ranks) for w in ("device", "host")} for p in PHASES})
@@ -489,8 +520,9 @@ def run(configs: Sequence[ScaleConfig] = tuple(map(parse_config, CONFIGS)), pres
                       per_rank=per_config)
         if par.rank == 0:
             print(f"{preset} {config}: step {max(r['step_ms'] for r in ranks):.1f} ms, optimizer step "
-                  f"{max(r['opt_step_ms'] for r in ranks):.2f} ms ({time.perf_counter() - t_config:.0f} s to "
-                  f"build and time)", flush=True)
+                  f"{max(r['opt_step_ms'] for r in ranks):.2f} ms, garbage collection "
+                  f"{max(r['gc']['ms_per_step'] for r in ranks):.2f} ms per step ({time.perf_counter() - t_config:.0f} "
+                  f"s to build and time)", flush=True)
             warning = window_warning(ranks, settings)
             if warning:
                 print(f"{preset} {config}: {warning}", flush=True)

@@ -4,6 +4,7 @@ mixture of experts under expert parallelism 2."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import torch
 
 from matrixopt.bench.scale import (
     CONFIGS,
+    GcTimer,
     ScaleConfig,
     Settings,
     Timeline,
@@ -274,7 +276,8 @@ def _rank_figures(config: str, step_ms: float) -> dict:
                 expert_max_load=None, tokens_per_rank=4096, micro_batches=1, step_ms=step_ms, opt_step_ms=1.0,
                 phases=phases, state_mb=1.0, peak_mem_mb=1.0,
                 allocator={"device_allocs": 0, "device_frees": 0, "alloc_retries": 0},
-                comm_s=None, exposed_comm_s=None, profiled_wall_s=None)
+                comm_s=None, exposed_comm_s=None, profiled_wall_s=None, window_unix=[0.0, 1.0],
+                gc={"collections": [0, 0, 0], "ms_per_step": 0.0})
 
 
 def test_repeated_configurations_are_compared_with_the_median_adamw_run():
@@ -311,3 +314,17 @@ def test_one_time_work_in_the_timed_window_is_flagged():
     assert note is not None and "173 cudaMalloc calls in the 6 timed steps" in note and "--warmup 4" in note
     assert window_warning(ranks[:1], settings) is None
     assert window_warning([{"allocator": {"device_allocs": 6}}], settings) is None
+
+
+def test_gc_timer_counts_the_collections_it_sees():
+    """Collections while entered are counted by generation and timed; none after leaving; the callback is removed."""
+    before = len(gc.callbacks)
+    with GcTimer() as timer:
+        for _ in range(3):
+            a: list = []
+            a.append(a)  # a cycle only the collector frees
+            gc.collect(1)
+        gc.collect()
+    assert timer.collections == [0, 3, 1] and timer.ms > 0 and len(gc.callbacks) == before
+    gc.collect()
+    assert timer.collections == [0, 3, 1]
