@@ -35,7 +35,9 @@ topk of each layer's experts). Per configuration, the slowest rank's figures:
   by, topk experts of each layer, plus 12 L T d for attention, as Megatron-LM counts them; no recomputation, no
   optimizer, no expert dispatch) times the tokens/s per GPU;
 - the optimizer step: the median time ``optimizer.step()`` occupies the compute stream (slowest and fastest
-  rank), and each rank's optimizer state (MiB) and peak memory;
+  rank), and each rank's optimizer state (MiB) and peak memory (``held_before_mb``: what was still allocated
+  before the configuration built its model, which the peak includes; each configuration's model and optimizer
+  are released before the next is built, so it stays near zero);
 - the caching allocator's calls to the driver during the timed steps (``allocator``: cudaMalloc, cudaFree and
   retries, most on any rank): in a steady state there are none, and each one can stall the host;
 - Python's garbage collections during the timed steps (per rank ``gc``: collections by generation and their ms per step;
@@ -335,6 +337,7 @@ def run_config(par: Parallelism, config: ScaleConfig, preset: str, settings: Set
     if rows % micro:
         raise ValueError(f"--micro-batch {micro} must divide the {rows} rows of {T} tokens each data-parallel rank "
                          f"takes per step (--tokens-per-gpu {settings.tokens_per_gpu}, tp {config.tp}); pick a divisor")
+    held_mb = torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0  # earlier configs' left
     torch.manual_seed(0)
     with device:  # initialized where it trains: a 1.3B model takes tens of seconds to initialize on one CPU thread
         model = GPT(gpt)
@@ -395,8 +398,8 @@ def run_config(par: Parallelism, config: ScaleConfig, preset: str, settings: Set
                flops_per_token=flops_per_token, expert_max_load=routing["expert_max_load"] if routing else None,
                tokens_per_rank=rows * T // config.tp, micro_batches=len(batches),
                step_ms=step_ms, opt_step_ms=phases["step"]["device"], phases=phases, state_mb=state_mb(opt),
-               peak_mem_mb=peak_mem_mb(device), allocator=allocator, comm_s=None, exposed_comm_s=None,
-               profiled_wall_s=None, window_unix=window,
+               peak_mem_mb=peak_mem_mb(device), held_before_mb=held_mb, allocator=allocator, comm_s=None,
+               exposed_comm_s=None, profiled_wall_s=None, window_unix=window,
                gc=dict(collections=gc_timer.collections, ms_per_step=gc_timer.ms / settings.iters),
                **owner_summary(opt, owner_timers, settings.iters))
     if device.type == "cuda" and (settings.exposed_comm or settings.trace):
@@ -511,14 +514,16 @@ def run(configs: Sequence[ScaleConfig] = tuple(map(parse_config, CONFIGS)), pres
             singles[preset, config.optimizer] = single_gpu_step(preset, config.optimizer, settings, par.device)
             free(par.device)
         ranks = comm.all_gather_object(run_config(par, config, preset, settings), None)
-        free(par.device)
+        device, world, rank = par.device, par.world, par.rank
+        del par  # the wrapped model with it, before the next configuration is built and its peak memory measured
+        free(device)
         per_config.append(ranks)
-        env = env or environment(par.device)  # once: it asks git and the device
-        record = dict(benchmark="scale", env=env, world_size=par.world,
+        env = env or environment(device)  # once: it asks git and the device
+        record = dict(benchmark="scale", env=env, world_size=world,
                       backend=dist.get_backend(), **dataclasses.asdict(settings), complete=n == len(todo),
-                      summary=summarize(per_config, comm.all_gather_object(singles, None), par.world),
+                      summary=summarize(per_config, comm.all_gather_object(singles, None), world),
                       per_rank=per_config)
-        if par.rank == 0:
+        if rank == 0:
             print(f"{preset} {config}: step {max(r['step_ms'] for r in ranks):.1f} ms, optimizer step "
                   f"{max(r['opt_step_ms'] for r in ranks):.2f} ms, garbage collection "
                   f"{max(r['gc']['ms_per_step'] for r in ranks):.2f} ms per step ({time.perf_counter() - t_config:.0f} "

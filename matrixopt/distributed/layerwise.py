@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -130,6 +131,25 @@ class Blocks:
 
 def _strip(groups: Sequence[dict[str, Any]], keep_names: bool) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if keep_names or k != "names"} for g in groups]
+
+
+def _weak_hook(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The bound ``method`` as a hook that holds its object weakly. A parameter's post-accumulate-grad hook lives in
+    autograd's C++ state, which Python's collector does not traverse: a bound method there would keep the optimizer,
+    and through it the model and all its state, alive for as long as the parameters, even once nothing else
+    refers to either."""
+    ref, func = weakref.ref(method.__self__), method.__func__
+
+    def hook(*args: Any) -> Any:
+        obj = ref()
+        return None if obj is None else func(obj, *args)
+
+    return hook
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer):
@@ -243,8 +263,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.masters = {id(p): copy_marks(p, p.detach().float().clone()) for p in self.params
                         if self.owns(p) and p.dtype != torch.float32}
         self.chunks = self._build_chunks()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
-        self._hooks += [m.register_forward_pre_hook(self._pre_forward) for m in self._modules]
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self._on_grad)) for p in self.params]
+        self._hooks += [m.register_forward_pre_hook(_weak_hook(self._pre_forward)) for m in self._modules]
+        weakref.finalize(self, _remove_hooks, self._hooks)
 
     # ------------------------------------------------------------------------------------------- construction
     def _check_same_everywhere(self, groups: list[dict[str, Any]], name: str,

@@ -274,7 +274,7 @@ def _rank_figures(config: str, step_ms: float) -> dict:
     phases = {p: {"device": 1.0, "host": 1.0} for p in ("forward", "backward", "clip", "step")}
     return dict(config=config, preset="1.3b", rank=0, ep=1, params=10, active_params=10, flops_per_token=60,
                 expert_max_load=None, tokens_per_rank=4096, micro_batches=1, step_ms=step_ms, opt_step_ms=1.0,
-                phases=phases, state_mb=1.0, peak_mem_mb=1.0,
+                phases=phases, state_mb=1.0, peak_mem_mb=1.0, held_before_mb=0.0,
                 allocator={"device_allocs": 0, "device_frees": 0, "alloc_retries": 0},
                 comm_s=None, exposed_comm_s=None, profiled_wall_s=None, window_unix=[0.0, 1.0],
                 gc={"collections": [0, 0, 0], "ms_per_step": 0.0})

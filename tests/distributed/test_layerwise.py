@@ -3,10 +3,12 @@ same global batch, at 1 to 4 ranks, for every registered optimizer; LPT ownershi
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import time
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -418,6 +420,29 @@ def _arrival_order_worker(rank: int, world: int) -> None:
         o.wait_params()
     for (n, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(q.detach(), p.detach(), rtol=RTOL, atol=ATOL, msg=f"resumed: {n} differs")
+
+
+def _release_worker(rank: int, world: int) -> None:
+    model, opt = mdist.layerwise(Net(), "muon", lr=DEFAULT_LR)
+    x = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    opt.step()
+    opt.wait_params()
+    dead_opt, dead_model = weakref.ref(opt), weakref.ref(model)
+    del opt
+    gc.collect()
+    assert dead_opt() is None, "the parameters' gradient hooks kept the optimizer alive"
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters()), "its hooks outlived it"
+    model(x).square().mean().backward()  # the model trains on without it (no hook left to call)
+    del model
+    gc.collect()
+    assert dead_model() is None
+
+
+def test_a_dropped_optimizer_releases_itself_and_its_hooks():
+    """An optimizer nothing refers to any more is freed with its state, and its hooks leave the parameters: a bound
+    method in a gradient hook, which lives in autograd's C++ state, kept model and state alive for good."""
+    run(_release_worker, 2)
 
 
 def test_buckets_follow_gradient_arrival_order():
