@@ -2,7 +2,7 @@
 files under ``docs/results/`` (``matrixopt plan --validate``).
 
 Each row names its source file and what the model was given. Up to three device profiles are compared: the shipped
-profile of the device the run used (:func:`device_of`: ``measured`` for the H100, ``nominal`` for the H200), the
+profile of the device the run used (:func:`device_of`: ``measured`` for the H100 and the H200), the
 nominal one built from the data sheet where the shipped one is measured, and ``limits``: the nominal one with the
 matmul rate and copy bandwidth the run's machine measured (the ``env.limits`` every benchmark JSON records) as the
 achieved rates. Where a throughput ratio is predicted, the forward and backward time comes from the measured AdamW
@@ -71,21 +71,31 @@ STALE = (
 :data:`EXCLUDED`'s rows, predicted and listed but not counted."""
 
 
-HELD_PEAKS = {
-    "scale_1.3b_16k_precond_refresh_2xh100.json":
-        "its peak memories are not the configurations' own: they ran one after another in one process, among them "
-        "layer-wise Shampoo's whole-model reference step, which ran out of memory, and later peaks hold what the "
-        "allocator kept (FSDP2 AdamW 47.2 GB here, 25.2 GB in an FSDP2-only call, "
-        "scale_1.3b_16k_fsdp_precond_refresh_2xh100.json, where SOAP and Shampoo peaked at 37.2 and 42.9 GB)",
-}
-"""Records whose peak-memory rows are not counted, by file: the reason."""
+LEFTOVER_PEAK = (
+    "measured after a layer-wise configuration in the same process, by code in which a dropped layer-wise optimizer "
+    "stayed alive (its parameters' gradient hooks held it): the peak also holds that configuration's model and "
+    "state. Records made since release each configuration before the next and state what was still allocated "
+    "(held_before_mb)")
+"""Why a peak-memory row of :func:`_leftover_configs` is not counted."""
+
+
+def _leftover_configs(rec: dict[str, Any]) -> set[tuple[str, str]]:
+    """``(preset, config)`` of a ``bench scale`` record whose every run came after a layer-wise configuration in the
+    process, in a record from before configurations were released between runs (no ``held_before_mb``): their
+    peaks hold a dropped layer-wise optimizer's model and state (:data:`LEFTOVER_PEAK`)."""
+    if any("held_before_mb" in r for ranks in rec.get("per_rank", []) for r in ranks):
+        return set()
+    clean, after_layerwise = set(), False
+    for s in rec["summary"]:
+        if not after_layerwise:
+            clean.add((s["preset"], s["config"]))
+        after_layerwise = after_layerwise or s["config"].startswith("layerwise:")
+    return {(s["preset"], s["config"]) for s in rec["summary"]} - clean
 
 
 def excluded(source: str, what: str, unit: str) -> str | None:
-    """Why a row is not counted (:data:`EXCLUDED`, :data:`STALE` for time rows, ms and ratios;
-    :data:`HELD_PEAKS` for memory rows), or None."""
-    if unit == "GB":
-        return HELD_PEAKS.get(source)
+    """Why a time row (ms or a ratio) is not counted (:data:`EXCLUDED`, :data:`STALE`), or None; peak-memory rows
+    are judged where their record is read (:func:`_leftover_configs`)."""
     if unit not in ("ms", "x"):
         return None
     if source in EXCLUDED:
@@ -170,10 +180,12 @@ def ns_method(record: dict[str, Any]) -> str:
     return "standard" if record.get("env", {}).get("git_commit") in BEFORE_GRAM else "auto"
 
 
-def _row(what: str, source: str, profile: str, predicted: float, measured: float, unit: str) -> dict[str, Any]:
+def _row(what: str, source: str, profile: str, predicted: float, measured: float, unit: str,
+         why_not_counted: str | None = None) -> dict[str, Any]:
     err = predicted / measured - 1
     return {"what": what, "source": source, "profile": profile, "predicted": predicted, "measured": measured,
-            "unit": unit, "error": err, "within": abs(err) <= THRESHOLD, "excluded": excluded(source, what, unit)}
+            "unit": unit, "error": err, "within": abs(err) <= THRESHOLD,
+            "excluded": why_not_counted or excluded(source, what, unit)}
 
 
 def _shipped(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -231,8 +243,8 @@ def single_gpu(root: Path) -> list[dict[str, Any]]:
 def _summaries(rec: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
     """A ``bench scale`` record's summary lines by (preset, config). A configuration timed more than once in the
     record (repeats alternated in one call) gets the median of each of its numbers over the repeats, but the least
-    of its peak memories: a later repeat's peak also holds what the allocator kept from the configurations before
-    it in the process."""
+    of its peak memories: in records from before configurations were released between runs, a later repeat's peak
+    also holds what earlier configurations left allocated (:data:`LEFTOVER_PEAK`)."""
     lines: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for s in rec["summary"]:
         lines.setdefault((s["preset"], s["config"]), []).append(s)
@@ -263,7 +275,7 @@ def _scale_rows(path: Path, pairs: list[tuple[str, str, Layout]]) -> list[dict[s
     world, tokens = rec["world_size"], rec["tokens_per_gpu"]
     once = bool(rec.get("fsdp_gather_once", False))
     rows = []
-    by = _summaries(rec)
+    by, leftover = _summaries(rec), _leftover_configs(rec)
     for preset in sorted({s["preset"] for s in rec["summary"]}):
         arch = gpt(preset)
         for mat_cfg, adamw_cfg, layout in pairs:
@@ -294,9 +306,9 @@ def _scale_rows(path: Path, pairs: list[tuple[str, str, Layout]]) -> list[dict[s
                          _row(f"{where}: {name}/AdamW tokens/s", path.name, pname, ad["step_ms"] / step,
                               ad["step_ms"] / mu["step_ms"], "x"),
                          _row(f"{where}: {name} peak memory per GPU", path.name, pname, p.memory.total / 1e9,
-                              _peak_gb(mu), "GB"),
+                              _peak_gb(mu), "GB", LEFTOVER_PEAK if (preset, mat_cfg) in leftover else None),
                          _row(f"{where}: AdamW peak memory per GPU", path.name, pname, p.adamw_memory.total / 1e9,
-                              _peak_gb(ad), "GB")]
+                              _peak_gb(ad), "GB", LEFTOVER_PEAK if (preset, adamw_cfg) in leftover else None)]
     return rows
 
 
@@ -468,6 +480,30 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def scaling_h200(root: Path) -> list[dict[str, Any]]:
+    """The 2-H200 records of the current code (each configuration's model and optimizer released before the next is
+    built, so its peak memory is its own): 1.3B at 4k, 16k and 64k tokens per GPU in micro-batches of two rows,
+    FSDP2 gathered once per step, Shampoo and SOAP with a refresh in the window, moe-2b with expert parallelism 2;
+    each alternating repeats of its configurations where it lists them twice."""
+    lw, fsdp = Layout(kind="layerwise"), Layout(kind="fsdp")
+    dist = root / "distributed"
+    path = dist / "scale_1.3b_16k_layerwise_alt_2xh200.json"
+    rec = json.loads(path.read_text())
+    first = next(ranks for ranks in rec["per_rank"] if ranks[0]["config"] == "layerwise:muon")
+    line = next(s for s in rec["summary"] if s["config"] == "layerwise:muon")
+    rows = layerwise_owners(path, rec, "1.3b", [r["inner_step_ms"] for r in first], line["state_vs_single_gpu"])
+    rows += _single_rows(path) + _scale_rows(path, [("layerwise:muon", "ddp:adamw", lw)])
+    for name in ("scale_1.3b_4k_2xh200.json", "scale_1.3b_64k_2xh200.json"):
+        rows += _scale_rows(dist / name, [("layerwise:muon", "ddp:adamw", lw), ("fsdp:muon", "fsdp:adamw", fsdp)])
+    rows += _scale_rows(dist / "scale_1.3b_16k_fsdp_2xh200.json", [("fsdp:muon", "fsdp:adamw", fsdp)])
+    for name in ("scale_moe-2b_ep2_16k_clocks_2xh200.json", "scale_moe-2b_ep2_16k_clocks2_2xh200.json"):
+        rows += _ddp_rows(dist / name)
+    rows += _scale_rows(dist / "scale_1.3b_16k_precond_refresh_2xh200.json",
+                        [(f"{kind}:{opt}", f"{'ddp' if kind == 'layerwise' else kind}:adamw", layout)
+                         for opt in ("soap", "shampoo") for kind, layout in (("layerwise", lw), ("fsdp", fsdp))])
+    return rows
+
+
 def _tp_times(prof: DeviceProfile, world: int, steps: int, method: str, r: int, c: int,
               chunks: int) -> dict[str, float]:
     return tp_ns_times(r, c, world, steps=steps, chunks=chunks, link=prof.link(world),
@@ -513,7 +549,7 @@ def tensor_parallel(root: Path) -> list[dict[str, Any]]:
 
 
 SECTIONS: dict[str, Callable[[Path], list[dict[str, Any]]]] = {
-    "single GPU": single_gpu, "scaling": scaling, "scaling, 2 H100": scaling_h100,
+    "single GPU": single_gpu, "scaling": scaling, "scaling, 2 H100": scaling_h100, "scaling, 2 H200": scaling_h200,
     "tensor-parallel Newton-Schulz": tensor_parallel}
 
 

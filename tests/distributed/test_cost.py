@@ -245,21 +245,21 @@ def test_balancer_packs_on_the_shared_flops():
         cost.matrix_step_flops("lion", 4, 4)
 
 
-def test_shipped_profiles_and_round_trip(tmp_path):
-    """The H200 profile is the nominal one. The H100 one is measured, with the inter-node link and the MFU peak of
-    the nominal one (NVLink measured over 2 ranks, no network), and no rate above the data sheet's: a calibration
-    that counts bytes or FLOPs it does not move fails here."""
-    assert cost.shipped_profile("h200") == nominal("h200")
-    h100, sheet = cost.shipped_profile("h100"), NOMINAL["h100"]
-    if h100.source == "measured":
-        assert h100.links["inter"] == nominal("h100").links["inter"]
-        assert h100.peak_flops == sheet["matmul_flops"] == 989e12
-    assert h100.links["intra"].bandwidth <= sheet["nvlink_bytes_per_s"]
-    assert max(r for _, r in h100.gemm) <= sheet["matmul_flops"]
-    assert max(r for _, r in h100.fp32_gemm) <= sheet["fp32_flops"]
-    assert max(r for _, r in h100.elementwise + (h100.fused_adamw or ())) <= sheet["hbm_bytes_per_s"]
-    h100.save(tmp_path / "p.json")
-    assert DeviceProfile.load(tmp_path / "p.json") == h100
+@pytest.mark.parametrize("name", ["h100", "h200"])
+def test_shipped_profiles_and_round_trip(tmp_path, name):
+    """Both shipped profiles are measured, with the inter-node link and the MFU peak of the nominal one (NVLink
+    measured over 2 ranks, no network), and no rate above the data sheet's: a calibration that counts bytes or
+    FLOPs it does not move fails here."""
+    prof, sheet = cost.shipped_profile(name), NOMINAL[name]
+    assert prof.source == "measured" and prof.device.lower().find(name) >= 0
+    assert prof.links["inter"] == nominal(name).links["inter"]
+    assert prof.peak_flops == sheet["matmul_flops"] == 989e12
+    assert prof.links["intra"].bandwidth <= sheet["nvlink_bytes_per_s"]
+    assert max(r for _, r in prof.gemm) <= sheet["matmul_flops"]
+    assert max(r for _, r in prof.fp32_gemm) <= sheet["fp32_flops"]
+    assert max(r for _, r in prof.elementwise + (prof.fused_adamw or ())) <= sheet["hbm_bytes_per_s"]
+    prof.save(tmp_path / "p.json")
+    assert DeviceProfile.load(tmp_path / "p.json") == prof
     with pytest.raises(ValueError, match="no shipped profile 'a100'"):
         cost.shipped_profile("a100")
 

@@ -349,7 +349,8 @@ def test_validation_reads_gather_once_from_the_record(tmp_path):
 def test_soap_and_shampoo_scale_rows_take_the_records_hyperparameters():
     """A bench scale record's SOAP and Shampoo lines are predicted with their --opt hyperparameters (TF32
     products, Shampoo's eigenbasis roots), their optimizer step measured as the training step less the other
-    phases (it holds the refreshes), and the record's held peak memories listed but not counted."""
+    phases (it holds the refreshes), and the peak memories of configurations that ran after a layer-wise one
+    listed but not counted."""
     rows = validate.validate()["scaling, 2 H100"]
     name = "scale_1.3b_16k_precond_refresh_2xh100.json"
     mine = [r for r in rows if r["source"] == name and r["profile"] == "measured"]
@@ -365,5 +366,22 @@ def test_soap_and_shampoo_scale_rows_take_the_records_hyperparameters():
     assert step["predicted"] == pytest.approx(p.opt_step_s * 1e3)
     newton = planner.predict(planner.Layout(kind="fsdp"), dataclasses.replace(cfg, root_method="newton"), H100)
     assert newton.opt_step_s > 2 * p.opt_step_s  # Newton's roots cost more than the eigenbasis refresh
-    peaks = [r for r in mine if r["unit"] == "GB"]
-    assert peaks and all(r["excluded"] == validate.HELD_PEAKS[name] for r in peaks)
+    peaks = {r["what"].split(": ", 1)[0].rsplit(", ", 1)[1] + ": " + r["what"].split(": ", 1)[1]: r["excluded"]
+             for r in mine if r["unit"] == "GB"}
+    # ddp:adamw, then layerwise:soap ran first in the process: their peaks count; every later configuration's held
+    # layer-wise SOAP's leftovers
+    assert {k for k, why in peaks.items() if why is None} == {"layerwise: SOAP peak memory per GPU",
+                                                             "layerwise: AdamW peak memory per GPU"}
+    assert sum(why == validate.LEFTOVER_PEAK for why in peaks.values()) == len(peaks) - 2
+
+
+def test_leftover_peaks_are_those_after_a_layerwise_configuration():
+    """In a record from before configurations were released between runs, every configuration whose runs all came
+    after a layer-wise one is flagged; none in a record that states what each run found allocated."""
+    runs = ["ddp:adamw", "fsdp:adamw", "layerwise:muon", "fsdp:muon", "fsdp:adamw", "ddp:adamw", "layerwise:soap"]
+    rec = {"summary": [{"preset": "1.3b", "config": c} for c in runs],
+           "per_rank": [[{"config": c}] for c in runs]}
+    assert validate._leftover_configs(rec) == {("1.3b", "fsdp:muon"), ("1.3b", "layerwise:soap")}
+    for ranks in rec["per_rank"]:
+        ranks[0]["held_before_mb"] = 0.0
+    assert validate._leftover_configs(rec) == set()
