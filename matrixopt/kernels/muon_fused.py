@@ -580,30 +580,35 @@ def _columns(c0, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
 
 @triton.jit
 def _adam_kernel(
-    # (n, 10) int64 table, one row per matrix: gradient, first moment, second moment and output addresses, rows,
-    # columns, and the four row strides (elements); (P, 2) int64 work list: matrix, first row
+    # (n, 12) int64 table, one row per matrix: gradient, first moment, second moment, output and numerator
+    # addresses, rows, columns, and the five row strides (elements); (P, 2) int64 work list: matrix, first row
     table_ptr, chunks_ptr,
     # 0-d float32 skip flag (nonzero: write no moment, and zeros as the direction), read when HAS_SKIP
     skip_ptr,
     beta1, beta2, eps, bc1, sqrt_bc2,
-    HAS_SKIP: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_SKIP: tl.constexpr, NESTEROV: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     work = chunks_ptr + tl.program_id(0).to(tl.int64) * 2
     i = tl.load(work)
     r0 = tl.load(work + 1)
-    row = table_ptr + i * 10
+    row = table_ptr + i * 12
     g_addr, m_addr, v_addr, o_addr = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
-    R, C = tl.load(row + 4), tl.load(row + 5)
-    g_rs, m_rs, v_rs, o_rs = tl.load(row + 6), tl.load(row + 7), tl.load(row + 8), tl.load(row + 9)
+    n_addr = tl.load(row + 4)
+    R, C = tl.load(row + 5), tl.load(row + 6)
+    g_rs, m_rs, v_rs, o_rs = tl.load(row + 7), tl.load(row + 8), tl.load(row + 9), tl.load(row + 10)
+    n_rs = tl.load(row + 11)
     if ALIGNED:  # every address a multiple of 16 bytes, every row stride of 4 elements: vector loads and stores
         g_addr, m_addr = tl.multiple_of(g_addr, 16), tl.multiple_of(m_addr, 16)
-        v_addr, o_addr = tl.multiple_of(v_addr, 16), tl.multiple_of(o_addr, 16)
+        v_addr, o_addr, n_addr = tl.multiple_of(v_addr, 16), tl.multiple_of(o_addr, 16), tl.multiple_of(n_addr, 16)
         g_rs, m_rs, v_rs, o_rs = tl.multiple_of(g_rs, 4), tl.multiple_of(m_rs, 4), tl.multiple_of(v_rs, 4), \
             tl.multiple_of(o_rs, 4)
+        n_rs = tl.multiple_of(n_rs, 4)
     g_ptr = g_addr.to(tl.pointer_type(tl.float32))
     m_ptr = m_addr.to(tl.pointer_type(tl.float32))
     v_ptr = v_addr.to(tl.pointer_type(tl.float32))
     o_ptr = o_addr.to(tl.pointer_type(tl.float32))
+    n_ptr = n_addr.to(tl.pointer_type(tl.float32))
     kept = tl.where(tl.load(skip_ptr) == 0, R, 0) if HAS_SKIP else R  # no row at all when skipping
     for r in range(r0, r0 + ROWS):
         for c0 in range(0, C, BLOCK):
@@ -615,7 +620,11 @@ def _adam_kernel(
             v = tl.load(v_ptr + r * v_rs + col, mask=mask, other=0.0)
             m = m + (1.0 - beta1) * (g - m)
             v = v * beta2 + (1.0 - beta2) * g * g
-            d = tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps) * bc1
+            num = m
+            if NESTEROV:  # torch.lerp(g, m, beta1), its two branches as torch computes them
+                num = tl.where(beta1 < 0.5, g + beta1 * (m - g), m - (m - g) * (1.0 - beta1))
+                tl.store(n_ptr + r * n_rs + col, tl.where(keep, num, 0.0), mask=mask)
+            d = tl.div_rn(num, tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps) * bc1
             tl.store(m_ptr + r * m_rs + col, m, mask=keep)
             tl.store(v_ptr + r * v_rs + col, v, mask=keep)
             tl.store(o_ptr + r * o_rs + col, tl.where(keep, d, 0.0), mask=mask)
@@ -684,7 +693,7 @@ def _row_chunks(rows: tuple[int, ...], device: torch.device, per: int) -> Tensor
 
 def adam_triton(exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], grads: Sequence[Tensor],
                 step: int, betas: tuple[float, float], eps: float, skip: Tensor | None = None,
-                out: Sequence[Tensor] | None = None) -> list[Tensor]:
+                out: Sequence[Tensor] | None = None, nesterov: Sequence[Tensor] | None = None) -> list[Tensor]:
     """Adam's moments and bias-corrected direction in one pass over each matrix (one launch for the lists):
     ``m <- lerp(m, g, 1 - beta1)``, ``v <- beta2 v + (1 - beta2) g^2``, and the returned tensors
     ``(m / (1 - beta1^t)) / (sqrt(v) / sqrt(1 - beta2^t) + eps)``, t = ``step`` for every matrix. 24 bytes per
@@ -692,19 +701,22 @@ def adam_triton(exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], grads
     stride (any row stride: blocks of larger tensors) on one device, each ``grads[i]`` shaped as ``exp_avgs[i]``
     and ``exp_avg_sqs[i]``. ``skip``: a 0-d float32 device flag; nonzero leaves the moments unwritten and returns
     zeros. ``out``: where to write the directions instead of new tensors (shaped alike, unit column stride; may be
-    ``grads`` themselves, each element read before it is written)."""
+    ``grads`` themselves, each element read before it is written). ``nesterov``: tensors shaped alike that receive
+    the Nesterov numerator ``lerp(g, m, beta1)`` (zeros when skipping), which then replaces ``m`` in the
+    direction (Shampoo's graft: 28 bytes per element)."""
     beta1, beta2 = betas
     outs = list(out) if out is not None else [torch.empty_like(m, memory_format=torch.contiguous_format)
                                               for m in exp_avgs]
     device = exp_avgs[0].device if exp_avgs else None
     chunks = _row_chunks(tuple(m.shape[0] for m in exp_avgs), device, ADAM_ROWS) if exp_avgs else ()
     if len(chunks):
-        ts = list(zip(grads, exp_avgs, exp_avg_sqs, outs))
+        nums = list(nesterov) if nesterov is not None else outs  # unused without Nesterov
+        ts = list(zip(grads, exp_avgs, exp_avg_sqs, outs, nums))
         rows = tuple(((*(t.data_ptr() for t in q), m.shape[0], m.shape[1], *(t.stride(0) for t in q)),
-                      (0,) * 10, 1) for q, m in ((q, q[1]) for q in ts))
+                      (0,) * 12, 1) for q, m in ((q, q[1]) for q in ts))
         aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0 for q in ts for t in q)
         launch_kernel(_adam_kernel, (len(chunks),), _table(rows, device), chunks, skip if skip is not None else
                       chunks, float(beta1), float(beta2), float(eps), 1.0 / (1 - beta1**step),
-                      (1 - beta2**step) ** 0.5, HAS_SKIP=skip is not None, ALIGNED=aligned, ROWS=ADAM_ROWS,
-                      BLOCK=ADAM_BLOCK, num_warps=ADAM_WARPS)
+                      (1 - beta2**step) ** 0.5, HAS_SKIP=skip is not None, NESTEROV=nesterov is not None,
+                      ALIGNED=aligned, ROWS=ADAM_ROWS, BLOCK=ADAM_BLOCK, num_warps=ADAM_WARPS)
     return outs

@@ -439,6 +439,62 @@ def test_soap_through_the_adam_kernel_matches_its_foreach_path():
     assert not all(torch.equal(a, b) for a, b in zip(runs["torch"], runs["triton"]))  # the kernel ran
 
 
+@pytest.mark.parametrize("beta1", [0.9, 0.3])
+def test_adam_one_pass_nesterov_numerator(monkeypatch, beta1):
+    """With ``nesterov``, the kernel also writes the numerator ``lerp(g, m, beta1)`` (either branch of torch's
+    lerp) and divides it, not m, by the root of v, as float64 math does; a set skip flag writes zeros there too."""
+    monkeypatch.setattr(fused, "ADAM_BLOCK", 16)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 5), (21, 40)]
+    M, V = [torch.randn(s, generator=g) for s in shapes], [torch.rand(s, generator=g) for s in shapes]
+    G = [torch.randn(s, generator=g) for s in shapes]
+    (b2, eps, t) = (0.99, 1e-8, 4)
+    want_m = [m.double() + (1 - beta1) * (x.double() - m.double()) for m, x in zip(M, G)]
+    want_v = [b2 * v.double() + (1 - b2) * x.double() ** 2 for v, x in zip(V, G)]
+    want_n = [x.double() + beta1 * (m - x.double()) for m, x in zip(want_m, G)]
+    want_d = [(n / (1 - beta1**t)) / ((v / (1 - b2**t)).sqrt() + eps) for n, v in zip(want_n, want_v)]
+    with ew.elementwise_backend("triton"):
+        nums = [torch.full(s, 7.0) for s in shapes]
+        fused.adam_triton([m.clone() for m in M], [v.clone() for v in V], G, t, (beta1, b2), eps,
+                          skip=torch.ones(()), nesterov=nums)
+        assert all(not n.any() for n in nums)
+        d = fused.adam_triton(M, V, G, t, (beta1, b2), eps, nesterov=nums)
+    for got, want in zip(M + V + nums + d, want_m + want_v + want_n + want_d):
+        torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_shampoo_graft_through_the_adam_kernel_matches_its_foreach_path(nesterov):
+    """Shampoo's Adam graft (momentum, second moment, the Nesterov numerator and the Adam direction) in one pass
+    gives the foreach path's tensors to round-off, for matrices of two shapes in one launch; a step skipped on the
+    device leaves both moments as they were, bit for bit."""
+    from matrixopt.optim.shampoo import Shampoo
+
+    group = {"betas": (0.9, 0.999), "nesterov": nesterov, "grafting": "adam", "eps": 1e-8}
+
+    def inputs() -> tuple[list[dict], list[torch.Tensor]]:
+        g = torch.Generator().manual_seed(0)
+        states = [{"momentum_buffer": torch.randn(s, generator=g), "exp_avg_sq": torch.rand(s, generator=g),
+                   "step": 3} for s in ((16, 12), (5, 40))]
+        return states, [torch.randn(st["momentum_buffer"].shape, generator=g) for st in states]
+
+    out = {}
+    for backend in ("torch", "triton"):
+        states, grads = inputs()
+        with ew.elementwise_backend(backend):
+            D, A = Shampoo._graft(group, states, grads, None, None)
+        out[backend] = [*D, *A, *(st[k] for st in states for k in ("momentum_buffer", "exp_avg_sq"))]
+    for a, b in zip(out["torch"], out["triton"]):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+    states, grads = inputs()
+    before = [st[k].clone() for st in states for k in ("momentum_buffer", "exp_avg_sq")]
+    with ew.elementwise_backend("triton"):
+        D, A = Shampoo._graft(group, states, grads, torch.ones(()), torch.zeros(()))
+    after = [st[k] for st in states for k in ("momentum_buffer", "exp_avg_sq")]
+    assert all(torch.equal(x, b) for x, b in zip(after, before))
+    assert all(not t.any() for t in A) and (not nesterov or all(not t.any() for t in D))
+
+
 @pytest.mark.parametrize("beta", [0.95, 1.0])
 def test_factor_update_one_pass_matches_the_reference_drops_non_finite_blocks_and_skips(monkeypatch, beta):
     """Shampoo's and SOAP's factor update (``accumulate``) through the one-pass kernel: the average (or, for
