@@ -25,7 +25,7 @@ root, then one QR power-iteration step per refresh from the previous basis
 (:func:`matrixopt.linalg.roots.refresh_eigenbasis`), and the root
 :math:`Q \operatorname{diag}((d + \epsilon \max d)^{-1/r}) Q^\top` with :math:`d = \operatorname{diag}(Q^\top L Q)`
 (clamped at 0). Its roots are those of the basis at hand, which lags the factor's eigenvectors where eigenvalues
-are close; a refresh costs about a sixth of the Newton iteration's on an H100 (three fp32 products and a float64
+are close; a refresh costs about a sixth of the Newton iteration's on an H100 (three products and a float64
 CholeskyQR per factor, :func:`matrixopt.linalg.roots.cholesky_qr`, against about 80 fp32 products), and the bases
 take another ``4 (m^2 + n^2) / (m n)`` bytes per parameter.
 Before ``start_preconditioning_step`` the update is the grafted Adam update A (or D without grafting).
@@ -50,12 +50,16 @@ whatever torch's global setting is; ``"tf32"`` runs the factor products :math:`G
 preconditioning :math:`\hat L^{-1/r} D \hat R^{-1/r}` on TF32 tensor cores (inputs rounded to 10 mantissa bits,
 fp32 accumulation; about 8 times the fp32 rate on an H100). That is the factor of a gradient perturbed by
 :math:`2^{-11}` relative per entry, and a preconditioned block off by about 3e-4 relative (measured at
-n = 512), less than bfloat16 storage of the roots (``factor_dtype``) already costs. The inverse roots always
-run in fp32: the coupled Newton iteration does not survive TF32 products (simulated at n = 512: its residual
-stalls near 8e-4, above the 1e-5 tolerance, so every root would take the float64 fallback; the root is 2.5% off
-at condition number 1e4 and 50% off at 1e6). The setting is scoped (:func:`cuda_matmul_precision`): torch's
-own is restored after each step, also on an exception, so the model's products never see it. CPU products are
-fp32 either way.
+n = 512), less than bfloat16 storage of the roots (``factor_dtype``) already costs. With
+``root_method="eigenbasis"`` it also runs the refresh's power step :math:`LQ` (as SOAP does: the basis stays
+orthogonal to fp32 accuracy through the float64 QR) and the root's product :math:`Q \operatorname{diag}(s)
+Q^\top` (its operands rounded to TF32, as the preconditioning's are); the Rayleigh quotients d stay IEEE fp32,
+since TF32's rounding of :math:`LQ` would swamp eigenvalues below about 1e-3 of the largest, whose inverse roots
+are the largest. The Newton roots always run in fp32: the coupled Newton iteration does not survive TF32 products
+(simulated at n = 512: its residual stalls near 8e-4, above the 1e-5 tolerance, so every root would take the
+float64 fallback; the root is 2.5% off at condition number 1e4 and 50% off at 1e6). The setting is scoped
+(:func:`cuda_matmul_precision`): torch's own is restored after each step, also on an exception, so the model's
+products never see it. CPU products are fp32 either way.
 
 Memory per matrix parameter of a block ``(m, n)`` with both factors, besides the parameter and its gradient:
 state ``8 + 8 (m^2 + n^2) / (m n)`` bytes in float32 (momentum, the graft's second moment, two factors and two
@@ -635,7 +639,8 @@ class Shampoo(KroneckerOptimizer):
             every refresh) or "eigenbasis" (a tracked eigenbasis, one power step per refresh; module docstring).
         side_stream: on CUDA, compute roots on a side stream, used one refresh later (default False).
         matmul_precision: "fp32" (default) or "tf32": the precision of the factor products and the preconditioning
-            on CUDA; the roots stay fp32 (module docstring).
+            on CUDA, and of the eigenbasis roots' power step and product; Newton roots and Rayleigh quotients stay
+            fp32 (module docstring).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults of the AdamW groups (lr and weight decay
             default to ``lr`` and ``weight_decay``).
         skip_nonfinite: skip (and count) the update of a parameter whose gradient is NaN/Inf instead of raising.
@@ -838,18 +843,19 @@ class Shampoo(KroneckerOptimizer):
     def _eigen_roots(self, group: dict[str, Any], jobs: list[tuple[dict[str, Any], int, str]], p: int,
                      first: bool, sync: bool) -> tuple:
         """``root_method="eigenbasis"``: the factors' eigenbases (float64 eigh when ``first``, else one power step
-        from the stored bases) and the inverse p-th roots they give, in IEEE fp32, from a snapshot. Returns
-        ``(jobs, roots, bases, ok)``; no host sync unless ``first``."""
+        from the stored bases) and the inverse p-th roots they give, from a snapshot: the Rayleigh quotients in IEEE
+        fp32, the power step and the root's product in the group's ``matmul_precision`` (module docstring).
+        Returns ``(jobs, roots, bases, ok)``; no host sync unless ``first``."""
         A = torch.stack([st[f"{side}{k}"] for st, k, side in jobs]).float()  # (b, d, d) snapshot
-        with cuda_matmul_precision("fp32"):
-            if first:
-                Q, ok = eigenbasis(A)
-            else:
-                Q, _, ok = refresh_eigenbasis(A, torch.stack([st[f"{side}_basis{k}"] for st, k, side in jobs]))
+        if first:
+            Q, ok = eigenbasis(A)
+        else:  # the power step in the group's precision, as SOAP's
+            Q, _, ok = refresh_eigenbasis(A, torch.stack([st[f"{side}_basis{k}"] for st, k, side in jobs]))
+        with cuda_matmul_precision("fp32"):  # TF32 would swamp eigenvalues below about 1e-3 of the largest
             d = rayleigh_quotients(A, Q).clamp_min(0)  # (b, d)
-            dmax = d.amax(dim=-1, keepdim=True)
-            scale = torch.where(dmax > 0, (d + group["damping"] * dmax).pow(-1.0 / p), 1.0)  # 0 -> the identity
-            roots = (Q * scale[:, None, :]) @ Q.mT
+        dmax = d.amax(dim=-1, keepdim=True)
+        scale = torch.where(dmax > 0, (d + group["damping"] * dmax).pow(-1.0 / p), 1.0)  # 0 -> the identity
+        roots = (Q * scale[:, None, :]) @ Q.mT
         return jobs, roots, Q, ok & torch.isfinite(roots).all(dim=(-2, -1))
 
     def _install_roots(self, group: dict[str, Any], result: tuple) -> None:

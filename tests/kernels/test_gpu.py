@@ -280,3 +280,49 @@ def test_refresh_under_the_device_flag_drops_a_skipped_steps_results_on_gpu(name
                     assert torch.equal(v, w) if torch.is_tensor(v) else v == w, (k, key)
         else:
             opt.step()
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_shampoo_graft_kernel_matches_the_torch_path_on_gpu(nesterov):
+    """Shampoo's Adam graft in one pass, compiled, against its foreach path on matrices of the 1.3B's shapes."""
+    from matrixopt.kernels import muon_elementwise as ew
+    from matrixopt.optim.shampoo import Shampoo
+
+    group = {"betas": (0.9, 0.999), "nesterov": nesterov, "grafting": "adam", "eps": 1e-8}
+    out = {}
+    for backend in ("torch", "triton"):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        states = [{"momentum_buffer": torch.randn(s, device="cuda", generator=g),
+                   "exp_avg_sq": torch.rand(s, device="cuda", generator=g), "step": 7} for s in ((6144, 2048),
+                                                                                                (2048, 8192))]
+        grads = [torch.randn(st["exp_avg_sq"].shape, device="cuda", generator=g) for st in states]
+        with ew.elementwise_backend(backend):
+            D, A = Shampoo._graft(group, states, grads, None, None)
+        out[backend] = [*D, *A, *(st[k] for st in states for k in ("momentum_buffer", "exp_avg_sq"))]
+    for a, b in zip(out["torch"], out["triton"]):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+
+
+def test_shampoo_eigenbasis_roots_in_tf32_keep_the_small_eigenvalues_on_gpu():
+    """Under ``matmul_precision="tf32"`` the eigenbasis roots' power step and product run in TF32 but the Rayleigh
+    quotients in IEEE fp32: on factors of condition number 1e6 (from their exact eigenbasis) the root is within
+    TF32's rounding of the float64 one, where Rayleigh quotients in TF32 would put the smallest eigenvalues near
+    1e-3 of the largest and their inverse roots off by a factor of about 5."""
+    from matrixopt.optim.shampoo import Shampoo, cuda_matmul_precision
+
+    torch.manual_seed(0)
+    n, damping = 512, 1e-6
+    Q = torch.linalg.qr(torch.randn(4, n, n, dtype=torch.float64))[0]
+    lam = torch.logspace(0, -6, n, dtype=torch.float64).expand(4, n)
+    A = (Q * lam[:, None, :]) @ Q.mT
+    want = (Q * (lam + damping).pow(-0.25)[:, None, :]) @ Q.mT
+    states = [{"left0": a.float().cuda(), "left_basis0": q.float().cuda()} for a, q in zip(A, Q)]
+    errors = {}
+    for precision in ("tf32", "fp32"):
+        with cuda_matmul_precision(precision):
+            _, roots, _, ok = Shampoo._eigen_roots(None, {"damping": damping}, [(st, 0, "left") for st in states],
+                                                   4, False, True)
+        assert ok.all()
+        errors[precision] = (torch.linalg.matrix_norm(roots.double().cpu() - want) /
+                             torch.linalg.matrix_norm(want)).max().item()
+    assert errors["fp32"] < 1e-4 and errors["tf32"] < 5e-3, errors
