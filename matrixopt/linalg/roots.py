@@ -35,6 +35,7 @@ previous basis with its columns sorted by the estimated eigenvalues :math:`\oper
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -210,11 +211,30 @@ def eigenbasis(A: Tensor) -> tuple[Tensor, Tensor]:
     return Q.flip(-1).float(), ok
 
 
-def rayleigh_quotients(A: Tensor, Q: Tensor) -> Tensor:
-    """``diag(Q^T A Q)``, the eigenvalue estimates of A's eigenvectors approximated by Q's columns (one product):
-    ``(b, n, n)`` x ``(b, n, n)`` -> ``(b, n)`` float32, in the current matmul precision."""
+TF32_MASK = -(1 << 13)  # an int32 mask keeping a float32's sign, exponent and top 10 mantissa bits: TF32's
+
+
+def split_tf32_bmm(A: Tensor, B: Tensor) -> Tensor:
+    """``A @ B`` for float32 ``(b, m, k)`` and ``(b, k, n)`` to about float32 accuracy from three products whose
+    operands TF32 holds exactly (the 3xTF32 scheme): each operand split as ``hi + lo``, ``hi`` its leading 11
+    significant bits and ``lo = x - hi`` (exact), then ``lo_A hi_B + hi_A lo_B + hi_A hi_B`` with float32
+    accumulation; the dropped ``lo_A lo_B`` is about ``2^-22`` of the product. Under TF32 matmuls (about 8 times the
+    IEEE float32 rate on an H100) that is about 2.7 times faster than one IEEE product; under IEEE matmuls it only
+    costs three products."""
+    def split(x: Tensor) -> tuple[Tensor, Tensor]:
+        hi = (x.view(torch.int32) & TF32_MASK).view(torch.float32)
+        return hi, x - hi
+
+    (a_hi, a_lo), (b_hi, b_lo) = split(A.float().contiguous()), split(B.float().contiguous())
+    return torch.baddbmm(torch.baddbmm(torch.bmm(a_lo, b_hi), a_hi, b_lo), a_hi, b_hi)
+
+
+def rayleigh_quotients(A: Tensor, Q: Tensor, bmm: Callable[[Tensor, Tensor], Tensor] = torch.bmm) -> Tensor:
+    """``diag(Q^T A Q)``, the eigenvalue estimates of A's eigenvectors approximated by Q's columns (one product,
+    ``bmm``: the current matmul precision, or :func:`split_tf32_bmm`): ``(b, n, n)`` x ``(b, n, n)`` -> ``(b, n)``
+    float32."""
     A, Q = A.float(), Q.float()
-    return (Q * (A @ Q)).sum(dim=-2)
+    return (Q * bmm(A, Q)).sum(dim=-2)
 
 
 CHOLESKY_LEAF = 128  # inverse_cholesky: blocks this size or smaller are factored directly
@@ -280,7 +300,8 @@ def cholesky_qr(Y: Tensor, leaf: int | None = None) -> tuple[Tensor, Tensor]:
     return Q, ok & torch.isfinite(Q).all(dim=(-2, -1))
 
 
-def refresh_eigenbasis(A: Tensor, Q: Tensor, shift: float = REFRESH_SHIFT) -> tuple[Tensor, Tensor, Tensor]:
+def refresh_eigenbasis(A: Tensor, Q: Tensor, shift: float = REFRESH_SHIFT,
+                       bmm: Callable[[Tensor, Tensor], Tensor] = torch.bmm) -> tuple[Tensor, Tensor, Tensor]:
     """One QR power-iteration step towards the eigenvectors of A, from the previous basis Q.
 
     A: ``(b, n, n)`` symmetric positive semi-definite; Q: ``(b, n, n)`` orthogonal. Returns ``(Q_new, order, ok)``:
@@ -296,12 +317,13 @@ def refresh_eigenbasis(A: Tensor, Q: Tensor, shift: float = REFRESH_SHIFT) -> tu
     - ``ok`` ``(b,)`` bool: False where A or the result is not finite or the factorization failed; there
       ``Q_new`` is ``Q`` (unsorted) and ``order`` the identity permutation. No host sync.
 
-    The product AQ runs in the current matmul precision; the factorization mostly in float64.
+    The product AQ is ``bmm``'s (the current matmul precision, or :func:`split_tf32_bmm`); the factorization runs
+    mostly in float64.
     """
     _check_square(A, "refresh_eigenbasis")
     A, Q = A.float(), Q.float()
     n = A.shape[-1]
-    AQ = A @ Q
+    AQ = bmm(A, Q)
     est = (Q * AQ).sum(dim=-2)  # (b, n): diag(Q^T A Q)
     order = est.argsort(dim=-1, descending=True)  # (b, n)
     idx = order[:, None, :].expand(-1, n, -1)

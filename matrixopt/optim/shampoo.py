@@ -49,17 +49,20 @@ Matrix products on CUDA (``matmul_precision``). ``"fp32"`` (default) runs the op
 whatever torch's global setting is; ``"tf32"`` runs the factor products :math:`GG^\top, G^\top G` and the
 preconditioning :math:`\hat L^{-1/r} D \hat R^{-1/r}` on TF32 tensor cores (inputs rounded to 10 mantissa bits,
 fp32 accumulation; about 8 times the fp32 rate on an H100). That is the factor of a gradient perturbed by
-:math:`2^{-11}` relative per entry, and a preconditioned block off by about 3e-4 relative (measured at
-n = 512), less than bfloat16 storage of the roots (``factor_dtype``) already costs. With
-``root_method="eigenbasis"`` it also runs the refresh's power step :math:`LQ` (as SOAP does: the basis stays
-orthogonal to fp32 accuracy through the float64 QR) and the root's product :math:`Q \operatorname{diag}(s)
-Q^\top` (its operands rounded to TF32, as the preconditioning's are); the Rayleigh quotients d stay IEEE fp32,
-since TF32's rounding of :math:`LQ` would swamp eigenvalues below about 1e-3 of the largest, whose inverse roots
-are the largest. The Newton roots always run in fp32: the coupled Newton iteration does not survive TF32 products
-(simulated at n = 512: its residual stalls near 8e-4, above the 1e-5 tolerance, so every root would take the
-float64 fallback; the root is 2.5% off at condition number 1e4 and 50% off at 1e6). The setting is scoped
-(:func:`cuda_matmul_precision`): torch's own is restored after each step, also on an exception, so the model's
-products never see it. CPU products are fp32 either way.
+:math:`2^{-11}` relative per entry, and a preconditioned block off by about 3e-4 relative (measured at n = 512),
+less than bfloat16 storage of the roots (``factor_dtype``) already costs. With ``root_method="eigenbasis"`` it also
+runs the root's product :math:`Q \operatorname{diag}(s) Q^\top` in TF32 (its operands rounded as the
+preconditioning's are), while the products :math:`LQ` of the refresh's power step and of the Rayleigh quotients d,
+on which the small eigenvalues depend, keep float32 accuracy through three TF32 products each
+(:func:`matrixopt.linalg.roots.split_tf32_bmm`): one TF32 product there rounds :math:`LQ` by about 5e-4 of the
+largest eigenvalue, which swamps the eigenvalues below it and mixes their eigenvectors, whose inverse roots are the
+largest (with the power step in one TF32 product the root was 23% off at condition number 1e6 on an H200, against
+5e-4 in float32). The
+Newton roots always run in fp32: the coupled Newton iteration does not survive TF32 products (simulated at n = 512:
+its residual stalls near 8e-4, above the 1e-5 tolerance, so every root would take the float64 fallback; the root is
+2.5% off at condition number 1e4 and 50% off at 1e6). The setting is scoped (:func:`cuda_matmul_precision`):
+torch's own is restored after each step, also on an exception, so the model's products never see it. CPU products
+are fp32 either way.
 
 Memory per matrix parameter of a block ``(m, n)`` with both factors, besides the parameter and its gradient:
 state ``8 + 8 (m^2 + n^2) / (m n)`` bytes in float32 (momentum, the graft's second moment, two factors and two
@@ -103,6 +106,7 @@ from matrixopt.linalg.roots import (
     newton_inverse_root,
     rayleigh_quotients,
     refresh_eigenbasis,
+    split_tf32_bmm,
 )
 from matrixopt.optim.adam import adam_direction, adam_moments_, ema_
 from matrixopt.optim.base import (
@@ -639,8 +643,8 @@ class Shampoo(KroneckerOptimizer):
             every refresh) or "eigenbasis" (a tracked eigenbasis, one power step per refresh; module docstring).
         side_stream: on CUDA, compute roots on a side stream, used one refresh later (default False).
         matmul_precision: "fp32" (default) or "tf32": the precision of the factor products and the preconditioning
-            on CUDA, and of the eigenbasis roots' power step and product; Newton roots and Rayleigh quotients stay
-            fp32 (module docstring).
+            on CUDA, and of the eigenbasis roots' product (their power step and Rayleigh quotients keep fp32
+            accuracy through three TF32 products each); Newton roots stay fp32 (module docstring).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults of the AdamW groups (lr and weight decay
             default to ``lr`` and ``weight_decay``).
         skip_nonfinite: skip (and count) the update of a parameter whose gradient is NaN/Inf instead of raising.
@@ -843,16 +847,18 @@ class Shampoo(KroneckerOptimizer):
     def _eigen_roots(self, group: dict[str, Any], jobs: list[tuple[dict[str, Any], int, str]], p: int,
                      first: bool, sync: bool) -> tuple:
         """``root_method="eigenbasis"``: the factors' eigenbases (float64 eigh when ``first``, else one power step
-        from the stored bases) and the inverse p-th roots they give, from a snapshot: the Rayleigh quotients in IEEE
-        fp32, the power step and the root's product in the group's ``matmul_precision`` (module docstring).
+        from the stored bases) and the inverse p-th roots they give, from a snapshot: the power step and the
+        Rayleigh quotients to float32 accuracy, the root's product in the group's ``matmul_precision`` (module
+        docstring).
         Returns ``(jobs, roots, bases, ok)``; no host sync unless ``first``."""
         A = torch.stack([st[f"{side}{k}"] for st, k, side in jobs]).float()  # (b, d, d) snapshot
+        # A Q to float32 accuracy: one IEEE product, or under TF32 three TF32 ones (module docstring)
+        bmm = split_tf32_bmm if group["matmul_precision"] == "tf32" else torch.bmm
         if first:
             Q, ok = eigenbasis(A)
-        else:  # the power step in the group's precision, as SOAP's
-            Q, _, ok = refresh_eigenbasis(A, torch.stack([st[f"{side}_basis{k}"] for st, k, side in jobs]))
-        with cuda_matmul_precision("fp32"):  # TF32 would swamp eigenvalues below about 1e-3 of the largest
-            d = rayleigh_quotients(A, Q).clamp_min(0)  # (b, d)
+        else:
+            Q, _, ok = refresh_eigenbasis(A, torch.stack([st[f"{side}_basis{k}"] for st, k, side in jobs]), bmm=bmm)
+        d = rayleigh_quotients(A, Q, bmm).clamp_min(0)  # (b, d)
         dmax = d.amax(dim=-1, keepdim=True)
         scale = torch.where(dmax > 0, (d + group["damping"] * dmax).pow(-1.0 / p), 1.0)  # 0 -> the identity
         roots = (Q * scale[:, None, :]) @ Q.mT
