@@ -684,6 +684,101 @@ def factor_ema_triton(factors: Sequence[Tensor], products: Sequence[Tensor], ok:
                   ALIGNED=aligned, ROWS=ADAM_ROWS, BLOCK=ADAM_BLOCK, num_warps=ADAM_WARPS)
 
 
+# ----------------------------------------------------------------------------------------------- Shampoo's graft
+
+@triton.jit
+def _graft_sums_kernel(
+    # (n, 9) int64 table, one row per block: preconditioned, fallback and update addresses, rows, columns, their
+    # three row strides (elements); (P, 2) int64 work list: block, first row; (P, 2) float32 out: per work item,
+    # the sums of squares of its rows of S and of F
+    table_ptr, chunks_ptr, out_ptr,
+    ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    i = tl.load(chunks_ptr + pid * 2)
+    r0 = tl.load(chunks_ptr + pid * 2 + 1)
+    row = table_ptr + i * 9
+    s_addr, f_addr = tl.load(row), tl.load(row + 1)
+    R, C = tl.load(row + 3), tl.load(row + 4)
+    s_rs, f_rs = tl.load(row + 5), tl.load(row + 6)
+    if ALIGNED:
+        s_addr, f_addr = tl.multiple_of(s_addr, 16), tl.multiple_of(f_addr, 16)
+        s_rs, f_rs = tl.multiple_of(s_rs, 4), tl.multiple_of(f_rs, 4)
+    s_ptr = s_addr.to(tl.pointer_type(tl.float32))
+    f_ptr = f_addr.to(tl.pointer_type(tl.float32))
+    acc_s = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_f = tl.zeros((BLOCK,), dtype=tl.float32)
+    for r in range(r0, r0 + ROWS):
+        for c0 in range(0, C, BLOCK):
+            col = _columns(c0, BLOCK, ALIGNED)
+            mask = (col < C) & (r < R)
+            x = tl.load(s_ptr + r * s_rs + col, mask=mask, other=0.0)
+            f = tl.load(f_ptr + r * f_rs + col, mask=mask, other=0.0)
+            acc_s += x * x
+            acc_f += f * f
+    tl.store(out_ptr + pid * 2, tl.sum(acc_s, axis=0))
+    tl.store(out_ptr + pid * 2 + 1, tl.sum(acc_f, axis=0))
+
+
+@triton.jit
+def _graft_select_kernel(
+    # the table and work list of _graft_sums_kernel; (n,) float32 per block: the scale of S, and nonzero where S
+    # is finite (else the update is F)
+    table_ptr, chunks_ptr, scale_ptr, keep_ptr,
+    ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    i = tl.load(chunks_ptr + pid * 2)
+    r0 = tl.load(chunks_ptr + pid * 2 + 1)
+    row = table_ptr + i * 9
+    s_addr, f_addr, u_addr = tl.load(row), tl.load(row + 1), tl.load(row + 2)
+    R, C = tl.load(row + 3), tl.load(row + 4)
+    s_rs, f_rs, u_rs = tl.load(row + 5), tl.load(row + 6), tl.load(row + 7)
+    if ALIGNED:
+        s_addr, f_addr, u_addr = tl.multiple_of(s_addr, 16), tl.multiple_of(f_addr, 16), tl.multiple_of(u_addr, 16)
+        s_rs, f_rs, u_rs = tl.multiple_of(s_rs, 4), tl.multiple_of(f_rs, 4), tl.multiple_of(u_rs, 4)
+    s_ptr = s_addr.to(tl.pointer_type(tl.float32))
+    f_ptr = f_addr.to(tl.pointer_type(tl.float32))
+    u_ptr = u_addr.to(tl.pointer_type(tl.float32))
+    scale = tl.load(scale_ptr + i)
+    keep = tl.load(keep_ptr + i) != 0
+    for r in range(r0, r0 + ROWS):
+        for c0 in range(0, C, BLOCK):
+            col = _columns(c0, BLOCK, ALIGNED)
+            mask = (col < C) & (r < R)
+            if keep:
+                u = tl.load(s_ptr + r * s_rs + col, mask=mask, other=0.0) * scale
+            else:
+                u = tl.load(f_ptr + r * f_rs + col, mask=mask, other=0.0)
+            tl.store(u_ptr + r * u_rs + col, u, mask=mask)
+
+
+def graft_select_triton(S: Tensor, fallbacks: Sequence[Tensor], updates: Sequence[Tensor], graft: bool) -> None:
+    """Shampoo's last pass over a run of blocks, into ``updates``: each block's preconditioned ``S[i]``, scaled to
+    the Frobenius norm of its fallback (``graft``: ``||F_i|| / ||S_i||``, 0 for a zero ``S_i``; else 1), or the
+    fallback ``F_i`` itself where ``S_i`` is not finite (its sum of squares is not: a NaN or Inf entry, or entries
+    whose squares overflow float32). S: ``(b, m, n)`` float32 with unit column stride; fallbacks and updates: b
+    float32 ``(m, n)`` matrices with unit column stride (blocks of larger tensors), on S's device. Two passes (the
+    sums of squares of S and F, then the select): 20 bytes per element, against about 48 as torch ops."""
+    b, m, n = S.shape
+    chunks = _row_chunks((m,) * b, S.device, ADAM_ROWS) if b and m and n else ()
+    if not len(chunks):
+        return
+    ts = [(S[j], f, u) for j, (f, u) in enumerate(zip(fallbacks, updates))]
+    rows = tuple(((*(t.data_ptr() for t in q), m, n, *(t.stride(0) for t in q), 0), (0,) * 9, 1) for q in ts)
+    aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0 for q in ts for t in q)
+    table = _table(rows, S.device)
+    sums = torch.empty((len(chunks), 2), dtype=torch.float32, device=S.device)
+    launch_kernel(_graft_sums_kernel, (len(chunks),), table, chunks, sums, ALIGNED=aligned, ROWS=ADAM_ROWS,
+                  BLOCK=ADAM_BLOCK, num_warps=ADAM_WARPS)
+    sums = sums.view(b, -1, 2).sum(dim=1)  # the work list takes each block's rows in order, the same count each
+    ns, nf = sums.unbind(-1)
+    keep = torch.isfinite(ns)
+    scale = torch.where(ns > 0, (nf / ns).sqrt(), 0.0) if graft else torch.ones_like(ns)
+    launch_kernel(_graft_select_kernel, (len(chunks),), table, chunks, scale, keep.float(), ALIGNED=aligned,
+                  ROWS=ADAM_ROWS, BLOCK=ADAM_BLOCK, num_warps=ADAM_WARPS)
+
+
 @functools.lru_cache(maxsize=16)
 def _row_chunks(rows: tuple[int, ...], device: torch.device, per: int) -> Tensor:
     """Adam's work list for matrices of these row counts, ``[matrix, first row]`` per ``per`` rows, on ``device``."""

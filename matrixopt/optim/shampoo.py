@@ -774,13 +774,18 @@ class Shampoo(KroneckerOptimizer):
                     S = torch.stack([states[i][f"left_root{k}"] for i, k, _ in ents]).float() @ S
                 if right:
                     S = S @ torch.stack([states[i][f"right_root{k}"] for i, k, _ in ents]).float()
-                F = torch.stack([fviews[i][k] for i, k, _ in ents])  # (b, m, n)
+                Fs, Us = [fviews[i][k] for i, k, _ in ents], [uviews[i][k] for i, k, _ in ents]
+                fused = muon_elementwise.fused_for(Fs, Us, list(S.unbind(0)))
+                if fused is not None:  # the graft and the select in two passes (graft_select_triton)
+                    fused.graft_select_triton(S, Fs, Us, graft)
+                    continue
+                F = torch.stack(Fs)  # (b, m, n)
                 if graft:
                     nS = torch.linalg.vector_norm(S, dim=(-2, -1), keepdim=True)
                     nF = torch.linalg.vector_norm(F, dim=(-2, -1), keepdim=True)
                     S = S * torch.where(nS > 0, nF / nS, 0.0)
                 S = torch.where(finite_blocks(S), S, F)
-                torch._foreach_copy_([uviews[i][k] for i, k, _ in ents], list(S.unbind(0)))
+                torch._foreach_copy_(Us, list(S.unbind(0)))
         return updates
 
     @staticmethod

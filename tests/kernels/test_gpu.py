@@ -328,3 +328,21 @@ def test_shampoo_eigenbasis_roots_in_tf32_keep_the_small_eigenvalues_on_gpu():
                              torch.linalg.matrix_norm(want)).max().item()
     print("eigenbasis root errors", errors)
     assert errors["fp32"] < 2e-3 and errors["tf32"] < 5e-3, errors
+
+
+def test_graft_select_kernels_match_the_torch_path_on_gpu():
+    """Shampoo's last pass, compiled, on 1024^2 blocks of 2048 x 6144 tensors against the torch expression."""
+    from matrixopt.kernels import muon_fused as fused
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    S = torch.randn(6, 1024, 1024, device="cuda", generator=g)
+    S[4, 7, 9] = float("nan")
+    F, U = torch.randn(2048, 6144, device="cuda", generator=g), torch.empty(2048, 6144, device="cuda")
+    Fs = [F[r:r + 1024, c:c + 1024] for r in (0, 1024) for c in (0, 2048, 4096)]
+    Us = [U[r:r + 1024, c:c + 1024] for r in (0, 1024) for c in (0, 2048, 4096)]
+    fused.graft_select_triton(S, Fs, Us, True)
+    Fst = torch.stack(Fs)
+    nS, nF = (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) for x in (S, Fst))
+    want = S * torch.where(nS > 0, nF / nS, 0.0)
+    want = torch.where(torch.isfinite(want.sum(dim=(-2, -1), keepdim=True)), want, Fst)
+    torch.testing.assert_close(torch.stack(Us), want, rtol=1e-5, atol=1e-6)

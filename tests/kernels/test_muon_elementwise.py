@@ -495,6 +495,38 @@ def test_shampoo_graft_through_the_adam_kernel_matches_its_foreach_path(nesterov
     assert all(not t.any() for t in A) and (not nesterov or all(not t.any() for t in D))
 
 
+@pytest.mark.parametrize("graft", [True, False])
+def test_graft_select_matches_the_torch_path(monkeypatch, graft):
+    """Shampoo's last pass through its two kernels: each block of S scaled to its fallback's norm (or kept as is
+    without grafting), a zero block left zero, a block with a NaN or an Inf replaced by its fallback; the fallbacks
+    and updates are blocks of larger tensors, and nothing outside the update blocks is written."""
+    monkeypatch.setattr(fused, "ADAM_BLOCK", 16)  # several iterations per row
+    g = torch.Generator().manual_seed(0)
+    b, m, n = 4, 21, 40
+    S = torch.randn(b, m, n, generator=g)
+    S[1] = 0.0
+    S[2, 3, 4] = float("nan")
+    S[3, 0, 0] = float("inf")
+    big_f, big_u = torch.randn(2 * m, 3 * n, generator=g), torch.full((2 * m, 3 * n), 5.0)
+    corners = [(0, 0), (0, n), (m, 0), (m, 2 * n)]
+    Fs = [big_f[r:r + m, c:c + n] for r, c in corners]
+    Us = [big_u[r:r + m, c:c + n] for r, c in corners]
+    fused.graft_select_triton(S, Fs, Us, graft)
+    for s, f, u in zip(S.double(), Fs, Us):
+        if not torch.isfinite(s).all():
+            want = f.double()
+        elif graft:
+            ns = torch.linalg.vector_norm(s)
+            want = s * (torch.linalg.vector_norm(f.double()) / ns if ns > 0 else 0.0)
+        else:
+            want = s
+        torch.testing.assert_close(u.double(), want, rtol=1e-6, atol=1e-6)
+    outside = torch.ones_like(big_u, dtype=torch.bool)
+    for r, c in corners:
+        outside[r:r + m, c:c + n] = False
+    assert (big_u[outside] == 5.0).all()
+
+
 @pytest.mark.parametrize("beta", [0.95, 1.0])
 def test_factor_update_one_pass_matches_the_reference_drops_non_finite_blocks_and_skips(monkeypatch, beta):
     """Shampoo's and SOAP's factor update (``accumulate``) through the one-pass kernel: the average (or, for
