@@ -321,8 +321,8 @@ def test_shampoo_eigenbasis_roots_in_tf32_keep_the_small_eigenvalues_on_gpu():
     errors = {}
     for precision in ("tf32", "fp32"):
         with cuda_matmul_precision(precision):
-            _, roots, _, ok = Shampoo._eigen_roots(None, {"damping": damping}, [(st, 0, "left") for st in states],
-                                                   4, False, True)
+            group = {"damping": damping, "matmul_precision": precision}
+            _, roots, _, ok = Shampoo._eigen_roots(None, group, [(st, 0, "left") for st in states], 4, False, True)
         assert ok.all()
         errors[precision] = (torch.linalg.matrix_norm(roots.double().cpu() - want) /
                              torch.linalg.matrix_norm(want)).max().item()
