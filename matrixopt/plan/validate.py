@@ -61,6 +61,10 @@ STALE = (
      "its FSDP2 Muon time rows were measured before sharded Muon's non-finite check stopped reading the flags "
      "on the host: that step waited for the GPU every step (deferred_nonfinite changed nothing for sharded "
      "gradients), which the current step does not"),
+    (("scale_1.3b_16k_precond_refresh_2xh100.json", "scale_1.3b_16k_precond_refresh_2xh200.json"), ("Shampoo",),
+     "its Shampoo time rows were measured before Shampoo's Adam graft and its graft-and-select pass ran as fused "
+     "kernels and before its eigenbasis roots' products moved to TF32 (scale_1.3b_16k_shampoo_alt_2xh100.json "
+     "measures the current step)"),
     # no git commit recorded; made 2026-11-22 05:12, before 717ddc4 and ea0b86b changed both steps
     (("shampoo_step_gpt2-small.json",), (),
      "measured before the current Shampoo and SOAP steps (the record names no commit): since then a factor "
@@ -477,6 +481,8 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
     rows += _scale_rows(dist / "scale_1.3b_16k_precond_refresh_2xh100.json",
                         [(f"{kind}:{opt}", f"{'ddp' if kind == 'layerwise' else kind}:adamw", layout)
                          for opt in ("soap", "shampoo") for kind, layout in (("layerwise", lw), ("fsdp", fsdp))])
+    rows += _scale_rows(dist / "scale_1.3b_16k_shampoo_alt_2xh100.json",
+                        [("layerwise:shampoo", "ddp:adamw", lw), ("fsdp:shampoo", "fsdp:adamw", fsdp)])
     return rows
 
 
