@@ -88,7 +88,10 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_t
 # writes the stack (2 + 2); the update pass reads the 16-bit result and reads and writes the weight (2 + 4 + 4)
 MUON_BYTES = 28
 ADAMW_BYTES = 28  # read grad, weight, m, v; write weight, m, v
-SHAMPOO_BYTES = 44  # AdamW's passes for the graft plus reading and writing the momentum
+# Shampoo: the graft in one pass (reads the gradient, the momentum and the second moment, writes both moments, the
+# Nesterov numerator and the Adam update: 28), then the update applied (the decay reads and writes the weight, the
+# add reads the update and the weight and writes the weight: 20)
+SHAMPOO_BYTES = 48
 SOAP_BYTES = 36  # AdamW's passes in the eigenbasis plus the projected gradient written and read
 CHECK_BYTES = 4  # the non-finite check reads each fp32 gradient once (nonfinite.nonfinite_flags)
 
@@ -99,15 +102,16 @@ def block_pass_bytes(optimizer: str, m: int, n: int) -> float:
     blocks stacked for the batched products (each read where it lies and written into the stack), each side's
     ``(d, d)`` bases or roots stacked the same way, the factors' one-pass update (``L += G G^T`` reads the factor
     and the product and writes the factor), and the result copied back into the update's blocks. SOAP stacks the
-    gradient and its bases once per step (both rotations share them). Shampoo stacks the gradient for its factors,
-    the momentum and the roots for the preconditioning and the Adam graft's direction, reads both for the graft's
-    norms, scales the preconditioned stack, and reads it twice more for its finiteness guard and the fallback."""
+    gradient and its bases once per step (both rotations share them). Shampoo stacks the gradient for its factors
+    and the Nesterov numerator and the roots for the preconditioning, then grafts and selects in two passes
+    (``matrixopt.kernels.muon_fused.graft_select_triton``: the sums of squares of the preconditioned stack and the
+    fallback's blocks, then the scaled stack or the fallback written into the update)."""
     mn, sides = m * n, m * m + n * n
     if optimizer == "soap":  # gradient stack 8 m n, bases 8 (m^2 + n^2), factors 12 (m^2 + n^2), copy back 8 m n
         return 16 * mn + 20 * sides
-    if optimizer == "shampoo":  # stacks of the gradient, the momentum and the graft 24 m n, roots 8 (m^2 + n^2),
-        # factors 12 (m^2 + n^2), the graft's norms 8 m n, its scaling 8 m n, guard and fallback 16 m n, copy 8 m n
-        return 64 * mn + 20 * sides
+    if optimizer == "shampoo":  # stacks of the gradient and the numerator 16 m n, roots 8 (m^2 + n^2), factors
+        # 12 (m^2 + n^2), the graft's sums 8 m n, its select 12 m n
+        return 36 * mn + 20 * sides
     raise ValueError(f"no block passes for optimizer {optimizer!r}; use shampoo or soap")
 
 # Optimizer state bytes per parameter of a matrix (the per-factor state of Shampoo and SOAP is counted apart):
@@ -511,11 +515,15 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
                     cube = 2.0 * g.count * k**3
                     if newton:
                         refresh += ROOT_STEPS * ROOT_PRODUCTS * product(cube, k, fp32=True)
-                    else:  # the power step's product and QR (and for Shampoo's roots, two fp32 products more)
-                        shampoo = optimizer == "shampoo"
-                        refresh += product(cube, k, fp32=shampoo) + g.count * profile.seconds("qr", qr_flops(k))
-                        if shampoo:
-                            refresh += 2 * product(cube, k, fp32=True)
+                    else:  # the power step's product and the QR; Shampoo's roots: its Rayleigh quotients' product
+                        # and the root's. Shampoo keeps the first two at fp32 accuracy: under TF32 three TF32
+                        # products each (matrixopt.linalg.roots.split_tf32_bmm)
+                        refresh += g.count * profile.seconds("qr", qr_flops(k))
+                        if optimizer == "shampoo":
+                            accurate = 3 * product(cube, k) if matmul_precision == "tf32" else product(cube, k)
+                            refresh += 2 * accurate + product(cube, k)
+                        else:
+                            refresh += product(cube, k)
     per_param = SHAMPOO_BYTES if optimizer == "shampoo" else SOAP_BYTES
     products = every + refresh / precondition_frequency
     return checked + max(products, side) + profile.seconds("elementwise", per_param * numel + block_bytes)

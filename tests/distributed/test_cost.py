@@ -135,18 +135,24 @@ def test_step_times_and_state():
 
 def test_shampoo_eigenbasis_roots_cost_soaps_refresh_and_two_products():
     """root_method="eigenbasis": a refresh is SOAP's (a power step's product and a QR) plus two products per
-    factor, where Newton's is ROOT_STEPS * ROOT_PRODUCTS products; the state holds a basis per factor more."""
+    factor (in fp32; under TF32 the accurate ones take three TF32 products), where Newton's is ROOT_STEPS *
+    ROOT_PRODUCTS products; the state holds a basis per factor more."""
     p = _flat(rate=1e12, bw=1e11)
     groups = [Shapes(64, 256, 3)]
 
-    def refresh(optimizer, method="newton"):  # the refresh's seconds: every step's refresh less one in 10^6
-        t = [cost.matrix_step_time(p, optimizer, groups, precondition_frequency=f, root_method=method)
-             for f in (1, 10**6)]
+    def refresh(optimizer, method="newton", precision="fp32"):  # a refresh's seconds: every step's less 1 in 10^6
+        t = [cost.matrix_step_time(p, optimizer, groups, precondition_frequency=f, root_method=method,
+                                   matmul_precision=precision) for f in (1, 10**6)]
         return t[0] - t[1]
 
     cubes = sum(p.seconds("fp32_gemm", 2.0 * 3 * k**3, k) for k in (64, 256))
     assert refresh("shampoo") == pytest.approx(cost.ROOT_STEPS * cost.ROOT_PRODUCTS * cubes, rel=1e-5)
     assert refresh("shampoo", "eigenbasis") == pytest.approx(refresh("soap") + 2 * cubes, rel=1e-5)
+    # under TF32 the power step and the Rayleigh quotients take three TF32 products each (float32 accuracy), the
+    # root one: six TF32 products more than SOAP's refresh, each at half the bf16 rate
+    tf32_cubes = sum(2 * p.seconds("gemm", 2.0 * 3 * k**3, k) for k in (64, 256))
+    assert refresh("shampoo", "eigenbasis", "tf32") == pytest.approx(refresh("soap", precision="tf32") + 6 * tf32_cubes,
+                                                                    rel=1e-5)
     assert cost.preconditioner_state_bytes("shampoo", 64, 256, "eigenbasis") == (
         cost.preconditioner_state_bytes("shampoo", 64, 256) + 4 * (64**2 + 256**2))
     with pytest.raises(ValueError, match="root_method 'svd'"):
@@ -193,9 +199,10 @@ def test_adamw_groups_hide_behind_the_products_and_the_check_reads_every_gradien
 def test_shampoo_and_soap_pay_their_block_stacking_and_copies():
     """Per (m, n) block, beyond their per-parameter passes and products: SOAP stacks the gradient (8 m n) and the
     bases (8 (m^2 + n^2)), updates the factors in one pass (12 (m^2 + n^2)) and copies the update back (8 m n);
-    Shampoo moves 64 m n + 20 (m^2 + n^2). At 1e11 B/s the step's passes take exactly their bytes' time."""
+    Shampoo stacks the gradient and the numerator (16 m n), the roots and factors as SOAP, and grafts and selects in
+    two passes (20 m n). At 1e11 B/s the step's passes take exactly their bytes' time."""
     assert cost.block_pass_bytes("soap", 64, 256) == 16 * 64 * 256 + 20 * (64**2 + 256**2)
-    assert cost.block_pass_bytes("shampoo", 64, 256) == 64 * 64 * 256 + 20 * (64**2 + 256**2)
+    assert cost.block_pass_bytes("shampoo", 64, 256) == 36 * 64 * 256 + 20 * (64**2 + 256**2)
     with pytest.raises(ValueError, match="optimizer 'muon'"):
         cost.block_pass_bytes("muon", 8, 8)
     p = _flat(rate=1e30, bw=1e11)  # products free: the step is its passes
