@@ -857,8 +857,8 @@ class Shampoo(KroneckerOptimizer):
         docstring).
         Returns ``(jobs, roots, bases, ok)``; no host sync unless ``first``."""
         A = torch.stack([st[f"{side}{k}"] for st, k, side in jobs]).float()  # (b, d, d) snapshot
-        # A Q to float32 accuracy: one IEEE product, or under TF32 three TF32 ones (module docstring)
-        bmm = split_tf32_bmm if group["matmul_precision"] == "tf32" else torch.bmm
+        # A Q to float32 accuracy: one IEEE product, or under TF32 on CUDA three TF32 ones (module docstring)
+        bmm = split_tf32_bmm if group["matmul_precision"] == "tf32" and A.is_cuda else torch.bmm
         if first:
             Q, ok = eigenbasis(A)
         else:
