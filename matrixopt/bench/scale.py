@@ -79,7 +79,7 @@ import torch
 import torch.distributed as dist
 
 from matrixopt.bench.common import environment, exposed_comm, table, write_json
-from matrixopt.device import StreamTimer, allocator_calls, peak_mem_mb, sync, time_ms
+from matrixopt.device import StreamTimer, allocator_calls, frozen_heap, peak_mem_mb, sync, time_ms
 from matrixopt.distributed import comm
 from matrixopt.distributed.layerwise import LayerwiseOptimizer
 from matrixopt.distributed.parallelism import (
@@ -382,14 +382,15 @@ def run_config(par: Parallelism, config: ScaleConfig, preset: str, settings: Set
     par.barrier()
     sync(device)
     calls = allocator_calls(device)
-    window = [time.time()]
-    t0 = time.perf_counter()
-    with GcTimer() as gc_timer:
-        for _ in range(settings.iters):
-            step()
-        sync(device)
-    step_ms = (time.perf_counter() - t0) * 1e3 / settings.iters
-    window.append(time.time())
+    with frozen_heap():  # as the trainer's loop runs
+        window = [time.time()]
+        t0 = time.perf_counter()
+        with GcTimer() as gc_timer:
+            for _ in range(settings.iters):
+                step()
+            sync(device)
+        step_ms = (time.perf_counter() - t0) * 1e3 / settings.iters
+        window.append(time.time())
     allocator = {k: v - calls[k] for k, v in allocator_calls(device).items()}
     routing = moe.metrics() if moe is not None else None
     timed = slice(settings.warmup, settings.warmup + settings.iters)

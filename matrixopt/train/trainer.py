@@ -51,7 +51,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from matrixopt.device import StreamTimer, describe, peak_mem_mb, resolve_device
+from matrixopt.device import StreamTimer, describe, frozen_heap, peak_mem_mb, resolve_device
 from matrixopt.distributed.parallelism import Parallelism, make_parallelism
 from matrixopt.train.config import TrainConfig
 from matrixopt.train.data import Dataset, load_dataset, train_batch, val_offsets, windows
@@ -180,7 +180,7 @@ def train(
     # The step losses add up on the device and the host reads them only where it logs, evaluates, checkpoints or
     # stops, so it does not wait for the GPU every step and can queue the next step's work behind this one's.
     pending, pending_steps = torch.zeros((), device=par.device), 0
-    with StopRequest() as stop, metrics:
+    with StopRequest() as stop, metrics, frozen_heap():  # the setup's objects out of the collector's walks
         while tally.step < cfg.steps:
             t0 = time.perf_counter()
             pending += train_step(fwd, par, optimizer, functools.partial(batches, tally.step), cfg.grad_accum,

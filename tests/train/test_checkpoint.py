@@ -1,6 +1,7 @@
 """Checkpoints: resume reproduces an uninterrupted run exactly (CPU), Ctrl-C saves one, a kill during a save
 leaves the previous one loadable, and a damaged one is detected and named."""
 
+import gc
 import json
 import os
 import signal
@@ -40,8 +41,10 @@ def uninterrupted(tmp_path_factory, tiny):
 
 def test_ctrl_c_saves_and_resume_matches_uninterrupted(tmp_path, tiny, monkeypatch, capsys, uninterrupted):
     real_batch = trainer.train_batch
+    frozen = []  # objects the garbage collector passes over, seen by each batch of the loop
 
     def batch_then_ctrl_c(tokens, batch_size, block_size, seed, step, micro):
+        frozen.append(gc.get_freeze_count())
         if step == 4 and micro == 0:
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of step 5
         return real_batch(tokens, batch_size, block_size, seed, step, micro)
@@ -52,6 +55,7 @@ def test_ctrl_c_saves_and_resume_matches_uninterrupted(tmp_path, tiny, monkeypat
     assert "interrupted at step 5" in err and "rerun with --resume" in err
     assert load_checkpoint(tmp_path / "ckpt.pt")["step"] == 5  # the step in flight finished first
     assert [m["step"] for m in metrics(tmp_path)] == [0, 1, 2, 3, 4, 5]
+    assert min(frozen) > 0 and gc.get_freeze_count() == 0  # the loop ran with its setup frozen, an interrupt thaws it
 
     monkeypatch.setattr(trainer, "train_batch", real_batch)
     assert main(args(tmp_path, tiny, "--resume")) == 0
