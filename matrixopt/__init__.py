@@ -19,11 +19,13 @@ Public API:
     FusedQKV(weight=, n_head=, n_kv_head=, row_order=, ...)           an attention with one fused W_qkv
     QKClipStats                                                       what one QKClip.step did (clipped, max_logit, ...)
     Offload(pin_memory=None, device_copy=None)                        where offloaded optimizer state lives
+    frozen_heap()                                                     a training loop without long garbage collections
 
 Every matrix optimizer takes ``state_dtype`` (None, ``torch.bfloat16``/"bf16", "int8": compact, stochastically
 rounded state) and ``offload`` (None, "cpu", or an :class:`Offload`: state in CPU memory, streamed for the step).
 """
 
+from matrixopt.device import frozen_heap
 from matrixopt.distributed.qk_clip import FusedQKV, QKClip, QKClipStats, SplitQK
 from matrixopt.linalg.ortho import SCHEDULES, NewtonSchulzConfig, newton_schulz, polar
 from matrixopt.optim.adaptive import AdaMuon, NorMuon
@@ -53,6 +55,7 @@ __all__ = [
     "Shampoo",
     "SplitQK",
     "build_optimizer",
+    "frozen_heap",
     "mark_experts",
     "mark_split",
     "newton_schulz",
