@@ -47,22 +47,20 @@ math is fp32.
 
 Matrix products on CUDA (``matmul_precision``). ``"fp32"`` (default) runs the optimizer's products in IEEE fp32,
 whatever torch's global setting is; ``"tf32"`` runs the factor products :math:`GG^\top, G^\top G` and the
-preconditioning :math:`\hat L^{-1/r} D \hat R^{-1/r}` on TF32 tensor cores (inputs rounded to 10 mantissa bits,
-fp32 accumulation; about 8 times the fp32 rate on an H100). That is the factor of a gradient perturbed by
-:math:`2^{-11}` relative per entry, and a preconditioned block off by about 3e-4 relative (measured at n = 512),
-less than bfloat16 storage of the roots (``factor_dtype``) already costs. With ``root_method="eigenbasis"`` it also
-runs the root's product :math:`Q \operatorname{diag}(s) Q^\top` in TF32 (its operands rounded as the
-preconditioning's are), while the products :math:`LQ` of the refresh's power step and of the Rayleigh quotients d,
-on which the small eigenvalues depend, keep float32 accuracy through three TF32 products each
-(:func:`matrixopt.linalg.roots.split_tf32_bmm`): one TF32 product there rounds :math:`LQ` by about 5e-4 of the
-largest eigenvalue, which swamps the eigenvalues below it and mixes their eigenvectors, whose inverse roots are the
-largest (with the power step in one TF32 product the root was 23% off at condition number 1e6 on an H200, against
-5e-4 in float32). The
-Newton roots always run in fp32: the coupled Newton iteration does not survive TF32 products (simulated at n = 512:
-its residual stalls near 8e-4, above the 1e-5 tolerance, so every root would take the float64 fallback; the root is
-2.5% off at condition number 1e4 and 50% off at 1e6). The setting is scoped (:func:`cuda_matmul_precision`):
-torch's own is restored after each step, also on an exception, so the model's products never see it. CPU products
-are fp32 either way.
+preconditioning :math:`\hat L^{-1/r} D \hat R^{-1/r}` on TF32 tensor cores (inputs rounded to 10 mantissa bits, fp32
+accumulation; about 8 times the fp32 rate on an H100). That is the factor of a gradient perturbed by :math:`2^{-11}`
+relative per entry, and a preconditioned block off by about 3e-4 relative (measured at n = 512), less than bfloat16
+storage of the roots (``factor_dtype``) already costs. With ``root_method="eigenbasis"`` it also runs the root's
+product :math:`Q \operatorname{diag}(s) Q^\top` in TF32 (its operands rounded as the preconditioning's are), while
+the products :math:`LQ` of the refresh's power step and of the Rayleigh quotients d, on which the small eigenvalues
+depend, keep float32 accuracy through three TF32 products each (:func:`matrixopt.linalg.roots.split_tf32_bmm`): one
+TF32 product there rounds :math:`LQ` by about 5e-4 of the largest eigenvalue, which swamps the eigenvalues below it
+and mixes their eigenvectors, whose inverse roots are the largest (with the power step in one TF32 product the root
+was 23% off at condition number 1e6 on an H200, against 5e-4 in float32). The Newton roots always run in fp32: the
+coupled Newton iteration does not survive TF32 products (simulated at n = 512: its residual stalls near 8e-4, above
+the 1e-5 tolerance, so every root would take the float64 fallback; the root is 2.5% off at condition number 1e4 and
+50% off at 1e6). The setting is scoped (:func:`cuda_matmul_precision`): torch's own is restored after each step,
+also on an exception, so the model's products never see it. CPU products are fp32 either way.
 
 Memory per matrix parameter of a block ``(m, n)`` with both factors, besides the parameter and its gradient:
 state ``8 + 8 (m^2 + n^2) / (m n)`` bytes in float32 (momentum, the graft's second moment, two factors and two
