@@ -456,6 +456,16 @@ def window_warning(ranks: list[dict[str, Any]], settings: Settings) -> str | Non
             f"ran in the window; time it again with --warmup {settings.warmup + 2} or more")
 
 
+def gc_warning(ranks: list[dict[str, Any]]) -> str | None:
+    """A note when Python's garbage collector took more than 1% of a timed step on some rank (a full collection of a
+    large heap stalls that rank's host, and the others wait for it at the next collective). None otherwise."""
+    worst = max(ranks, key=lambda r: r["gc"]["ms_per_step"] / r["step_ms"])
+    if worst["gc"]["ms_per_step"] <= 0.01 * worst["step_ms"]:
+        return None
+    return (f"garbage collection took {worst['gc']['ms_per_step']:.1f} ms per timed step on rank {worst['rank']} "
+            f"({worst['gc']['collections'][2]} full collections in the window): the step varies by that between runs")
+
+
 def summarize(per_config: list[list[dict[str, Any]]], singles: list[dict[tuple[str, str], dict]],
               world: int) -> list[dict[str, Any]]:
     """One line per (preset, configuration) from every rank's figures: the slowest rank's times."""
@@ -529,9 +539,9 @@ def run(configs: Sequence[ScaleConfig] = tuple(map(parse_config, CONFIGS)), pres
                   f"{max(r['opt_step_ms'] for r in ranks):.2f} ms, garbage collection "
                   f"{max(r['gc']['ms_per_step'] for r in ranks):.2f} ms per step ({time.perf_counter() - t_config:.0f} "
                   f"s to build and time)", flush=True)
-            warning = window_warning(ranks, settings)
-            if warning:
-                print(f"{preset} {config}: {warning}", flush=True)
+            for warning in (window_warning(ranks, settings), gc_warning(ranks)):
+                if warning:
+                    print(f"{preset} {config}: {warning}", flush=True)
             write_json(json_path, record)
     return record
 

@@ -22,6 +22,7 @@ from matrixopt.bench.scale import (
     Timeline,
     active_params,
     check_ep,
+    gc_warning,
     parse_config,
     run,
     single_gpu_step,
@@ -328,3 +329,14 @@ def test_gc_timer_counts_the_collections_it_sees():
     assert timer.collections == [0, 3, 1] and timer.ms > 0 and len(gc.callbacks) == before
     gc.collect()
     assert timer.collections == [0, 3, 1]
+
+
+def test_long_garbage_collections_in_the_timed_window_are_flagged():
+    """More than 1% of a step in the collector on some rank earns a note naming the rank and the full collections;
+    the usual young collections do not."""
+    def rank(r: int, ms: float, full: int) -> dict:
+        return {"rank": r, "step_ms": 400.0, "gc": {"collections": [70, 7, full], "ms_per_step": ms}}
+
+    note = gc_warning([rank(0, 21.4, 1), rank(1, 2.2, 0)])
+    assert note is not None and "21.4 ms per timed step on rank 0" in note and "1 full collections" in note
+    assert gc_warning([rank(0, 2.2, 0), rank(1, 3.9, 0)]) is None
