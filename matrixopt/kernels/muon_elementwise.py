@@ -11,7 +11,7 @@ r"""Muon's elementwise passes around Newton–Schulz: the dispatch between the f
 - :func:`row_sums_of_squares`: the sum of squares of each row of each stacked matrix as it lies (NorMuon's).
 - :func:`nonfinite_flags`: which gradients hold a NaN or an Inf (the optimizers' check before a step).
 - :func:`fused_for`: the kernels' module for other fused passes over lists of tensors (Adam's one pass, which SOAP
-  runs in its eigenbasis).
+  runs in its eigenbasis and Shampoo for its graft, the Kronecker factors' update, and Shampoo's graft-and-select).
 
 Each pass takes its matrices as a list of tensors, each one ``(m, n)`` matrix or a stack ``(E, m, n)`` of E
 matrices of one shape (stacked experts, :func:`matrixopt.optim.layout.mark_experts`), k matrices in all, in stack
@@ -302,7 +302,8 @@ def nonfinite_flags(grads: Sequence[Tensor]) -> Tensor:
 def fused_for(*tensors: Sequence[Tensor]) -> ModuleType | None:
     """The fused kernels' module for a pass over these lists of float32 matrices with unit column stride (on the
     GPU, or anywhere under a forced ``"triton"`` backend), else None: the caller runs its torch reference. Used by
-    Adam's one-pass kernel (:func:`matrixopt.optim.adam.adam_step`)."""
+    Adam's one-pass kernel (:func:`matrixopt.optim.adam.adam_step`, Shampoo's graft), the factors' update and
+    Shampoo's graft-and-select."""
     takes = all(t.dtype == torch.float32 and t.ndim == 2 and t.stride(1) == 1 for ts in tensors for t in ts)
     return _kernels(_on_gpu(*tensors)) if takes else None
 
