@@ -15,7 +15,8 @@ flops_per_token`) and an assumed MFU (forward a third, backward two thirds). The
   gradients reduced to their owners during backward (reduce-scatter volume) and updated parameters broadcast in
   bf16 during the next forward (all-gather volume): each exposed only where it outlasts the pass it hides behind.
   Owners are chosen by LPT (:func:`matrixopt.distributed.balance.lpt`) on each matrix's predicted time, so the
-  step is the slowest owner's.
+  step is the slowest owner's. Gradients take the owners' fp32 reduce buffers (4 bytes per parameter) and, with
+  ``grad_accum > 1``, the micro-batches' fp32 ``.grad`` as well, which the last backward's hooks copy into them.
 - ``fsdp`` (FSDP2 with ShardedMuon): parameters, gradients and state sharded over the data-parallel ranks;
   FSDP's all-gathers hide behind forward and backward, its reduce-scatter behind backward. With
   ``grad_accum > 1`` the trainer turns gradient sync off for all but the last micro-batch
@@ -402,7 +403,10 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         state_total = _state(cfg, mats, 1) + 8 * rest_el
         state = max(state_total / dp, 8.0 * getattr(model, "vocab", 0) * d)  # a whole-owned embedding
         ws = _workspace(mats, dp, 1)
-        memory = Memory(params=4 * params_el, grads=4 * params_el, optimizer_state=state, buffers=ws,
+        # the owners' reduce buffers (4 bytes per parameter); under accumulation the micro-batches' gradients
+        # gather in .grad until the last backward's hooks copy them over, so both are held at its start
+        grads = 4 * params_el * (2 if acc > 1 else 1)
+        memory = Memory(params=4 * params_el, grads=grads, optimizer_state=state, buffers=ws,
                         activations=_activations(model, mb, tp, cfg.recompute))
         adamw_memory = Memory(params=4 * params_el, grads=8 * params_el, optimizer_state=8 * params_el, buffers=0.0,
                               activations=memory.activations)

@@ -227,6 +227,19 @@ def test_fsdp_accumulation_keeps_fp32_unsharded_gradients_and_reduces_once():
     assert four.adamw_step_s - four.fwd_bwd_s - four.adamw_opt_step_s == pytest.approx(sync)
 
 
+def test_layerwise_accumulation_holds_the_gradients_beside_the_reduce_buffers():
+    """Layer-wise: the owners' reduce buffers take 4 bytes per parameter; under accumulation the micro-batches'
+    gradients gather in .grad until the last backward's hooks copy them into those buffers, so 8 at its start."""
+    model = gpt("gpt2-small")
+    base = dict(model=model, gpus=2, gpus_per_node=8)
+    one = planner.predict(planner.Layout(kind="layerwise"), planner.PlanConfig(tokens_per_gpu=2048, **base), H100)
+    four = planner.predict(planner.Layout(kind="layerwise"),
+                           planner.PlanConfig(tokens_per_gpu=8192, grad_accum=4, **base), H100)
+    params = model.total_params()
+    assert one.memory.grads == pytest.approx(4 * params) and four.memory.grads == pytest.approx(8 * params)
+    assert four.memory.activations == pytest.approx(one.memory.activations)  # the same micro-batch
+
+
 def test_validation_prices_records_before_the_gram_form_in_the_standard_form():
     before, after = ({"env": {"git_commit": c}} for c in (next(iter(validate.BEFORE_GRAM)), "fb53580"))
     assert validate.ns_method(before) == "standard" and validate.ns_method(after) == "auto"
