@@ -481,8 +481,8 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
     rows += _scale_rows(dist / "scale_1.3b_16k_precond_refresh_2xh100.json",
                         [(f"{kind}:{opt}", f"{'ddp' if kind == 'layerwise' else kind}:adamw", layout)
                          for opt in ("soap", "shampoo") for kind, layout in (("layerwise", lw), ("fsdp", fsdp))])
-    rows += _scale_rows(dist / "scale_1.3b_16k_shampoo_alt_2xh100.json",
-                        [("layerwise:shampoo", "ddp:adamw", lw), ("fsdp:shampoo", "fsdp:adamw", fsdp)])
+    for name in ("scale_1.3b_16k_shampoo_alt_2xh100.json", "scale_1.3b_16k_shampoo_alt2_2xh100.json"):
+        rows += _scale_rows(dist / name, [("layerwise:shampoo", "ddp:adamw", lw), ("fsdp:shampoo", "fsdp:adamw", fsdp)])
     return rows
 
 
