@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+_frozen_depth = 0  # frozen_heap blocks entered and not yet left
+
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
@@ -23,13 +25,19 @@ def frozen_heap() -> Iterator[None]:
     large model, its optimizer and FSDP2's DTensors, one stalled the host for about 200 ms inside a timed window on
     2 H100s (``bench scale``'s ``gc`` record), which the other ranks then wait for at the next collective. Objects
     made inside the block are collected as usual; those alive on entry that become unreachable inside are freed by
-    reference counting at once, or, if they sit in a reference cycle, after the block."""
-    gc.collect()
+    reference counting at once, or, if they sit in a reference cycle, after the block. Blocks nest: an inner block
+    also freezes what the outer one made, and only the outermost block's end unfreezes."""
+    global _frozen_depth
+    if _frozen_depth == 0:
+        gc.collect()
     gc.freeze()
+    _frozen_depth += 1
     try:
         yield
     finally:
-        gc.unfreeze()
+        _frozen_depth -= 1
+        if _frozen_depth == 0:
+            gc.unfreeze()
 
 
 def resolve_device(name: str) -> torch.device:

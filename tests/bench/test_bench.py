@@ -220,6 +220,26 @@ def test_frozen_heap_passes_over_the_setup_and_collects_what_the_block_makes():
     assert gc.get_freeze_count() == 0
 
 
+def test_frozen_heap_blocks_nest_and_only_the_outermost_unfreezes():
+    import gc
+
+    from matrixopt.device import frozen_heap
+
+    with frozen_heap():
+        outer = gc.get_freeze_count()
+        made_inside = [[] for _ in range(100)]
+        with frozen_heap():
+            assert gc.get_freeze_count() >= outer + len(made_inside)
+        assert gc.get_freeze_count() >= outer  # the inner end left the outer block's objects frozen
+        try:
+            with frozen_heap():
+                raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            pass
+        assert gc.get_freeze_count() >= outer
+    assert gc.get_freeze_count() == 0
+
+
 def test_step_amortizes_shampoo_and_soap_over_their_refresh(tmp_path):
     path = tmp_path / "step.json"
     rows = ["matrixopt shampoo, frequency 1", "matrixopt shampoo, frequency 10", "matrixopt soap, frequency 10"]
