@@ -5,8 +5,8 @@
 
 Each ``(m, n)`` weight (default 4096 x 14336 and 8192 x 8192) is split over all ranks along dim 0 and along dim 1
 and orthogonalized by :func:`matrixopt.distributed.tp.tp_newton_schulz` in each mode: ``duplicated`` (all-gather,
-every rank iterates on the whole matrix), ``distributed`` (the Gram matrix all-reduced in 4 overlapped chunks),
-``distributed`` unchunked (``chunks=1``) and ``blockwise`` (each shard on its own); and unsharded on one device
+every rank iterates on the whole matrix), ``distributed`` (the Gram matrix all-reduced whole, the default, and in
+4 row blocks overlapped with their products) and ``blockwise`` (each shard on its own); and unsharded on one device
 for reference. Rows record the mode ``auto`` picks there from the measured cost model, and ``long_side`` where
 distributed mode iterates on the long side of the shard layout. Times are the slowest rank's p20 / median / p80
 (ranks start each call together). The overlap table sets 4 chunks against 1.
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from matrixopt.bench.common import environment, table
 from matrixopt.device import sync
 from matrixopt.distributed import comm
+from matrixopt.distributed.cost import TP_GRAM_CHUNKS
 from matrixopt.distributed.tp import choose_mode, measure_cost_model, tp_newton_schulz
 from matrixopt.linalg.ortho import NewtonSchulzConfig, newton_schulz, newton_schulz_flops
 
@@ -97,7 +98,8 @@ def run(shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES, *, device: torch.dev
         for pd in (0, 1):
             local = G.split(comm.chunk_sizes(G.shape[pd], world), dim=pd)[rank].contiguous()
             r, c = (n, m) if pd == 0 else (m, n)  # the contracted layout distributed mode iterates on
-            picked = choose_mode(r, c, world, batch=1, steps=steps, itemsize=dtype.itemsize, chunks=4, cost=cost)
+            picked = choose_mode(r, c, world, batch=1, steps=steps, itemsize=dtype.itemsize, chunks=TP_GRAM_CHUNKS,
+                                 cost=cost)
             for mode, chunks in MODES:
                 fn = partial(tp_newton_schulz, local, pd, None, config=ns, mode=mode, chunks=chunks)
                 with warnings.catch_warnings():

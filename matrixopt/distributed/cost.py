@@ -563,8 +563,15 @@ def check_matmul_precision(precision: str) -> str:
 # tensor-parallel Newton–Schulz
 
 
+TP_GRAM_CHUNKS = 1
+"""Row blocks of the Gram matrix whose all-reduces the TP ``distributed`` mode launches one by one behind the next
+block's product, by default. Measured with ``matrixopt bench tp`` (``docs/results/distributed/tp_ns_*.json``, the
+``overlap`` tables): over the 12 cases on 2 and 4 H200s and 2 H100s, 4 blocks saved at most 3% and cost up to
+21% (the smaller products run slower than the whole one), so the Gram matrix is one product and one all-reduce."""
+
+
 def tp_ns_times(rows: int, cols: int, parts: int, *, batch: int = 1, steps: int = NS_STEPS, itemsize: int = 2,
-                chunks: int = 4, link: Link, ns: Callable[[int, int, int], float],
+                chunks: int = TP_GRAM_CHUNKS, link: Link, ns: Callable[[int, int, int], float],
                 gemm: Callable[[float], float]) -> dict[str, float]:
     """Seconds of the three TP Newton–Schulz modes of :mod:`matrixopt.distributed.tp` for ``batch`` matrices of
     ``(rows, cols)`` whose columns (the contracted dim) are split over ``parts`` ranks on ``link``.

@@ -40,6 +40,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from matrixopt.distributed import comm
 from matrixopt.distributed.balance import lpt, muon_cost
 from matrixopt.distributed.comm import InFlight, gather_to_owners, scatter_from_owners
+from matrixopt.distributed.cost import TP_GRAM_CHUNKS
 from matrixopt.distributed.tp import MODES, CostModel, tp_newton_schulz
 from matrixopt.kernels.muon_elementwise import apply_update, momentum_pack, row_sums_of_squares, skips_on_device
 from matrixopt.optim.adaptive import AdaMuon, NorMuon
@@ -150,7 +151,8 @@ class ShardedMuon(OnLocalShards, Muon):
         tp_mode: TP Newton–Schulz mode, one of ``"auto"`` (default), ``"duplicated"``, ``"distributed"``,
             ``"blockwise"`` (see :mod:`matrixopt.distributed.tp`).
         tp_mesh_dim: name of the tensor-parallel mesh dim (default ``"tp"``); shards on other mesh dims are FSDP.
-        tp_chunks: Gram row blocks whose all-reduce overlaps compute in distributed mode (default 4).
+        tp_chunks: Gram row blocks whose all-reduce overlaps compute in distributed mode (default 1:
+            :data:`matrixopt.distributed.cost.TP_GRAM_CHUNKS`).
         tp_cost_model: a fixed :class:`CostModel` for ``auto``; None measures one at the first TP step.
 
     Every rank must call ``step()``: the updates are collective. Plain-tensor parameters are updated exactly as
@@ -161,7 +163,7 @@ class ShardedMuon(OnLocalShards, Muon):
     """
 
     def __init__(self, params: Iterable[Any], *args: Any, tp_mode: str = "auto", tp_mesh_dim: str = "tp",
-                 tp_chunks: int = 4, tp_cost_model: CostModel | None = None, **kwargs: Any) -> None:
+                 tp_chunks: int = TP_GRAM_CHUNKS, tp_cost_model: CostModel | None = None, **kwargs: Any) -> None:
         if tp_mode not in MODES:
             raise ValueError(f"Unknown tp_mode {tp_mode!r}; use one of {MODES}")
         if not isinstance(tp_chunks, int) or tp_chunks < 1:

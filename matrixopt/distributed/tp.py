@@ -12,8 +12,9 @@ Under tensor parallelism no rank holds the whole weight. Four modes (NVIDIA's Em
       X_p <- a X_p + (b A + c A^2) X_p          local
 
   A weight sharded along its rows is transposed first, which can make ``r`` its long side (a warning says so).
-  The Gram all-reduce is chunked by row blocks: the all-reduce of each finished block is launched while the
-  next block is computed, so communication hides behind compute.
+  The Gram all-reduce can be chunked by row blocks (``chunks``): the all-reduce of each finished block is launched
+  while the next block is computed, so communication hides behind compute. Measured, that rarely paid (smaller
+  products run slower), so by default the Gram matrix is one product and one all-reduce.
 - ``blockwise``: each shard is orthogonalized on its own. No communication, but the update depends on the TP
   size (it is the polar factor of each block, not of the matrix).
 - ``auto``: duplicated or distributed per shape, from the shared cost model (:mod:`matrixopt.distributed.cost`)
@@ -41,7 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from matrixopt.device import time_ms
 from matrixopt.distributed import comm
-from matrixopt.distributed.cost import Link, tp_ns_times
+from matrixopt.distributed.cost import TP_GRAM_CHUNKS, Link, tp_ns_times
 from matrixopt.linalg.ortho import NewtonSchulzConfig, newton_schulz_flops, newton_schulz_with
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class CostModel:
 
 
 def mode_costs(rows: int, cols: int, parts: int, *, batch: int = 1, steps: int = 5, itemsize: int = 2,
-               chunks: int = 4, cost: CostModel) -> dict[str, float]:
+               chunks: int = TP_GRAM_CHUNKS, cost: CostModel) -> dict[str, float]:
     """Estimated seconds of ``duplicated`` and ``distributed`` for ``batch`` matrices of ``(rows, cols)`` whose
     columns (the contracted dim) are split over ``parts`` ranks: the shared model's
     :func:`matrixopt.distributed.cost.tp_ns_times` with one matmul rate for every product and ``cost``'s link,
@@ -183,7 +184,7 @@ def gram_all_reduce(X: Tensor, group: ProcessGroup | None, chunks: int) -> Tenso
 
 
 def distributed_newton_schulz(X: Tensor, group: ProcessGroup | None, config: NewtonSchulzConfig,
-                              chunks: int = 4) -> Tensor:
+                              chunks: int = TP_GRAM_CHUNKS) -> Tensor:
     """Newton–Schulz of the matrix ``[X_1 | ... | X_P]`` whose column block ``X_p`` (``(b, r, c_p)``, any float
     dtype, ``c_p`` may be 0) this rank holds. Returns this rank's column block of the result, ``(b, r, c_p)``
     in ``config``'s iteration dtype. Normalizes by the global max-abs, then the global Frobenius norm, like
@@ -200,7 +201,7 @@ def distributed_newton_schulz(X: Tensor, group: ProcessGroup | None, config: New
 
 
 def tp_newton_schulz(local: Tensor, partition_dim: int, group: ProcessGroup | None = None, *,
-                     config: NewtonSchulzConfig | None = None, mode: str = "auto", chunks: int = 4,
+                     config: NewtonSchulzConfig | None = None, mode: str = "auto", chunks: int = TP_GRAM_CHUNKS,
                      sizes: Sequence[int] | None = None, cost_model: CostModel | None = None) -> Tensor:
     """Newton–Schulz of a matrix split over ``group`` along ``partition_dim``; returns this rank's shard of the
     result (same shape and dtype as ``local``).
@@ -208,7 +209,8 @@ def tp_newton_schulz(local: Tensor, partition_dim: int, group: ProcessGroup | No
     local: ``(m_p, n)`` for ``partition_dim=0`` or ``(m, n_p)`` for ``partition_dim=1``, or a batch ``(b, ...)``
     of such shards (``partition_dim`` counts within each matrix). Shards are in group-rank order and may be
     uneven. sizes: every rank's size along ``partition_dim``; None all-gathers them (one tiny collective).
-    mode: one of ``MODES``. chunks: Gram row blocks whose all-reduce overlaps compute (distributed mode).
+    mode: one of ``MODES``. chunks: Gram row blocks whose all-reduce overlaps compute (distributed mode; default
+    :data:`~matrixopt.distributed.cost.TP_GRAM_CHUNKS`, one).
     cost_model: for ``auto``; None measures one (collective, once per group). config: the iteration (None: the
     defaults of :class:`~matrixopt.linalg.ortho.NewtonSchulzConfig`); its ``method`` applies to the modes that
     iterate on whole matrices, blockwise and duplicated. Every rank of the group must call this with the same

@@ -24,6 +24,7 @@ from matrixopt.distributed import balance
 from matrixopt.distributed.calibrate import NOMINAL, nominal
 from matrixopt.distributed.cost import (
     MATMUL_EFFICIENCY,
+    TP_GRAM_CHUNKS,
     DeviceProfile,
     Shapes,
     matrix_step_time,
@@ -519,8 +520,8 @@ def _tp_times(prof: DeviceProfile, world: int, steps: int, method: str, r: int, 
 
 def tensor_parallel(root: Path) -> list[dict[str, Any]]:
     rows = []
-    for world in (2, 4):
-        path = root / "distributed" / f"tp_ns_{world}gpu.json"
+    for world, name in ((2, "tp_ns_2gpu.json"), (4, "tp_ns_4gpu.json"), (2, "tp_ns_2xh100.json")):
+        path = root / "distributed" / name
         rec = json.loads(path.read_text())
         steps = rec["env"].get("ns_steps", 5)
         prof = shipped_profile(device_of(rec))
@@ -534,8 +535,8 @@ def tensor_parallel(root: Path) -> list[dict[str, Any]]:
                 rows.append(_row(f"NS {m}x{n}, {_gpus(rec, 1)}", path.name, prof.source,
                                  newton_schulz_time(prof, 1, m, n, steps, method) * 1e3, e["median_ms"], "ms"))
                 continue
-            if e["mode"] == "distributed" and e["chunks"] != 4:
-                continue  # the default, 4 chunks, is the row compared
+            if e["mode"] == "distributed" and e["chunks"] != TP_GRAM_CHUNKS:
+                continue  # the default chunking is the row compared
             r, c = (n, m) if e["shard_dim"] == 0 else (m, n)
             pred = times(r, c, e["chunks"] or 1)[e["mode"]] * 1e3
             rows.append(_row(f"NS {m}x{n} split dim {e['shard_dim']}, TP {world} {e['mode']}", path.name, prof.source,
@@ -545,7 +546,7 @@ def tensor_parallel(root: Path) -> list[dict[str, Any]]:
                 best[(m, n, e["shard_dim"])]["picked"] = e["auto_picks"]
         for (m, n, dim), meas in best.items():
             r, c = (n, m) if dim == 0 else (m, n)
-            t = times(r, c, 4)
+            t = times(r, c, TP_GRAM_CHUNKS)
             ours = min(("duplicated", "distributed"), key=t.get)
             fastest = min(("duplicated", "distributed"), key=meas.get)
             rows.append({"what": f"TP {world} mode choice, {m}x{n} split dim {dim}", "source": path.name,

@@ -95,6 +95,13 @@ def _overlap_and_warning(rank: int, world: int) -> None:
         comm.all_reduce_sum_async = real
     # sharded along rows -> transposed to (8, 12): an 8 x 8 Gram in row blocks of 2, 3, 3 rows, per step
     assert launched == [(1, 2, 8), (1, 3, 8), (1, 3, 8)] * 2, launched
+    launched.clear()
+    comm.all_reduce_sum_async = counting
+    try:  # by default the whole Gram matrix in one all-reduce per step
+        tp_newton_schulz(_shard(G, 0, world)[rank], 0, None, mode="distributed", config=NewtonSchulzConfig(steps=2))
+    finally:
+        comm.all_reduce_sum_async = real
+    assert launched == [(1, 8, 8)] * 2, launched
     assert not caught  # contracting the long side: no warning
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
