@@ -6,7 +6,11 @@ the GPU, as the trainer's Muon step runs), median of ``reps``:
 - ``gemm``: ``(b, s, s) @ (b, s, 4 s)`` in the iteration dtype (bf16 on CUDA, fp32 on the CPU), the shape of
   Newton–Schulz's ``B X``; ``b`` grows with ``s`` shrinking so small shapes are measured as the stacks Muon runs;
 - ``syrk``: the Gram product ``X X^T`` of a ``(b, s, 4 s)`` stack through :func:`matrixopt.kernels.ns_step.gram`
-  (Triton SYRK or cuBLAS, whichever the dispatcher picks), rate on the dense FLOPs;
+  (Triton SYRK or cuBLAS, whichever the dispatcher picks for a step replayed from a CUDA graph, as Muon's is),
+  rate on the dense FLOPs;
+- ``sym_mul``: the product of two symmetric ``(4 b, s, s)`` stacks through
+  :func:`matrixopt.kernels.ns_step.sym_mul` (the square products of both Newton–Schulz forms; the SYRK's
+  two-operand form where it is faster), rate on the dense FLOPs, the same FLOPs per width as ``gemm``;
 - ``fp32_gemm``: the same products as ``gemm`` in float32;
 - ``qr``: :func:`~matrixopt.linalg.roots.cholesky_qr` of a batch of ``QR_BATCH`` ``(n, n)`` float32 matrices,
   as SOAP's eigenbasis refresh runs it (eagerly), per matrix;
@@ -40,7 +44,7 @@ from matrixopt.distributed.cost import (
     qr_flops,
     shipped_profile,
 )
-from matrixopt.kernels.ns_step import gram
+from matrixopt.kernels.ns_step import for_cuda_graphs, gram, sym_mul
 from matrixopt.linalg.roots import cholesky_qr
 
 # (s, b): Newton–Schulz-shaped stacks; the CPU list stays small so calibrating in a test takes seconds.
@@ -75,14 +79,19 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
     def timed(fn, graph: bool = cuda) -> float:
         return time_ms(fn, device, reps=reps, warmup=2, graph=graph)["median"]
 
-    gemm, syrk, fp32 = [], [], []
+    gemm, syrk, sym, fp32 = [], [], [], []
     for s, b in shapes:
         for dt, out in ((dtype, gemm), (torch.float32, fp32)):
             A = torch.randn(b, s, s, device=device, dtype=dt, generator=gen)
             X = torch.randn(b, s, 4 * s, device=device, dtype=dt, generator=gen)
             out.append((2.0 * b * s * s * 4 * s, timed(lambda A=A, X=X: torch.bmm(A, X))))
         X = torch.randn(b, s, 4 * s, device=device, dtype=dtype, generator=gen)
-        syrk.append((2.0 * b * s * s * 4 * s, timed(lambda X=X: gram(X))))
+        S = torch.randn(4 * b, s, s, device=device, dtype=dtype, generator=gen)
+        S = S + S.mT  # symmetric to the bit, as the products of Newton–Schulz are
+        # the dispatcher decides each shape for a replayed step in the warm-up (during the capture it could not)
+        with for_cuda_graphs():
+            syrk.append((2.0 * b * s * s * 4 * s, timed(lambda X=X: gram(X))))
+            sym.append((2.0 * 4 * b * s**3, timed(lambda S=S: sym_mul(S, S, 1.0, 0.5))))
     qr = []
     for n in (CUDA_QR if cuda else CPU_QR):
         A = torch.randn(QR_BATCH, n, n, device=device, generator=gen)
@@ -114,7 +123,8 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
     return DeviceProfile(
         name=f"{describe(device)} (measured)", device=describe(device), source="measured", peak_flops=base.peak_flops,
         memory_bytes=float(memory), gpus_per_node=base.gpus_per_node,
-        gemm=_rate_points(gemm), syrk=_rate_points(syrk), fp32_gemm=_rate_points(fp32), qr=_rate_points(qr),
+        gemm=_rate_points(gemm), syrk=_rate_points(syrk), sym_mul=_rate_points(sym), fp32_gemm=_rate_points(fp32),
+        qr=_rate_points(qr),
         elementwise=_rate_points(elementwise), fused_adamw=_rate_points(fused_adamw), links=links,
         notes="; ".join(notes), env=env)
 

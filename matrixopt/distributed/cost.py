@@ -8,6 +8,9 @@ by ``matrixopt plan --calibrate`` or filled from nominal figures (``"source": "n
 - ``gemm``: bf16 batched matrix products, ``[[flops of one call, achieved FLOP/s], ...]`` in ascending FLOPs;
 - ``syrk``: the Gram product ``X X^T`` as our kernels compute it, the rate counted on the dense FLOPs ``2 m^2 k``
   (a SYRK computing one triangle may exceed ``gemm``'s);
+- ``sym_mul`` (optional): the product of two symmetric ``(s, s)`` matrices as Newton–Schulz computes its square
+  products (the SYRK's two-operand form where it is faster), rate on the dense FLOPs ``2 s^3``; a profile without
+  it prices those products at the ``gemm`` rate;
 - ``fp32_gemm``: float32 products (Shampoo's inverse roots, SOAP's eigenbases);
 - ``qr``: the QR factorization of one ``(n, n)`` float32 matrix (SOAP's eigenbasis refresh), its rate counted on
   ``8/3 n^3`` FLOPs (those of a Householder factorization forming Q, whatever the algorithm measured);
@@ -46,7 +49,7 @@ all-to-all         :math:`(P-1)\alpha + \frac{P-1}{P} n \beta`  (pairwise)      
 =================  ==============================================================  =========================
 
 **Optimizer steps** on lists of same-shape matrix groups (our optimizers batch same-shape matrices into one
-stack): Muon (:func:`newton_schulz_time` plus its elementwise passes), AdamW (torch's fused step, at the
+stack): Muon (:func:`batched_newton_schulz_time` plus its elementwise passes), AdamW (torch's fused step, at the
 ``fused_adamw`` rate where the profile has one), Shampoo and SOAP (their factor products every step, their roots or
 eigenbases every ``precondition_frequency`` steps, amortized, and the per-block stacking and copies of
 :func:`block_pass_bytes`). A matrix
@@ -76,6 +79,7 @@ from pathlib import Path
 from typing import Any
 
 from matrixopt.linalg.ortho import gram_phases, newton_schulz_flops, uses_gram
+from matrixopt.optim.layout import BUCKET_NUMEL
 from matrixopt.optim.shampoo import MATMUL_PRECISIONS, ROOT_METHODS
 
 FORMAT = "matrixopt-profile/1"
@@ -162,6 +166,7 @@ NCCL message step across the fabric."""
 
 Table = tuple[tuple[float, float], ...]
 _TABLES = ("gemm", "syrk", "fp32_gemm", "qr", "elementwise")
+_OPTIONAL_TABLES = {"fused_adamw": "elementwise", "sym_mul": "gemm"}  # -> the table used where one is absent
 
 
 def _check_table(name: str, table: Any) -> Table:
@@ -225,6 +230,7 @@ class DeviceProfile:
     elementwise: Table
     links: dict[str, Link]
     fused_adamw: Table | None = None
+    sym_mul: Table | None = None
     notes: str = ""
     env: dict[str, Any] = field(default_factory=dict)
 
@@ -239,8 +245,9 @@ class DeviceProfile:
             raise ValueError(f"profile gpus_per_node must be an int >= 1, got {self.gpus_per_node!r}")
         for name in _TABLES:
             object.__setattr__(self, name, _check_table(name, getattr(self, name)))
-        if self.fused_adamw is not None:
-            object.__setattr__(self, "fused_adamw", _check_table("fused_adamw", self.fused_adamw))
+        for name in _OPTIONAL_TABLES:
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _check_table(name, getattr(self, name)))
         missing = {"intra", "inter"} - set(self.links)
         if missing:
             raise ValueError(f"profile links need 'intra' and 'inter', missing {sorted(missing)}")
@@ -251,8 +258,8 @@ class DeviceProfile:
         the matrices' short side, for a product; where the table is on the calibration's grid
         (:func:`width_rates`), the call runs no faster than the table's rate at that width (module docstring)."""
         points: Table = getattr(self, table)
-        if table == "fused_adamw" and points is None:  # not measured: the plain elementwise rate
-            points = self.elementwise
+        if points is None:  # an optional table not measured: the rate of what it refines
+            points = getattr(self, _OPTIONAL_TABLES[table])
         if size <= 0:
             return 0.0
         by_size = _interpolate(points, size)
@@ -280,10 +287,11 @@ class DeviceProfile:
         d["links"] = {k: asdict(v) for k, v in self.links.items()}
         for name in _TABLES:
             d[name] = [list(p) for p in d[name]]
-        if d["fused_adamw"] is None:
-            del d["fused_adamw"]
-        else:
-            d["fused_adamw"] = [list(p) for p in d["fused_adamw"]]
+        for name in _OPTIONAL_TABLES:
+            if d[name] is None:
+                del d[name]
+            else:
+                d[name] = [list(p) for p in d[name]]
         return {"format": FORMAT, **d}
 
     @classmethod
@@ -441,11 +449,21 @@ def newton_schulz_time(profile: DeviceProfile, batch: int, m: int, n: int, steps
         return 0.0
     s, l = min(m, n), max(m, n)
     gram = profile.seconds("syrk", 2.0 * batch * s * s * l, s)  # X X^T
-    square = profile.seconds("gemm", 2.0 * batch * s**3, s)  # (s, s) @ (s, s)
+    square = profile.seconds("sym_mul", 2.0 * batch * s**3, s)  # (s, s) @ (s, s), both symmetric
     apply = profile.seconds("gemm", 2.0 * batch * s * s * l, s)  # (s, s) @ (s, l)
     if not uses_gram(method, batch, s, l):
         return steps * (gram + square + apply)
     return sum(gram + (4 * k - 3) * square + apply for k in gram_phases(steps))
+
+
+def batched_newton_schulz_time(profile: DeviceProfile, count: int, m: int, n: int, steps: int = NS_STEPS,
+                                method: str = "auto") -> float:
+    """:func:`newton_schulz_time` of ``count`` ``(m, n)`` matrices as the optimizers batch them: stacks of at most
+    :data:`~matrixopt.optim.layout.BUCKET_NUMEL` values (a larger matrix alone), each its own iteration."""
+    per = max(1, BUCKET_NUMEL // max(1, m * n))
+    full, rest = divmod(count, per)
+    return (full * newton_schulz_time(profile, per, m, n, steps, method)
+            + newton_schulz_time(profile, rest, m, n, steps, method))
 
 
 @dataclass(frozen=True)
@@ -488,7 +506,7 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
     if optimizer == "adamw":  # torch's fused AdamW on every parameter
         return profile.seconds("fused_adamw", ADAMW_BYTES * (numel + adamw_numel)) + checked
     if optimizer == "muon":
-        t = sum(newton_schulz_time(profile, g.count, g.m, g.n, ns_steps) for g in groups)
+        t = sum(batched_newton_schulz_time(profile, g.count, g.m, g.n, ns_steps) for g in groups)
         return checked + max(t, side) + profile.seconds("elementwise", MUON_BYTES * numel)
     if optimizer not in ("shampoo", "soap"):
         raise ValueError(f"no step-time model for optimizer {optimizer!r}; use muon, adamw, shampoo or soap")

@@ -683,10 +683,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 b.param_work = comm.broadcast_from_owner(b.params[0].data.view(-1), b.owner, b.group)
                 continue
             wire = b.wire or b.params[0].dtype
-            if b.owned:
-                b.param_buffer = torch.cat([p.detach().reshape(-1).to(wire) for p in b.params])
-            else:
-                b.param_buffer = torch.empty(b.numel, dtype=wire, device=b.params[0].device)
+            b.param_buffer = torch.empty(b.numel, dtype=wire, device=b.params[0].device)
+            if b.owned:  # each parameter cast as it is copied in: one pass, no intermediate
+                torch._foreach_copy_([b.segment(b.param_buffer, k) for k in range(len(b.params))],
+                                     [p.detach() for p in b.params])
             b.param_work = comm.broadcast_from_owner(b.param_buffer, b.owner, b.group)
         return max(start, end)
 

@@ -63,6 +63,7 @@ from matrixopt.distributed.cost import (
     DeviceProfile,
     Memory,
     Shapes,
+    batched_newton_schulz_time,
     check_matmul_precision,
     check_root_method,
     collective_time,
@@ -72,12 +73,13 @@ from matrixopt.distributed.cost import (
     tp_ns_times,
 )
 from matrixopt.linalg.ortho import check_method
+from matrixopt.optim.layout import BUCKET_NUMEL
 from matrixopt.plan.models import Architecture, ExplicitModel, Matrix
 
 OPTIMIZERS = ("muon", "shampoo", "soap")
 TP_MODES = ("duplicated", "distributed", "blockwise")
 ELEMENTWISE_BYTES = {"muon": MUON_BYTES, "shampoo": SHAMPOO_BYTES, "soap": SOAP_BYTES}
-STACK_CAP = 2**28  # elements of one Newton–Schulz stack (512 MB in bf16)
+WIRE_CAST_BYTES = 6  # a layer-wise owner copies its fp32 matrices into their bf16 broadcast buffer (4 + 2)
 GPU_COUNTS = tuple(2**k for k in range(3, 13))  # 8 .. 4096, the curve's x axis
 # Column-parallel matrices split their rows (output features) over TP ranks; the rest split their columns.
 COLUMN_PARALLEL = ("attn.q", "attn.k", "attn.v", "attn.qkv", "mlp.in", "moe.shared.in")
@@ -338,8 +340,8 @@ def _matrix_time(profile: DeviceProfile, cfg: PlanConfig, mat: Matrix, batch: in
     def ns(s: int, l: int, b: int) -> float:
         return newton_schulz_time(profile, b, s, l, cfg.ns_steps, cfg.ns_method)
 
-    if tp == 1:
-        return ns(rows, cols, batch), 0.0
+    if tp == 1:  # the owner's stack in the optimizer's batches
+        return batched_newton_schulz_time(profile, batch, rows, cols, cfg.ns_steps, cfg.ns_method), 0.0
     link = profile.link(tp, 1, cfg.gpus_per_node)
     times = tp_ns_times(rows, cols, tp, batch=batch, steps=cfg.ns_steps, link=link, ns=ns,
                         gemm=lambda f: profile.seconds("gemm", f))
@@ -396,7 +398,10 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         sync = max(0.0, reduce - bwd) + max(0.0, bcast - fwd)
         adamw_sync = max(0.0, collective_time("all_reduce", 4 * params_el, dp, dp_link) - bwd)
         ns, opt_comm, owned = _owner_load(profile, cfg, mats, dp, 1, None)
-        elementwise = profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * owned)
+        # the step's passes, and (with other ranks to send to) the owner's cast of its matrices into the bf16
+        # broadcast buffers
+        wire = WIRE_CAST_BYTES if dp > 1 else 0
+        elementwise = profile.seconds("elementwise", (ELEMENTWISE_BYTES[cfg.optimizer] + wire) * owned)
         side = profile.seconds("elementwise", ADAMW_BYTES * rest_el / dp)  # AdamW groups on a side stream
         opt = max(ns, side) + elementwise
         adamw_opt = profile.seconds("fused_adamw", ADAMW_BYTES * params_el)  # torch fused AdamW
@@ -476,11 +481,11 @@ def _state(cfg: PlanConfig, mats: Sequence[Matrix], tp: int) -> float:
 
 def _workspace(mats: Sequence[Matrix], owners: int, tp: int) -> float:
     """Newton–Schulz workspace of the largest stack one owner runs: three bf16 copies of it and its Gram, for at
-    most :data:`STACK_CAP` elements (a larger stack is assumed to run in pieces)."""
+    most :data:`~matrixopt.optim.layout.BUCKET_NUMEL` elements, the optimizers' batches."""
     best = 0.0
     for m in mats:
         el = m.m * m.n // (tp if _tp_sharded(m, tp) else 1)
-        b = max(1, min(m.count // max(1, owners), STACK_CAP // el))
+        b = max(1, min(m.count // max(1, owners), BUCKET_NUMEL // el))
         s = min(m.m, m.n)
         best = max(best, b * (3 * 2 * el + 3 * 2 * s * s))
     return best

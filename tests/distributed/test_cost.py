@@ -305,6 +305,25 @@ def _calibrate_two_ranks(rank: int, world: int) -> None:
     assert p.links["inter"] == nominal("h100").links["inter"]
 
 
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_square_products_run_at_the_sym_mul_rate_where_the_profile_has_one(tmp_path, method):
+    """Newton–Schulz's (s, s) products at the sym_mul table's 2e12 FLOP/s, the Gram and X products at the flat
+    1e12; without the table every product at the gemm rate."""
+    plain = _flat(rate=1e12)
+    p = DeviceProfile(**{**plain._fields(), "sym_mul": ((1.0, 2e12), (1e18, 2e12))})
+    b, s, l = 3, 64, 256
+    squares = {"standard": 5, "gram": (4 * 3 - 3) + (4 * 2 - 3)}[method]  # per step, or per phase of 3 and 2
+    square_flops = squares * 2 * b * s**3
+    assert cost.newton_schulz_time(plain, b, s, l, 5, method) == pytest.approx(
+        ortho.newton_schulz_flops(s, l, 5, method, batch=b) / 1e12)
+    assert cost.newton_schulz_time(plain, b, s, l, 5, method) - cost.newton_schulz_time(p, b, s, l, 5, method) == (
+        pytest.approx(square_flops / 1e12 - square_flops / 2e12))
+    p.save(tmp_path / "p.json")
+    assert DeviceProfile.load(tmp_path / "p.json") == p
+    plain.save(tmp_path / "plain.json")
+    assert "sym_mul" not in json.loads((tmp_path / "plain.json").read_text())
+
+
 def test_calibrate_measures_the_link_over_gloo():
     run(_calibrate_two_ranks, 2)
 
@@ -313,7 +332,8 @@ def test_calibrate_on_cpu_writes_the_shipped_format(tmp_path):
     p = measure(torch.device("cpu"), reps=2)
     assert p.source == "measured" and "links not measured" in p.notes
     assert p.to_dict().keys() == cost.shipped_profile("h100").to_dict().keys()
-    assert all(math.isfinite(r) and r > 0 for _, r in p.gemm + p.syrk + p.qr + p.elementwise + p.fused_adamw)
+    assert all(math.isfinite(r) and r > 0
+               for _, r in p.gemm + p.syrk + p.sym_mul + p.qr + p.elementwise + p.fused_adamw)
     p.save(tmp_path / "cpu.json")
     assert DeviceProfile.load(tmp_path / "cpu.json") == p
 
