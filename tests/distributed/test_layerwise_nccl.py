@@ -58,3 +58,32 @@ def _worker(rank: int, world: int) -> None:
 
 def test_layerwise_muon_on_nccl_matches_one_process():
     run(_worker, 2, backend="nccl", timeout=300)
+
+
+def _bf16_wire_worker(rank: int, world: int) -> None:
+    """Matrices broadcast in bf16 from buckets of several parameters: each is cast into its segment of the
+    broadcast buffer; the other rank holds the owner's value rounded to bf16, the rest exactly the owner's."""
+    dev = torch.device("cuda", rank)
+    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128)
+    torch.manual_seed(0)
+    model, opt = mdist.layerwise(GPT(cfg).to(dev), "muon", lr=2e-2, bucket_cap_mb=0.5,
+                                 broadcast_dtype=torch.bfloat16)
+    assert any(len(b.params) > 1 and b.wire is torch.bfloat16 for b in opt.buckets)
+    sl = mdist.batch_slice(8)
+    for s in range(2):
+        x = torch.randint(0, 256, (8, 65), generator=torch.Generator().manual_seed(s)).to(dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            model(x[sl, :-1], x[sl, 1:])[1].backward()
+        opt.step()
+    opt.wait_params()
+    for n, p in model.named_parameters():
+        b = opt._bucket_of[id(p)][0]
+        values = [torch.empty_like(p) for _ in range(world)]
+        dist.all_gather(values, p.detach().contiguous())
+        owner = values[b.owner]
+        want = owner.bfloat16().float() if b.wire is torch.bfloat16 else owner
+        assert torch.equal(p.detach(), owner if rank == b.owner else want), n
+
+
+def test_layerwise_bf16_broadcast_on_nccl_sends_the_owners_rounded_values():
+    run(_bf16_wire_worker, 2, backend="nccl", timeout=300)
