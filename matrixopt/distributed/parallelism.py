@@ -65,6 +65,7 @@ from matrixopt.distributed.sharded import ShardedAdaMuon, ShardedMuon, ShardedNo
 from matrixopt.distributed.sharded_precond import ShardedShampoo, ShardedSOAP
 from matrixopt.distributed.tp import MODES as TP_MODES
 from matrixopt.optim.base import MatrixOptimizer
+from matrixopt.optim.nonfinite import clip_coefficient
 from matrixopt.optim.registry import OPTIMIZERS, accepted, build_optimizer
 from matrixopt.optim.routing import param_groups
 
@@ -368,9 +369,28 @@ class DDP(MultiProcess):
             ep_lib.reduce_expert_grads(self.expert_params, self.replica_group, self.world)
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Under expert parallelism the global norm counts the replicated dense gradients once and every expert
+        shard once (their squares summed over the EP group). A matrixopt optimizer gets the coefficient and the
+        per-gradient non-finite flags and applies both inside its step, which then neither scales the gradients
+        in a pass of its own nor reads them again for its check; a non-finite total (the same on every rank)
+        flags every gradient, so every rank skips that step."""
         if self.ep == 1:
             return super().clip_grad_norm_(max_norm)
         experts = {id(p) for p in self.expert_params}
+        opt = self.optimizer
+        if isinstance(opt, MatrixOptimizer):
+            owned = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]  # the step's order
+            grads = [p.grad for p in owned]
+            if grads and len({g.device for g in grads}) == 1 and not any(g.is_sparse for g in grads):
+                norms = torch.stack(torch._foreach_norm(grads, 2.0)).float()  # (n,)
+                expert = torch.tensor([id(p) in experts for p in owned], device=norms.device)
+                sq = norms.square()
+                shards = torch.where(expert, sq, 0.0).sum()
+                dist.all_reduce(shards, group=self.ep_group)  # the shards' squares: every expert once
+                total = (torch.where(expert, 0.0, sq).sum() + shards).sqrt()
+                flags = torch.maximum((~torch.isfinite(norms)).float(), (~torch.isfinite(total)).float())
+                opt.scale_grads_(clip_coefficient(total, max_norm), flags)
+                return total
         params = [p for p in self.model.parameters() if p.grad is not None]
         dense = nn.utils.get_total_norm([p.grad for p in params if id(p) not in experts])
         sq = nn.utils.get_total_norm([p.grad for p in self.expert_params]).square()

@@ -175,3 +175,49 @@ def test_experts_without_tokens_still_step(ep_runs):
 def test_ep_must_divide_the_world():
     with pytest.raises(ValueError, match="--ep 2 must divide the number of ranks, 3"):
         expert_groups(3, 2)
+
+
+def _clip_under_ep(rank: int, world: int) -> None:
+    """EP 2 under DDP, Muon: the global norm as torch's clip over the whole model computes it (every expert once),
+    handed to the step (the gradients are not scaled in place), and a NaN in one rank's expert gradient makes both
+    ranks raise with nothing written."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from matrixopt import NonFiniteGradientError
+
+    par = make_parallelism("ddp", device="cpu", ep=2)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, **PRESETS["moe-tiny"]))
+    module = par.wrap(model)
+    opt = par.build_optimizer(model, "muon", lr=0.1, deferred_nonfinite=True)
+    idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(rank))
+    module(idx, idx)[1].backward()
+    par.sync_grads()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    total = par.clip_grad_norm_(1e-3)
+    # torch's norm over every gradient, the expert shards gathered: dense ones once, each expert once
+    experts = {id(p) for p in par.expert_params}
+    dense = [p.grad for p in model.parameters() if id(p) not in experts]
+    shard_sq = nn.utils.get_total_norm([p.grad for p in par.expert_params]).square()
+    dist.all_reduce(shard_sq, group=par.ep_group)
+    want = (nn.utils.get_total_norm(dense).square() + shard_sq).sqrt()
+    torch.testing.assert_close(total, want, rtol=1e-6, atol=0)
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters()), "scaled in place, not in step"
+    opt.step()
+
+    opt.zero_grad()
+    module(idx, idx)[1].backward()
+    par.sync_grads()
+    if rank == 1:
+        par.expert_params[0].grad[0, 0, 0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    par.clip_grad_norm_(1.0)
+    with pytest.raises(NonFiniteGradientError):  # raised now off the GPU's fused kernels, a step later on them
+        opt.step()
+        opt.raise_deferred_nonfinite()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), f"rank {rank} stepped"
+
+
+def test_clipping_under_expert_parallelism_hands_the_norm_to_muon_and_skips_together():
+    run(_clip_under_ep, 2)
