@@ -477,7 +477,8 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
         rows += _scale_rows(dist / name, [("fsdp:muon", "fsdp:adamw", fsdp)])
     for name in ("scale_1.3b_16k_layerwise_alt_2xh100.json", "scale_1.3b_64k_layerwise_alt_2xh100.json"):
         rows += _scale_rows(dist / name, [("layerwise:muon", "ddp:adamw", lw)])
-    for name in ("scale_moe-2b_ep2_16k_alt_2xh100.json", "scale_moe-2b_ep2_16k_alt3_2xh100.json"):
+    for name in ("scale_moe-2b_ep2_16k_alt_2xh100.json", "scale_moe-2b_ep2_16k_alt3_2xh100.json",
+                 "scale_moe-2b_ep2_16k_clip_new_2xh100.json"):
         rows += _ddp_rows(dist / name)
     rows += _scale_rows(dist / "scale_1.3b_16k_precond_refresh_2xh100.json",
                         [(f"{kind}:{opt}", f"{'ddp' if kind == 'layerwise' else kind}:adamw", layout)
