@@ -368,6 +368,15 @@ class DDP(MultiProcess):
         if self.ep > 1:
             ep_lib.reduce_expert_grads(self.expert_params, self.replica_group, self.world)
 
+    def _expert_mask(self, params: list[Tensor], experts: set[int], device: torch.device) -> Tensor:
+        """``(len(params),)`` bool on ``device``, True for the expert stacks: built once per parameter list (a
+        host-to-device copy every step would wait for the GPU)."""
+        key = (tuple(map(id, params)), device)
+        cached = getattr(self, "_expert_masks", None)
+        if cached is None or cached[0] != key:
+            self._expert_masks = (key, torch.tensor([id(p) in experts for p in params], device=device))
+        return self._expert_masks[1]
+
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Under expert parallelism the global norm counts the replicated dense gradients once and every expert
         shard once (their squares summed over the EP group). A matrixopt optimizer gets the coefficient and the
@@ -383,7 +392,7 @@ class DDP(MultiProcess):
             grads = [p.grad for p in owned]
             if grads and len({g.device for g in grads}) == 1 and not any(g.is_sparse for g in grads):
                 norms = torch.stack(torch._foreach_norm(grads, 2.0)).float()  # (n,)
-                expert = torch.tensor([id(p) in experts for p in owned], device=norms.device)
+                expert = self._expert_mask(owned, experts, norms.device)
                 sq = norms.square()
                 shards = torch.where(expert, sq, 0.0).sum()
                 dist.all_reduce(shards, group=self.ep_group)  # the shards' squares: every expert once
