@@ -65,7 +65,6 @@ from matrixopt.distributed.sharded import ShardedAdaMuon, ShardedMuon, ShardedNo
 from matrixopt.distributed.sharded_precond import ShardedShampoo, ShardedSOAP
 from matrixopt.distributed.tp import MODES as TP_MODES
 from matrixopt.optim.base import MatrixOptimizer
-from matrixopt.optim.nonfinite import clip_coefficient
 from matrixopt.optim.registry import OPTIMIZERS, accepted, build_optimizer
 from matrixopt.optim.routing import param_groups
 
@@ -368,38 +367,17 @@ class DDP(MultiProcess):
         if self.ep > 1:
             ep_lib.reduce_expert_grads(self.expert_params, self.replica_group, self.world)
 
-    def _expert_mask(self, params: list[Tensor], experts: set[int], device: torch.device) -> Tensor:
-        """``(len(params),)`` bool on ``device``, True for the expert stacks: built once per parameter list (a
-        host-to-device copy every step would wait for the GPU)."""
-        key = (tuple(map(id, params)), device)
-        cached = getattr(self, "_expert_masks", None)
-        if cached is None or cached[0] != key:
-            self._expert_masks = (key, torch.tensor([id(p) in experts for p in params], device=device))
-        return self._expert_masks[1]
-
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Under expert parallelism the global norm counts the replicated dense gradients once and every expert
-        shard once (their squares summed over the EP group). A matrixopt optimizer gets the coefficient and the
-        per-gradient non-finite flags and applies both inside its step, which then neither scales the gradients
-        in a pass of its own nor reads them again for its check; a non-finite total (the same on every rank)
-        flags every gradient, so every rank skips that step."""
+        shard once (their squares summed over the EP group). A matrixopt optimizer clips itself, the expert
+        stacks passed as shards (:meth:`~matrixopt.optim.base.MatrixOptimizer.clip_grad_norm_`): its step applies
+        the coefficient as it reads the gradients and takes the clip's norms as its non-finite check, and a
+        non-finite total, the same on every rank, skips the step on every rank."""
         if self.ep == 1:
             return super().clip_grad_norm_(max_norm)
+        if isinstance(self.optimizer, MatrixOptimizer):
+            return self.optimizer.clip_grad_norm_(max_norm, sharded=self.expert_params, group=self.ep_group)
         experts = {id(p) for p in self.expert_params}
-        opt = self.optimizer
-        if isinstance(opt, MatrixOptimizer):
-            owned = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]  # the step's order
-            grads = [p.grad for p in owned]
-            if grads and len({g.device for g in grads}) == 1 and not any(g.is_sparse for g in grads):
-                norms = torch.stack(torch._foreach_norm(grads, 2.0)).float()  # (n,)
-                expert = self._expert_mask(owned, experts, norms.device)
-                sq = norms.square()
-                shards = torch.where(expert, sq, 0.0).sum()
-                dist.all_reduce(shards, group=self.ep_group)  # the shards' squares: every expert once
-                total = (torch.where(expert, 0.0, sq).sum() + shards).sqrt()
-                flags = torch.maximum((~torch.isfinite(norms)).float(), (~torch.isfinite(total)).float())
-                opt.scale_grads_(clip_coefficient(total, max_norm), flags)
-                return total
         params = [p for p in self.model.parameters() if p.grad is not None]
         dense = nn.utils.get_total_norm([p.grad for p in params if id(p) not in experts])
         sq = nn.utils.get_total_norm([p.grad for p in self.expert_params]).square()

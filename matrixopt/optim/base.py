@@ -264,7 +264,8 @@ class MatrixOptimizer(Optimizer):
         self.nonfinite.raise_pending()
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, sharded: Iterable[Tensor] = (),
+                        group: Any = None) -> Tensor:
         """Clip the gradients of this optimizer's parameters to a total ``norm_type`` norm of ``max_norm``, as
         ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)`` does, and return that total norm (a 0-d
         float32 tensor, before clipping). Call it after backward, right before :meth:`step`.
@@ -274,18 +275,38 @@ class MatrixOptimizer(Optimizer):
         every gradient, and uses the per-gradient norms as its non-finite check, which saves another read (a
         gradient whose float32 norm overflows, entries beyond ~1e19, then counts as non-finite). The gradients
         must not change in between (``zero_grad()`` drops the coefficient; other changes make ``step()`` raise).
-        Other optimizers, and gradients on several devices, are scaled here."""
+        Other optimizers, and gradients on several devices, are scaled here.
+
+        ``sharded``: parameters whose gradients are disjoint shards spread over the process group ``group`` (this
+        rank's expert stacks under expert parallelism); the global norm counts the others once and sums the
+        shards' part over the group (a collective: every rank of the group calls this), and a non-finite total
+        skips the step on every rank (:func:`~matrixopt.optim.nonfinite.grad_norms`). Gradients on one device."""
         max_norm, norm_type = check_clip(max_norm, norm_type)
         self.nonfinite.drop_clip()
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         grads = [p.grad for p in params]  # in param_groups order, as step() gathers them
+        shards = {id(p) for p in sharded}
         if not grads:
             return torch.zeros(())
-        if len({g.device for g in grads}) > 1 or any(g.is_sparse for g in grads):
+        one_device = len({g.device for g in grads}) == 1 and not any(g.is_sparse for g in grads)
+        if shards and not one_device:
+            raise ValueError("clip_grad_norm_ with sharded gradients needs every gradient dense and on one device")
+        if not one_device:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-        total, flags = grad_norms(grads, norm_type, grads[0].device)
+        mask = self._shard_mask(params, shards, grads[0].device) if shards else None
+        total, flags = grad_norms(grads, norm_type, grads[0].device, mask, group)
         self.scale_grads_(clip_coefficient(total, max_norm), flags)
         return total
+
+    def _shard_mask(self, params: list[Tensor], shards: set[int], device: torch.device) -> Tensor:
+        """``(len(params),)`` bool on ``device``, True for the sharded ones: built once per parameter list (a
+        host-to-device copy every step would wait for the GPU)."""
+        key = (tuple(map(id, params)), frozenset(shards), device)
+        cached = self.__dict__.get("_shard_masks")
+        if cached is None or cached[0] != key:
+            self.__dict__["_shard_masks"] = cached = (key, torch.tensor([id(p) in shards for p in params],
+                                                                        dtype=torch.bool, device=device))
+        return cached[1]
 
     @torch.no_grad()
     def scale_grads_(self, coef: Tensor, nonfinite: Tensor | None = None) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -110,17 +111,35 @@ def check_clip(max_norm: float, norm_type: float) -> tuple[float, float]:
     return max_norm, norm_type
 
 
-def grad_norms(grads: list[Tensor], norm_type: float, device: torch.device) -> tuple[Tensor, Tensor]:
+def grad_norms(grads: list[Tensor], norm_type: float, device: torch.device, sharded: Tensor | None = None,
+               group: dist.ProcessGroup | None = None) -> tuple[Tensor, Tensor]:
     """The total ``norm_type`` norm of ``grads`` as ``torch.nn.utils.clip_grad_norm_`` computes it (the norm of the
     per-gradient norms; foreach, no host sync), and which gradients are not finite. Returns ``(total, flags)`` on
     ``device``: ``total`` 0-d float32; ``flags`` ``(len(grads),)`` float32, 1 where a gradient's norm is not finite
     (a NaN/Inf, or a float32 overflow: entries beyond ~1e19). Totals of disjoint gradients (ranks, shards) combine
-    as their max for ``norm_type`` inf, else as ``(sum total**norm_type) ** (1 / norm_type)``."""
+    as their max for ``norm_type`` inf, else as ``(sum total**norm_type) ** (1 / norm_type)``.
+
+    ``sharded``: an optional ``(len(grads),)`` bool mask on ``device`` of the gradients that are disjoint shards
+    over ``group`` (expert stacks under expert parallelism): their part is combined over the group's ranks (a
+    collective), the others counted once. The total is then the same on every rank, and a non-finite one flags
+    every gradient, so that every rank skips the step together."""
     if not grads:
         return torch.zeros((), device=device), torch.zeros(0, device=device)
     norms = torch.stack(torch._foreach_norm(grads, norm_type)).float().to(device)  # (n,)
-    total = norms.amax() if norm_type == math.inf else torch.linalg.vector_norm(norms, norm_type)
-    return total, (~torch.isfinite(norms)).float()
+    flags = (~torch.isfinite(norms)).float()
+    if sharded is None:
+        total = norms.amax() if norm_type == math.inf else torch.linalg.vector_norm(norms, norm_type)
+        return total, flags
+    if norm_type == math.inf:
+        part = torch.where(sharded, norms, 0.0).amax()
+        dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
+        total = torch.maximum(torch.where(sharded, 0.0, norms).amax(), part)
+    else:
+        powers = norms.pow(norm_type)
+        part = torch.where(sharded, powers, 0.0).sum()
+        dist.all_reduce(part, group=group)
+        total = (torch.where(sharded, 0.0, powers).sum() + part).pow(1.0 / norm_type)
+    return total, torch.maximum(flags, (~torch.isfinite(total)).float())
 
 
 def clip_coefficient(total: Tensor, max_norm: float) -> Tensor:

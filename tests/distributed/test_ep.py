@@ -221,3 +221,28 @@ def _clip_under_ep(rank: int, world: int) -> None:
 
 def test_clipping_under_expert_parallelism_hands_the_norm_to_muon_and_skips_together():
     run(_clip_under_ep, 2)
+
+
+def _sharded_norms(rank: int, world: int) -> None:
+    import math
+
+    from matrixopt.optim.nonfinite import grad_norms
+
+    gen = torch.Generator().manual_seed(0)
+    shared = [torch.randn(3, 4, generator=gen), torch.randn(5, generator=gen)]  # the same on every rank
+    shards = [torch.randn(2, 6, generator=gen) * (r + 1) for r in range(world)]  # rank r holds shards[r]
+    mask = torch.tensor([False, False, True])
+    for norm_type in (2.0, 3.0, math.inf):
+        total, flags = grad_norms([*shared, shards[rank]], norm_type, torch.device("cpu"), mask, None)
+        want = torch.nn.utils.get_total_norm([*shared, *shards], norm_type)
+        torch.testing.assert_close(total, want, rtol=1e-6, atol=0)
+        assert not flags.any()
+    bad = shards[rank].clone()
+    if rank == 1:
+        bad[0, 0] = float("inf")
+    _, flags = grad_norms([*shared, bad], 2.0, torch.device("cpu"), mask, None)
+    assert flags.tolist() == [1.0, 1.0, 1.0]  # every rank flags every gradient
+
+
+def test_sharded_norms_count_each_shard_once_and_flag_together():
+    run(_sharded_norms, 2)
