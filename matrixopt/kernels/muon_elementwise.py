@@ -299,6 +299,39 @@ def nonfinite_flags(grads: Sequence[Tensor]) -> Tensor:
     return fused.nonfinite_flags_triton(grads)
 
 
+def generator_on(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
+    """``generator`` where it already lives on ``device``'s kind of device, else a generator there seeded from a draw
+    of it (a host generator then drives random bits on a GPU without a sync); None stays None (the default
+    generator)."""
+    if generator is None or generator.device.type == device.type:
+        return generator
+    return torch.Generator(device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+
+
+def stochastic_round_bf16_reference(x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """:func:`stochastic_round_bf16` in torch ops: 16 random bits added to the float32 pattern, then truncated."""
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device,
+                          generator=generator_on(generator, x.device))
+    rounded = (bits + noise).bitwise_and_(-65536)  # 0xFFFF0000 as int32: keep sign, exponent, 7 mantissa bits
+    rounded = torch.where(torch.isfinite(x), rounded, bits)  # Inf + noise would turn into NaN
+    return rounded.view(torch.float32).to(torch.bfloat16)  # exact: the low 16 bits are zero
+
+
+def stochastic_round_bf16(x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """``x`` (float32, any shape) rounded stochastically to a new bfloat16 tensor: up (in magnitude) with
+    probability equal to the dropped 16 bits' fraction of an ulp, so ``E[result] = x``. NaN and Inf stay as they
+    are. ``generator``: where the random bits come from (a host generator serves any device without a sync); the
+    same generator state gives the same result. On the GPU one fused pass (6 bytes per value; its bits from
+    Triton's Philox, keyed by one draw of ``generator``), elsewhere the torch reference (about 50 bytes)."""
+    fused = _kernels(_on_gpu([x])) if x.dtype == torch.float32 else None
+    if fused is None:
+        return stochastic_round_bf16_reference(x, generator)
+    source = generator if generator is None or generator.device.type == "cpu" else None
+    seed = int(torch.randint(0, 2**62, (1,), generator=source))  # a device generator would cost a host sync
+    return fused.stochastic_round_bf16_triton(x.contiguous(), seed)
+
+
 def fused_for(*tensors: Sequence[Tensor]) -> ModuleType | None:
     """The fused kernels' module for a pass over these lists of float32 matrices with unit column stride (on the
     GPU, or anywhere under a forced ``"triton"`` backend), else None: the caller runs its torch reference. Used by

@@ -36,7 +36,9 @@ Blocked algorithm, one program per (tile, matrix)::
     store at out[slot, r, c] (wide) or out[slot, c, r] (tall, the tile transposed in registers)
 
 The optimizers' non-finite check (``nonfinite_flags_triton``) reads every gradient the same way, from an address
-table: one program per 64k-element chunk of any tensor, so one launch covers a model's gradients.
+table: one program per 64k-element chunk of any tensor, so one launch covers a model's gradients. Compact state's
+stochastic rounding to bfloat16 (``stochastic_round_bf16_triton``) is one pass, 6 bytes per value, its random
+bits from Triton's Philox.
 
 The kernels are imported on first use by :mod:`matrixopt.kernels.muon_elementwise`; this module needs Triton.
 """
@@ -562,6 +564,42 @@ def nonfinite_flags_triton(grads: Sequence[Tensor]) -> Tensor:
         _nonfinite_kernel[(len(chunks),)](table, chunks, flags, G_DTYPE=_TL_DTYPES[grads[0].dtype],
                                           BLOCK=CHECK_BLOCK, CHUNK=CHECK_CHUNK, num_warps=4)
     return flags
+
+
+# ----------------------------------------------------------------------------------------------- rounding
+
+ROUND_BLOCK = 4096  # values per program: four runs of 1024, one Philox draw giving each of the four its noise
+
+
+@triton.jit
+def _stochastic_round_bf16_kernel(x_ptr, out_ptr, n, seed, QUARTER: tl.constexpr):
+    """``out = bf16(x)`` rounded stochastically: the 16 low bits of x's float32 pattern plus 16 random bits, then
+    truncated, so x rounds up (in magnitude) with probability equal to the dropped bits' fraction of an ulp.
+    Inf and NaN are kept. Program p covers values ``p * 4 * QUARTER ..`` as four runs of QUARTER; Philox draws
+    four 32-bit words per counter ``(seed, p * QUARTER + j)``, one word per run."""
+    base = tl.program_id(0).to(tl.int64) * (4 * QUARTER)
+    j = tl.arange(0, QUARTER)
+    r0, r1, r2, r3 = tl.randint4x(seed, tl.program_id(0).to(tl.int64) * QUARTER + j)
+    for q in tl.static_range(4):
+        r = r0 if q == 0 else (r1 if q == 1 else (r2 if q == 2 else r3))
+        idx = base + q * QUARTER + j
+        mask = idx < n
+        bits = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.int32, bitcast=True)
+        noise = (r & 0xFFFF).to(tl.int32)
+        special = (bits & 0x7F800000) == 0x7F800000  # Inf or NaN: Inf plus noise would read as NaN
+        rounded = tl.where(special, bits, (bits + noise) & -65536)
+        tl.store(out_ptr + idx, rounded.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
+
+
+def stochastic_round_bf16_triton(x: Tensor, seed: int) -> Tensor:
+    """``x`` (contiguous float32) rounded stochastically to a new bfloat16 tensor of its shape, the random bits
+    from Philox keyed by ``seed`` (0 <= seed < 2**63): the same seed gives the same result."""
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    n = x.numel()
+    if n:
+        _stochastic_round_bf16_kernel[(triton.cdiv(n, ROUND_BLOCK),)](x, out, n, seed, QUARTER=ROUND_BLOCK // 4,
+                                                                      num_warps=4)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- Adam, one pass

@@ -408,13 +408,8 @@ class MatrixOptimizer(Optimizer):
             if self.nonfinite.on_host(skip):
                 return
             skip = None
-        generators: dict[torch.device, torch.Generator] = {}
-
-        def generator(device: torch.device) -> torch.Generator:
-            if device not in generators:  # reseeded each step: reproducible, and resumable from a checkpoint
-                generators[device] = torch.Generator(device).manual_seed(0x5EED * 1_000_003 + self._rounding_step)
-            return generators[device]
-
+        # a host generator (draws without a sync), reseeded each step: reproducible, and resumable from a checkpoint
+        generator = torch.Generator().manual_seed(0x5EED * 1_000_003 + self._rounding_step)
         formats = {p: self._state_format(group) for group, params, _ in work for p in params}
         staged = StagedStep(self.state, formats, self.offload, generator)
         chunks = []  # (group, params, grads, units: None, or sub-chunks whose state moves one at a time)
@@ -610,16 +605,14 @@ class MatrixOptimizer(Optimizer):
                     raise ValueError(f"state '{k}' has shape {tuple(v.shape)} but the parameter has shape "
                                      f"{tuple(p.shape)}: the state dict comes from a different model")
         super().load_state_dict(state_dict)
-        generators: dict[torch.device, torch.Generator] = {}
+        generator = torch.Generator().manual_seed(0x5EED)
         formats = {p: self._state_format(g) for g in self.param_groups for p in g["params"]}
         for pid, st in state_dict["state"].items():
             p = id_map[pid]
             st = {k: (v.to(device=p.device, copy=True) if isinstance(v, Tensor) else v) for k, v in st.items()}
             if any(isinstance(v, Tensor) and not compact.in_format(st, k, formats[p])
                    for k, v in st.items() if not compact.is_scale(k, st)):
-                if p.device not in generators:
-                    generators[p.device] = torch.Generator(p.device).manual_seed(0x5EED)
-                st = compact.converted(st, formats[p], generators[p.device])
+                st = compact.converted(st, formats[p], generator)
             self.state[p] = st
             if self.offload is not None:
                 self.state[p] = {k: self.offload.to_host(v) for k, v in self.state[p].items()}

@@ -284,9 +284,9 @@ class Muon(MatrixOptimizer):
         keys = [self._staged_keys[p] for p in params]
         step = self._step_options(group, device)
         whole, _ = momentum_buckets(params, grads, grads, None, keys)  # the batches (gradients stand for momentum)
-        stacks = {bk.key: staged.stack((bk.count, bk.s, bk.l), step["dtype"], device) for bk in whole}
-        filled = dict.fromkeys(stacks, 0)
-        parts: dict[tuple, list[Tensor | None]] = {k: [] for k in stacks}
+        stacks: dict[tuple, Tensor] = {}
+        filled = {bk.key: 0 for bk in whole}
+        parts: dict[tuple, list[Tensor | None]] = {bk.key: [] for bk in whole}
 
         def pack(unit: list[int]) -> None:  # one sub-chunk: staged, packed into the stacks, stored back
             ps, gs = [params[i] for i in unit], [grads[i] for i in unit]
@@ -300,10 +300,11 @@ class Muon(MatrixOptimizer):
                 filled[bk.key] = start + n
             staged.unstage(ps)
 
-        with staged.pack_stream(device):
+        with staged.pack_stream(device):  # the stacks too: the stream that fills them allocates them
+            stacks.update((bk.key, staged.stack((bk.count, bk.s, bk.l), step["dtype"], device)) for bk in whole)
             for unit in units:
                 pack(unit)
-        staged.packed(device, [t for ts in parts.values() for t in ts if t is not None])
+        staged.packed(device, [*stacks.values(), *(t for ts in parts.values() for t in ts if t is not None)])
         lr = self._device_lr(group, device)
         for bk in whole:
             got = parts[bk.key]

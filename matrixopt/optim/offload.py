@@ -305,7 +305,7 @@ def check_offload(value: Any) -> Offload | None:
 class StagedStep:
     """One optimizer step over state that is compact, offloaded or both (module docstring). ``state``: the
     optimizer's ``self.state``; ``formats``: per parameter, how its state is stored (``state_dtype`` of
-    :mod:`matrixopt.optim.state`); ``generator(device)``: the stochastic rounding's generator for ``device``.
+    :mod:`matrixopt.optim.state`); ``generator``: the stochastic rounding's (a host generator serves every device).
 
     Use: ``plan(units)`` (optional: each ``stage()`` then prefetches the unit after its own), ``stage(unit)``, the
     update, ``unstage(unit)``, ..., then ``commit()`` once every unit succeeded, or ``rollback()`` on an exception.
@@ -314,7 +314,7 @@ class StagedStep:
     :meth:`pack_stream`, takes its stacks from :meth:`stack`, and calls :meth:`packed` and :meth:`chunk_done`."""
 
     def __init__(self, state: dict[Tensor, dict[str, Any]], formats: dict[Tensor, str | None],
-                 offload: Offload | None, generator: Callable[[torch.device], torch.Generator]) -> None:
+                 offload: Offload | None, generator: torch.Generator) -> None:
         self.state, self.formats, self.offload, self.generator = state, formats, offload, generator
         self._stored: dict[Tensor, dict[str, Any]] = {}  # per staged parameter or part: its state as stored
         self._fetched: dict[Tensor, dict[str, Any]] = {}  # prefetched device copies of stored state
@@ -325,6 +325,7 @@ class StagedStep:
         self._plan: list[list[Tensor]] = []  # the units stage() is called with, in order (see plan)
         self._next = 0  # index in _plan of the next unit to stage
         self._chunks_done: collections.deque = collections.deque()  # events: a streamed chunk's update done
+        self._packing: set[torch.device] = set()  # devices whose packing stream has joined this step
 
     def plan(self, units: list[list[Tensor]]) -> None:
         """The units (lists of parameters or parts) :meth:`stage` will be called with, in order: each stage()
@@ -406,22 +407,28 @@ class StagedStep:
                 self.prefetch(self._plan[self._next])
 
     def stack(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-        """An empty Newton–Schulz stack for a streamed chunk (on the compute stream), once the chunk two before
-        this one has finished with its own: at most two chunks' stacks at a time."""
+        """An empty Newton–Schulz stack for a streamed chunk (on the current stream: inside :meth:`pack_stream`,
+        which fills it), once the chunk two before this one has finished with its own: at most two chunks' stacks
+        at a time."""
         while len(self._chunks_done) >= 2:
             self._chunks_done.popleft().synchronize()
         return torch.empty(shape, dtype=dtype, device=device)
 
     @contextlib.contextmanager
     def pack_stream(self, device: torch.device) -> Iterator[None]:
-        """Run the body (a streamed chunk's staging and momentum passes) on the offload's packing stream, after
-        the compute stream's work so far, so that it overlaps the last chunk's Newton–Schulz (CUDA); as it is
-        elsewhere."""
+        """Run the body (a streamed chunk's staging and momentum passes) on the offload's packing stream, so that
+        it overlaps the last chunks' Newton–Schulz (CUDA); as it is elsewhere. The packing stream waits for the
+        compute stream once per step, at its first chunk: it reads the gradients (and the clip's coefficient),
+        written before the step, and only its own allocations and fetches after that. Waiting at every chunk
+        would hold each chunk's momentum passes, and so its stores and, through :meth:`Offload.throttle`, the
+        host's next fetches, behind the last chunk's Newton–Schulz."""
         side = None if self.offload is None else self.offload.packer(device)
         if side is None:
             yield
             return
-        side.wait_stream(torch.cuda.current_stream(device))
+        if device not in self._packing:
+            side.wait_stream(torch.cuda.current_stream(device))
+            self._packing.add(device)
         with torch.cuda.stream(side):
             yield
 
@@ -451,7 +458,7 @@ class StagedStep:
             work, stored = self.state[q], self._stored[q]  # still restorable by rollback() until stored back
             new = {}
             for k, v in work.items():
-                new |= compact.encode(v, k, self.formats.get(p), self.generator(q.device)) \
+                new |= compact.encode(v, k, self.formats.get(p), self.generator) \
                     if isinstance(v, Tensor) else {k: v}
             whole = start is None or stop == p.numel()
             if self.offload is not None:

@@ -54,6 +54,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from matrixopt.kernels.muon_elementwise import generator_on, stochastic_round_bf16
+
 BLOCK = 256  # values per int8 block (one float32 scale each)
 STATE_DTYPES = ("float32", "bf16", "int8")
 _ALIASES = {None: None, "float32": None, "fp32": None, torch.float32: None,
@@ -84,16 +86,6 @@ def check_state_dtype(value: Any) -> str | None:
                          f"'bf16', or 'int8' (block-quantized)") from None
 
 
-def stochastic_round_bf16(x: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """``x`` (float32, any shape) rounded stochastically to bfloat16: up (in magnitude) with probability equal to
-    the dropped 16 bits' fraction of an ulp, so ``E[result] = x``. NaN and Inf stay as they are."""
-    bits = x.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    rounded = (bits + noise).bitwise_and_(-65536)  # 0xFFFF0000 as int32: keep sign, exponent, 7 mantissa bits
-    rounded = torch.where(torch.isfinite(x), rounded, bits)  # Inf + noise would turn into NaN
-    return rounded.view(torch.float32).to(torch.bfloat16)  # exact: the low 16 bits are zero
-
-
 def _blocks(x: Tensor) -> Tensor:
     """``x`` flattened and zero-padded to ``(ceil(numel / BLOCK), BLOCK)``."""
     flat = x.reshape(-1)
@@ -105,7 +97,7 @@ def _blocks(x: Tensor) -> Tensor:
 
 def _stochastic_round(x: Tensor, generator: torch.Generator | None) -> Tensor:
     """``floor(x + u)``, u uniform in [0, 1): unbiased rounding to an integer."""
-    u = torch.rand(x.shape, dtype=x.dtype, device=x.device, generator=generator)
+    u = torch.rand(x.shape, dtype=x.dtype, device=x.device, generator=generator_on(generator, x.device))
     return x.add_(u).floor_()
 
 

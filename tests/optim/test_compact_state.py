@@ -1,11 +1,14 @@
 """Compact optimizer state (``state_dtype="bf16"`` / ``"int8"``): the rounding primitives against float64, one
 step's state against a float64 step from the decoded state, exact checkpoint round trips and conversions."""
 
+import os
+
 import pytest
 import torch
 from torch import nn
 
 import matrixopt
+from matrixopt.kernels.muon_elementwise import elementwise_backend
 from matrixopt.optim.state import (
     BLOCK,
     decode,
@@ -28,22 +31,52 @@ def _bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return lo.view(torch.float32).double(), hi.view(torch.float32).double()
 
 
-def test_bf16_stochastic_rounding_is_unbiased_within_one_ulp():
+@pytest.fixture(params=["torch", "triton"])
+def rounding_device(request):
+    """Where stochastic rounding runs: the torch reference on the CPU, or the fused Triton kernel (on the GPU, or
+    on the CPU through Triton's interpreter)."""
+    if request.param == "torch":
+        with elementwise_backend("torch"):
+            yield torch.device("cpu")
+        return
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        yield torch.device("cuda")
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        with elementwise_backend("triton"):
+            yield torch.device("cpu")
+    else:
+        pytest.skip("the Triton kernel needs a GPU or TRITON_INTERPRET=1")
+
+
+def test_bf16_stochastic_rounding_is_unbiased_within_one_ulp(rounding_device):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(257, generator=g) * torch.logspace(-20, 20, 257)
-    r = stochastic_round_bf16(x.expand(DRAWS, -1).contiguous(), g).double()  # (DRAWS, 257)
+    r = stochastic_round_bf16(x.expand(DRAWS, -1).contiguous().to(rounding_device), g).cpu().double()
     lo, hi = _bf16_neighbours(x)
     assert torch.all((r == lo) | (r == hi)), "each rounding is one of the two neighbours (within one ulp)"
     ulp = (hi - lo).abs()
     err = (r.mean(0) - x.double()).abs()
     assert torch.all(err <= MEAN_TOL * ulp), (err / ulp).max()
+    assert torch.all((r == hi).any(0) == (lo != hi)), "a value between two neighbours rounds both ways"
 
 
-def test_bf16_stochastic_rounding_keeps_exact_and_special_values():
-    x = torch.tensor([0.0, -0.0, 1.0, -2.5, float("inf"), float("-inf"), float("nan")])
-    r = stochastic_round_bf16(x, torch.Generator().manual_seed(1))
+def test_bf16_stochastic_rounding_keeps_exact_and_special_values(rounding_device):
+    x = torch.tensor([0.0, -0.0, 1.0, -2.5, float("inf"), float("-inf"), float("nan"), 3.0e38, -3.0e38])
+    r = stochastic_round_bf16(x.to(rounding_device), torch.Generator().manual_seed(1)).cpu()
     assert r.dtype == torch.bfloat16
-    torch.testing.assert_close(r.float(), x, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(r[:7].float(), x[:7], equal_nan=True, rtol=0, atol=0)
+    lo, hi = _bf16_neighbours(x[7:])
+    assert torch.all((r[7:].double() == lo) | (r[7:].double() == hi)), "large finite values stay finite or round up"
+
+
+def test_bf16_stochastic_rounding_repeats_with_the_generator(rounding_device):
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(4)).to(rounding_device)
+    a = stochastic_round_bf16(x, torch.Generator().manual_seed(7))
+    b = stochastic_round_bf16(x, torch.Generator().manual_seed(7))
+    c = stochastic_round_bf16(x, torch.Generator().manual_seed(8))
+    assert torch.equal(a, b), "the same generator state gives the same rounding"
+    assert not torch.equal(a, c), "another seed draws other bits"
 
 
 @pytest.mark.parametrize("signed", [True, False])

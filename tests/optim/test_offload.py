@@ -401,11 +401,11 @@ def test_trainer_config_passes_the_options():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned host state and copy streams")
-@pytest.mark.parametrize("name", ["muon", "adamuon"])
-def test_offloaded_steps_are_bit_identical_on_cuda(name, monkeypatch):
+@pytest.mark.parametrize("name, state_dtype", [("muon", None), ("adamuon", None), ("muon", "bf16")])
+def test_offloaded_steps_are_bit_identical_on_cuda(name, state_dtype, monkeypatch):
     ref, model = _model().cuda(), _model().cuda()
-    opt_ref = matrixopt.build_optimizer(ref, name, lr=1e-2, weight_decay=0.1)
-    opt = matrixopt.build_optimizer(model, name, lr=1e-2, weight_decay=0.1, offload="cpu")
+    opt_ref = matrixopt.build_optimizer(ref, name, lr=1e-2, weight_decay=0.1, state_dtype=state_dtype)
+    opt = matrixopt.build_optimizer(model, name, lr=1e-2, weight_decay=0.1, state_dtype=state_dtype, offload="cpu")
     monkeypatch.setattr(base, "CHUNK_NUMEL", 1000)  # several chunks: copies overlap the next chunk's update
     g = torch.Generator().manual_seed(1)
     for _ in range(50):
