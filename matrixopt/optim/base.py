@@ -10,6 +10,7 @@ memory, :mod:`matrixopt.optim.offload`) the same updates run chunk by chunk on f
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Iterable
@@ -408,10 +409,9 @@ class MatrixOptimizer(Optimizer):
             if self.nonfinite.on_host(skip):
                 return
             skip = None
-        # a host generator (draws without a sync), reseeded each step: reproducible, and resumable from a checkpoint
-        generator = torch.Generator().manual_seed(0x5EED * 1_000_003 + self._rounding_step)
         formats = {p: self._state_format(group) for group, params, _ in work for p in params}
-        staged = StagedStep(self.state, formats, self.offload, generator)
+        # the rounding's seed, new each step: reproducible, and resumable from a checkpoint
+        staged = StagedStep(self.state, formats, self.offload, 0x5EED * 1_000_003 + self._rounding_step)
         chunks = []  # (group, params, grads, units: None, or sub-chunks whose state moves one at a time)
         for group, params, grads in sorted(work, key=lambda w: not w[0][self.matrix_flag]):
             for idx in self._state_chunks(group, params, grads):
@@ -425,6 +425,7 @@ class MatrixOptimizer(Optimizer):
                 for start in range(0, p.numel(), size):
                     view, grad = staged.part(p, g, start, min(start + size, p.numel()))
                     chunks.append((group, [view], [grad], None))
+        chunks = self._interleaved(chunks, staged)
         plan = []  # the units staged one after another: each one's state is fetched while the one before computes
         for _, params, _, unit_lists in chunks:
             plan.extend([[params[i] for i in u] for u in unit_lists] if unit_lists else [params])
@@ -433,9 +434,11 @@ class MatrixOptimizer(Optimizer):
         try:
             for group, params, grads, unit_lists in chunks:
                 if unit_lists is None:
-                    staged.stage(params)
-                    self._group_update(group, params, grads, None)
-                    staged.unstage(params)
+                    with staged.pack_stream(params[0].device) if staged.streaming and not group[self.matrix_flag] \
+                            else contextlib.nullcontext():
+                        staged.stage(params)
+                        self._group_update(group, params, grads, None)
+                        staged.unstage(params)
                 else:
                     self._streamed_update(group, params, grads, unit_lists, staged)
             staged.commit()
@@ -445,6 +448,33 @@ class MatrixOptimizer(Optimizer):
         finally:
             self._staging = False
         self._rounding_step += 1
+
+    def _interleaved(self, chunks: list[tuple], staged: StagedStep) -> list[tuple]:
+        """The staged step's chunks ``(group, params, grads, units)`` in the order they run. Where matrix chunks
+        stream their state (``units`` given) the AdamW groups' chunks go between them, spread evenly, and run on
+        the packing stream (:meth:`StagedStep.pack_stream`): their transfers, and the host's work on them, then
+        overlap Newton–Schulz instead of following it. A chunk of many small parameters (norms' weights, biases:
+        little to move, but host work per parameter) is split into as many pieces as there are streamed chunks;
+        an element-wise update gives each parameter the same result in any grouping. Elsewhere the order is as
+        given: the matrix groups', then the AdamW groups'."""
+        streamed = sum(units is not None for *_, units in chunks)
+        staged.streaming = bool(streamed) and self.offload is not None
+        if not staged.streaming:
+            return chunks
+        elementwise = []
+        for group, ps, gs, units in chunks:
+            if units is None and not group[self.matrix_flag]:
+                n = -(-len(ps) // streamed)
+                elementwise.extend((group, ps[i:i + n], gs[i:i + n], None) for i in range(0, len(ps), n))
+        out, seen = [], 0
+        for c in chunks:
+            if c[3] is None and not c[0][self.matrix_flag]:
+                continue
+            out.append(c)
+            if c[3] is not None:
+                seen += 1
+                out.extend(elementwise[len(elementwise) * (seen - 1) // streamed:len(elementwise) * seen // streamed])
+        return out
 
     def _stream_units(self, group: dict[str, Any], params: list[Tensor]) -> list[list[int]] | None:
         """None: a staged chunk's state moves whole (Muon's offloaded matrix chunks move in sub-chunks)."""

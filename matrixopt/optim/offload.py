@@ -51,6 +51,7 @@ PENDING_STORES = 4
 """Units whose state may still be on its way to the host when the next fetch is issued. With CHUNK_NUMEL, the best
 of the sizes tried on an H100 at 1.3B (docs/results/memory)."""
 OFFLOAD_CHOICES = ("cpu",)
+_MASK64 = (1 << 64) - 1
 
 
 class Offload:
@@ -305,7 +306,10 @@ def check_offload(value: Any) -> Offload | None:
 class StagedStep:
     """One optimizer step over state that is compact, offloaded or both (module docstring). ``state``: the
     optimizer's ``self.state``; ``formats``: per parameter, how its state is stored (``state_dtype`` of
-    :mod:`matrixopt.optim.state`); ``generator``: the stochastic rounding's (a host generator serves every device).
+    :mod:`matrixopt.optim.state`), in the optimizer's order of parameters; ``seed``: the step's stochastic
+    rounding seed. Each parameter, or part, rounds with random bits of its own, keyed by the seed, its place in
+    ``formats`` and its first value, so the result does not depend on the order the units run in (offloaded or
+    not, interleaved or not).
 
     Use: ``plan(units)`` (optional: each ``stage()`` then prefetches the unit after its own), ``stage(unit)``, the
     update, ``unstage(unit)``, ..., then ``commit()`` once every unit succeeded, or ``rollback()`` on an exception.
@@ -314,8 +318,10 @@ class StagedStep:
     :meth:`pack_stream`, takes its stacks from :meth:`stack`, and calls :meth:`packed` and :meth:`chunk_done`."""
 
     def __init__(self, state: dict[Tensor, dict[str, Any]], formats: dict[Tensor, str | None],
-                 offload: Offload | None, generator: torch.Generator) -> None:
-        self.state, self.formats, self.offload, self.generator = state, formats, offload, generator
+                 offload: Offload | None, seed: int) -> None:
+        self.state, self.formats, self.offload, self.seed = state, formats, offload, seed
+        self._index = {p: i for i, p in enumerate(formats)}
+        self.streaming = False  # whether element-wise units run on the packing stream (set by the optimizer)
         self._stored: dict[Tensor, dict[str, Any]] = {}  # per staged parameter or part: its state as stored
         self._fetched: dict[Tensor, dict[str, Any]] = {}  # prefetched device copies of stored state
         self._pending: dict[Tensor, dict[str, Any]] = {}  # offload: new state in the shadows, for commit()
@@ -456,10 +462,9 @@ class StagedStep:
         for q in params:
             p, _, start, stop = self._source(q)
             work, stored = self.state[q], self._stored[q]  # still restorable by rollback() until stored back
-            new = {}
+            new, generator = {}, self._generator(p, start)
             for k, v in work.items():
-                new |= compact.encode(v, k, self.formats.get(p), self.generator) \
-                    if isinstance(v, Tensor) else {k: v}
+                new |= compact.encode(v, k, self.formats.get(p), generator) if isinstance(v, Tensor) else {k: v}
             whole = start is None or stop == p.numel()
             if self.offload is not None:
                 shadow = self._pending.get(p)
@@ -494,6 +499,17 @@ class StagedStep:
         if self.offload is not None and params:
             self.offload.mark_stored(params[0].device)
 
+    def _generator(self, p: Tensor, start: int | None) -> torch.Generator | None:
+        """The rounding's host generator for parameter ``p``'s values from ``start`` on (None: float32 state, which
+        draws nothing), seeded from ``(seed, p's place, start)`` by a SplitMix64 mix."""
+        if self.formats.get(p) is None:
+            return None
+        h = self.seed & _MASK64
+        for v in (self._index[p], start or 0):
+            h = (h ^ v) * 0xBF58476D1CE4E5B9 & _MASK64
+            h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK64
+        return torch.Generator().manual_seed(h >> 1)  # below 2**63
+
     def _full(self, p: Tensor, new: dict[str, Any], start: int | None, stop: int | None) -> dict[str, Any]:
         """``new`` (a part's entries when ``start`` is given) laid out for the whole parameter: meta tensors of
         the whole shapes, other values as they are."""
@@ -519,9 +535,15 @@ class StagedStep:
             return t[start // compact.BLOCK:-(-stop // compact.BLOCK)]
         return t.view(-1)[start:stop]
 
+    def join(self) -> None:
+        """The compute stream waits for the packing stream's work (the updates it ran), on every device."""
+        for device in self._packing:
+            torch.cuda.current_stream(device).wait_stream(self.offload.packer(device))
+
     def commit(self) -> None:
         """Make the new state current: every chunk's host copies finished, the shadows swapped in; then start
         refreshing the parameters' host backups for the next step (offload)."""
+        self.join()
         if self.offload is not None:
             self.offload.synchronize()
             for p, new in self._pending.items():
@@ -535,6 +557,7 @@ class StagedStep:
     def rollback(self) -> None:
         """After an exception mid-step: the stored state back in place and, offloaded, the parameters restored
         from their host copies (the step before, all of it)."""
+        self.join()
         for q in self._stored:
             if q in self._parts:
                 self.state.pop(q, None)

@@ -167,8 +167,28 @@ def test_an_offloaded_batch_moves_its_momentum_in_sub_chunks(monkeypatch):
     assert copies.most <= 768 + 2 * 640 + 1
 
 
-def test_offload_with_compact_state_matches_compact_state():
-    ref, model = _model(), _model()
+def _two_batch_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(40, 16), nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 16), nn.LayerNorm(16),
+                         nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.LayerNorm(16), nn.Linear(16, 16))
+
+
+@pytest.mark.parametrize("chunk", [None, 600])
+def test_offload_with_compact_state_matches_compact_state(chunk, monkeypatch):
+    """Bit for bit, also where the offloaded step streams two batches' momentum and runs the AdamW groups'
+    chunks between them, split (chunks of 600 values; the step without offload runs them after the matrices):
+    every parameter rounds with random bits of its own, whatever the order."""
+    order = []
+    if chunk is not None:
+        monkeypatch.setattr(base, "CHUNK_NUMEL", chunk)
+        interleaved = base.MatrixOptimizer._interleaved
+
+        def recorded(self, chunks, staged):
+            out = interleaved(self, chunks, staged)
+            order.append([units is not None for *_, units in out])
+            return out
+        monkeypatch.setattr(base.MatrixOptimizer, "_interleaved", recorded)
+    ref, model = (_model(), _model()) if chunk is None else (_two_batch_model(), _two_batch_model())
     opt_ref = matrixopt.build_optimizer(ref, "muon", lr=1e-2, state_dtype="bf16")
     opt = matrixopt.build_optimizer(model, "muon", lr=1e-2, state_dtype="bf16",
                                     offload=Offload(device_copy=FakeDeviceCopy()))
@@ -177,6 +197,9 @@ def test_offload_with_compact_state_matches_compact_state():
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a, b)
     _state_equal(opt_ref, opt)
+    if chunk is not None:  # streamed, element-wise, streamed, element-wise... (not the unstreamed step's order)
+        streamed = order[-1]
+        assert streamed.count(True) >= 2 and streamed[1] is False, streamed
 
 
 @pytest.mark.parametrize("save_offloaded", [True, False])
