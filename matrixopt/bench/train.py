@@ -43,7 +43,8 @@ from matrixopt.train.qk_clip import GPTQKClip
 # The mixtures of experts train their expert stacks with matrixopt's optimizers and AdamW only: the peers take 2-D
 # parameters (bench step times them on per-expert copies).
 BATCHES: dict[str, tuple[int, int, int]] = {"gpt2-small": (16, 1024, 50304), "gpt2-medium": (8, 1024, 50304),
-                                            "1.3b": (4, 2048, 50304), "tiny-cpu": (2, 32, 512),
+                                            "1.3b": (4, 2048, 50304), "6.7b": (1, 2048, 50304),
+                                            "tiny-cpu": (2, 32, 512),
                                             "moe-small": (16, 1024, 50304), "moe-tiny": (2, 16, 512)}
 # suffixes of an optimizer name: "muon+eager" is Muon without the trainer's CUDA graph (cuda_graph=False),
 # "muon+standard" Muon with the standard Newton–Schulz form (ns_method="standard"), "muon+fused_qkv" Muon with the
@@ -220,12 +221,15 @@ def run(model: str = "gpt2-small",
         qk_clip = GPTQKClip(net, par, QK_CLIP_TAU) if "qk_clip" in name.split("+")[1:] else None
         x = torch.randint(0, vocab, (B, T), device=device)
         y = torch.randint(0, vocab, (B, T), device=device)
-        t = time_ms(functools.partial(train_step, par, net, opt, x, y, qk_clip), device, reps=reps, inner=steps,
-                    warmup=warmup)
-        tok_s = B * T / (t["median"] / 1e3)
-        results[name] = {"status": "ok", "step_ms": t, "tokens_per_s": tok_s,
-                         "mfu": net.estimate_flops_per_token() * tok_s / (PEAK_BF16_TFLOPS * 1e12),
-                         **memory(par, net, opt, x, y, qk_clip)}
+        try:
+            t = time_ms(functools.partial(train_step, par, net, opt, x, y, qk_clip), device, reps=reps, inner=steps,
+                        warmup=warmup)
+            tok_s = B * T / (t["median"] / 1e3)
+            results[name] = {"status": "ok", "step_ms": t, "tokens_per_s": tok_s,
+                             "mfu": net.estimate_flops_per_token() * tok_s / (PEAK_BF16_TFLOPS * 1e12),
+                             **memory(par, net, opt, x, y, qk_clip)}
+        except torch.cuda.OutOfMemoryError as e:  # a row that does not fit (say, without offload) is a result too
+            results[name] = {"status": "out of memory: " + str(e).split(". ")[0]}
         par.release()
         del net, opt
         gc.collect()

@@ -139,6 +139,25 @@ def test_train_records_an_optimizer_that_rejects_its_setting(monkeypatch):
                                                     "results": res})
 
 
+def test_train_records_a_row_that_runs_out_of_memory(monkeypatch):
+    """A model that does not fit with one optimizer (say, without offload) is a row of the table, not the end of
+    the run: the next rows are timed."""
+    from matrixopt.bench import train
+
+    timed = train.time_ms
+
+    def time_ms(fn, device, **kw):
+        if fn.args[2].state_dtype is None:  # float32 state: "does not fit"
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 26.00 GiB")
+        return timed(fn, device, **kw)
+
+    monkeypatch.setattr(train, "time_ms", time_ms)
+    res = train.run("tiny-cpu", ("muon", "muon+bf16"), device=torch.device("cpu"), steps=1, reps=1,
+                    warmup=0)["results"]
+    assert res["muon"] == {"status": "out of memory: CUDA out of memory"}
+    assert res["muon+bf16"]["status"] == "ok"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU memory needs CUDA")
 def test_train_memory_on_cuda():
     """The state on the GPU counts each storage once; offloaded state is not on the GPU."""
