@@ -11,13 +11,16 @@ hold whole Newton–Schulz batches of up to 128M values, sub-chunks of the batch
 (``Muon._streamed_update``)::
 
     H2D stream    : state of unit i+1
-    packing stream: momentum pass of unit i (Muon's sub-chunks), overlapping the last batch's Newton–Schulz
+    packing stream: momentum pass of unit i (Muon's sub-chunks; the AdamW groups' units, placed between Muon's
+                    batches), overlapping the last batches' Newton–Schulz
     compute stream: update of unit i (decode, momentum, Newton–Schulz, apply, encode)
     D2H stream    : new state of unit i-1
 
-so transfers overlap compute. The host issues the step ahead of the GPU, and each fetch allocates device memory
-when it is issued, so the host waits while more than :data:`PENDING_STORES` units are still on their way back:
-the device holds the state of a few units, not the whole state.
+so transfers overlap compute. The packing stream waits for the compute stream once per step, and the compute
+stream waits for it before each batch's Newton–Schulz and at the end of the step. The host issues the step ahead
+of the GPU, and each fetch allocates device memory when it is issued, so the host waits while more than
+:data:`PENDING_STORES` units are still on their way back: the device holds the state of a few units, not the whole
+state.
 
 The step is all or nothing: new state is written into a second host buffer (a *shadow*) and swapped in only once
 every chunk has succeeded, and the parameters have a copy on the host (a *backup*) from before their update, so an
@@ -501,7 +504,8 @@ class StagedStep:
 
     def _generator(self, p: Tensor, start: int | None) -> torch.Generator | None:
         """The rounding's host generator for parameter ``p``'s values from ``start`` on (None: float32 state, which
-        draws nothing), seeded from ``(seed, p's place, start)`` by a SplitMix64 mix."""
+        draws nothing), seeded from ``(seed, p's place, start)`` by a multiply-xorshift mix (SplitMix64's
+        constants)."""
         if self.formats.get(p) is None:
             return None
         h = self.seed & _MASK64
