@@ -171,6 +171,12 @@ class ShardedMuon(OnLocalShards, Muon):
         self.tp_mode, self.tp_mesh_dim = tp_mode, tp_mesh_dim
         self.tp_chunks, self.tp_cost_model = tp_chunks, tp_cost_model
         super().__init__(params, *args, **kwargs)
+        if (self.state_dtype is not None or self.offload is not None) and any(
+                isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
+            raise NotImplementedError(
+                f"{type(self).__name__} does not take state_dtype ({self.state_dtype}) or offload ({self.offload}) "
+                f"for sharded (DTensor) parameters: they handle plain tensors. Leave them unset, or train with the "
+                f"layer-wise optimizer (--parallel layerwise), whose owners take both")
 
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                        skip: Tensor | None = None) -> None:

@@ -169,7 +169,16 @@ def _owner_gather_sends_whole_matrices_to_owners_only(rank: int, world: int) -> 
         gather_to_owners(local, [3] * world, sizes, 2, None)
 
 
+def _compact_or_offloaded_shards_are_refused(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = apply_fsdp(Net(), mesh)
+    for option in ({"offload": "cpu"}, {"state_dtype": "bf16"}):
+        with pytest.raises(NotImplementedError, match="--parallel layerwise"):
+            ShardedMuon(param_groups(model), **HPARAMS, **option)
+
+
 def _fsdp_checks(rank: int, world: int) -> None:
+    _compact_or_offloaded_shards_are_refused(rank, world)
     _owner_gather_sends_whole_matrices_to_owners_only(rank, world)
     _fsdp_matches_single_process(rank, world)
     for cls, sharded in ((NorMuon, ShardedNorMuon), (AdaMuon, ShardedAdaMuon)):
