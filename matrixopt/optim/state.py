@@ -12,8 +12,9 @@ memory as the compact state saves: bf16 state plus a bf16 residual is fp32's 4 b
 rounds up with probability equal to the fraction of the ulp the value lies past the lower neighbour, so the stored
 value is unbiased, ``E[encode(x)] = x``, and the error of one rounding is below one ulp. It needs no memory, and
 increments below an ulp survive in expectation. We use stochastic rounding (Zamirai et al., arXiv:2010.06192;
-Gupta et al., arXiv:1502.02551), with random bits from a generator reseeded each step from ``(seed, step)``, so a
-run, and a resumed run, is reproducible.
+Gupta et al., arXiv:1502.02551), with random bits keyed by the step, the parameter and its range (a host generator
+seeded from them; on the GPU one Triton pass draws its bits from Philox keyed by that generator's draw), so a run,
+and a resumed run, is reproducible, and the bits do not depend on the order a step updates its parameters in.
 
 Formats (``state_dtype``):
 
