@@ -617,6 +617,30 @@ def _columns(c0, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def _row_operand(row, k, n, ALIGNED: tl.constexpr):
+    """Operand ``k`` of a row-pass table row laid out as ``n`` addresses, the rows, the columns and the ``n`` row
+    strides (elements): its float32 pointer and row stride; with ``ALIGNED`` hinted 16-byte aligned and a multiple
+    of 4 elements (vector loads and stores)."""
+    addr = tl.load(row + k)
+    rs = tl.load(row + n + 2 + k)
+    if ALIGNED:
+        addr = tl.multiple_of(addr, 16)
+        rs = tl.multiple_of(rs, 4)
+    return addr.to(tl.pointer_type(tl.float32)), rs
+
+
+@triton.jit
+def _work_row(table_ptr, chunks_ptr, n, width):
+    """This program's work item of a row pass: ``(i, r0, row, R, C)``, the matrix, its first row, its table row
+    (``width`` entries: ``n`` addresses, the rows, the columns, the ``n`` row strides, padding) and its shape."""
+    work = chunks_ptr + tl.program_id(0).to(tl.int64) * 2
+    i = tl.load(work)
+    r0 = tl.load(work + 1)
+    row = table_ptr + i * width
+    return i, r0, row, tl.load(row + n), tl.load(row + n + 1)
+
+
+@triton.jit
 def _adam_kernel(
     # (n, 12) int64 table, one row per matrix: gradient, first moment, second moment, output and numerator
     # addresses, rows, columns, and the five row strides (elements); (P, 2) int64 work list: matrix, first row
@@ -627,26 +651,12 @@ def _adam_kernel(
     HAS_SKIP: tl.constexpr, NESTEROV: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    work = chunks_ptr + tl.program_id(0).to(tl.int64) * 2
-    i = tl.load(work)
-    r0 = tl.load(work + 1)
-    row = table_ptr + i * 12
-    g_addr, m_addr, v_addr, o_addr = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
-    n_addr = tl.load(row + 4)
-    R, C = tl.load(row + 5), tl.load(row + 6)
-    g_rs, m_rs, v_rs, o_rs = tl.load(row + 7), tl.load(row + 8), tl.load(row + 9), tl.load(row + 10)
-    n_rs = tl.load(row + 11)
-    if ALIGNED:  # every address a multiple of 16 bytes, every row stride of 4 elements: vector loads and stores
-        g_addr, m_addr = tl.multiple_of(g_addr, 16), tl.multiple_of(m_addr, 16)
-        v_addr, o_addr, n_addr = tl.multiple_of(v_addr, 16), tl.multiple_of(o_addr, 16), tl.multiple_of(n_addr, 16)
-        g_rs, m_rs, v_rs, o_rs = tl.multiple_of(g_rs, 4), tl.multiple_of(m_rs, 4), tl.multiple_of(v_rs, 4), \
-            tl.multiple_of(o_rs, 4)
-        n_rs = tl.multiple_of(n_rs, 4)
-    g_ptr = g_addr.to(tl.pointer_type(tl.float32))
-    m_ptr = m_addr.to(tl.pointer_type(tl.float32))
-    v_ptr = v_addr.to(tl.pointer_type(tl.float32))
-    o_ptr = o_addr.to(tl.pointer_type(tl.float32))
-    n_ptr = n_addr.to(tl.pointer_type(tl.float32))
+    i, r0, row, R, C = _work_row(table_ptr, chunks_ptr, 5, 12)
+    g_ptr, g_rs = _row_operand(row, 0, 5, ALIGNED)
+    m_ptr, m_rs = _row_operand(row, 1, 5, ALIGNED)
+    v_ptr, v_rs = _row_operand(row, 2, 5, ALIGNED)
+    o_ptr, o_rs = _row_operand(row, 3, 5, ALIGNED)
+    n_ptr, n_rs = _row_operand(row, 4, 5, ALIGNED)
     kept = tl.where(tl.load(skip_ptr) == 0, R, 0) if HAS_SKIP else R  # no row at all when skipping
     for r in range(r0, r0 + ROWS):
         for c0 in range(0, C, BLOCK):
@@ -678,18 +688,9 @@ def _factor_ema_kernel(
     weight,
     HAS_LIVE: tl.constexpr, SUM: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    work = chunks_ptr + tl.program_id(0).to(tl.int64) * 2
-    i = tl.load(work)
-    r0 = tl.load(work + 1)
-    row = table_ptr + i * 6
-    f_addr, g_addr = tl.load(row), tl.load(row + 1)
-    R, C = tl.load(row + 2), tl.load(row + 3)
-    f_rs, g_rs = tl.load(row + 4), tl.load(row + 5)
-    if ALIGNED:
-        f_addr, g_addr = tl.multiple_of(f_addr, 16), tl.multiple_of(g_addr, 16)
-        f_rs, g_rs = tl.multiple_of(f_rs, 4), tl.multiple_of(g_rs, 4)
-    f_ptr = f_addr.to(tl.pointer_type(tl.float32))
-    g_ptr = g_addr.to(tl.pointer_type(tl.float32))
+    i, r0, row, R, C = _work_row(table_ptr, chunks_ptr, 2, 6)
+    f_ptr, f_rs = _row_operand(row, 0, 2, ALIGNED)
+    g_ptr, g_rs = _row_operand(row, 1, 2, ALIGNED)
     ok = tl.load(ok_ptr + i) != 0
     w = weight * tl.load(live_ptr) if HAS_LIVE else weight
     for r in range(r0, r0 + ROWS):
@@ -732,18 +733,9 @@ def _graft_sums_kernel(
     table_ptr, chunks_ptr, out_ptr,
     ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    i = tl.load(chunks_ptr + pid * 2)
-    r0 = tl.load(chunks_ptr + pid * 2 + 1)
-    row = table_ptr + i * 9
-    s_addr, f_addr = tl.load(row), tl.load(row + 1)
-    R, C = tl.load(row + 3), tl.load(row + 4)
-    s_rs, f_rs = tl.load(row + 5), tl.load(row + 6)
-    if ALIGNED:
-        s_addr, f_addr = tl.multiple_of(s_addr, 16), tl.multiple_of(f_addr, 16)
-        s_rs, f_rs = tl.multiple_of(s_rs, 4), tl.multiple_of(f_rs, 4)
-    s_ptr = s_addr.to(tl.pointer_type(tl.float32))
-    f_ptr = f_addr.to(tl.pointer_type(tl.float32))
+    i, r0, row, R, C = _work_row(table_ptr, chunks_ptr, 3, 9)
+    s_ptr, s_rs = _row_operand(row, 0, 3, ALIGNED)
+    f_ptr, f_rs = _row_operand(row, 1, 3, ALIGNED)
     acc_s = tl.zeros((BLOCK,), dtype=tl.float32)
     acc_f = tl.zeros((BLOCK,), dtype=tl.float32)
     for r in range(r0, r0 + ROWS):
@@ -754,8 +746,9 @@ def _graft_sums_kernel(
             f = tl.load(f_ptr + r * f_rs + col, mask=mask, other=0.0)
             acc_s += x * x
             acc_f += f * f
-    tl.store(out_ptr + pid * 2, tl.sum(acc_s, axis=0))
-    tl.store(out_ptr + pid * 2 + 1, tl.sum(acc_f, axis=0))
+    out = out_ptr + tl.program_id(0).to(tl.int64) * 2
+    tl.store(out, tl.sum(acc_s, axis=0))
+    tl.store(out + 1, tl.sum(acc_f, axis=0))
 
 
 @triton.jit
@@ -765,19 +758,10 @@ def _graft_select_kernel(
     table_ptr, chunks_ptr, scale_ptr, keep_ptr,
     ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    i = tl.load(chunks_ptr + pid * 2)
-    r0 = tl.load(chunks_ptr + pid * 2 + 1)
-    row = table_ptr + i * 9
-    s_addr, f_addr, u_addr = tl.load(row), tl.load(row + 1), tl.load(row + 2)
-    R, C = tl.load(row + 3), tl.load(row + 4)
-    s_rs, f_rs, u_rs = tl.load(row + 5), tl.load(row + 6), tl.load(row + 7)
-    if ALIGNED:
-        s_addr, f_addr, u_addr = tl.multiple_of(s_addr, 16), tl.multiple_of(f_addr, 16), tl.multiple_of(u_addr, 16)
-        s_rs, f_rs, u_rs = tl.multiple_of(s_rs, 4), tl.multiple_of(f_rs, 4), tl.multiple_of(u_rs, 4)
-    s_ptr = s_addr.to(tl.pointer_type(tl.float32))
-    f_ptr = f_addr.to(tl.pointer_type(tl.float32))
-    u_ptr = u_addr.to(tl.pointer_type(tl.float32))
+    i, r0, row, R, C = _work_row(table_ptr, chunks_ptr, 3, 9)
+    s_ptr, s_rs = _row_operand(row, 0, 3, ALIGNED)
+    f_ptr, f_rs = _row_operand(row, 1, 3, ALIGNED)
+    u_ptr, u_rs = _row_operand(row, 2, 3, ALIGNED)
     scale = tl.load(scale_ptr + i)
     keep = tl.load(keep_ptr + i) != 0
     for r in range(r0, r0 + ROWS):
