@@ -206,13 +206,14 @@ class Offload:
         """Make parameter ``p``'s host backup hold ``p`` as it is before its update. The copy
         :meth:`refresh_backups` started after the last step does, where ``p``'s version counter has not moved
         since (then the compute stream only waits for that copy); otherwise ``p`` is copied now, on the compute
-        stream."""
+        stream, after that copy (which would otherwise land over it)."""
+        if p.device in self._refreshing:
+            self._refreshing.discard(p.device)
+            if self._overlapped(p.device):  # the refresh reads p and writes its backup on the D2H stream: before
+                # the update writes p, or a copy made now writes the backup
+                torch.cuda.current_stream(p.device).wait_stream(self._cuda_streams(p.device)[1])
         b = self.backups.get(p)
         if b is not None and b.shape == p.shape and b.dtype == p.dtype and self._versions.get(p) == p._version:
-            if p.device in self._refreshing:
-                self._refreshing.discard(p.device)
-                if self._overlapped(p.device):  # the refresh reads p on the D2H stream: before the update writes it
-                    torch.cuda.current_stream(p.device).wait_stream(self._cuda_streams(p.device)[1])
             return
         self._versions.pop(p, None)
         if b is None or b.shape != p.shape or b.dtype != p.dtype:
