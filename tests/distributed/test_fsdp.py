@@ -468,6 +468,11 @@ def _offloaded_matches_on_device(rank: int, world: int) -> None:
         _steps(model, opt, range(STEPS))
         _assert_same(ref, opt_ref, model, opt, sharded.__name__)
         assert copies.calls > 0  # the state went through the device copy
+        # the host-memory check counts this rank's shards: the state twice and a copy of the parameters
+        each = [(sharded.matrix_state_tensors if g["use_muon"] else 2, p.to_local().numel())
+                for g in opt.param_groups for p in g["params"]]
+        assert opt._offload_host_bytes()[0] == sum((2 * k + 1) * 4 * n for k, n in each)
+        assert sum(n for _, n in each) < sum(p.numel() for p in model.parameters())
         for p, q in zip(model.parameters(), ref.parameters()):
             for k, v in opt.state[p].items():
                 want = opt_ref.state[q][k]
@@ -569,11 +574,68 @@ def _faults(rank: int, world: int) -> None:
         _assert_same(ref, opt_ref, model, opt, f"{sharded.__name__} the step again")
 
 
-def _offload_and_compact(rank: int, world: int) -> None:
+def _offloaded(on: bool) -> dict:
+    return {"offload": Offload(device_copy=FakeDeviceCopy())} if on else {}
+
+
+def _full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """``{name/key: whole tensor}`` of every state tensor (collective)."""
+    return {f"{n}/{k}": v.full_tensor() if isinstance(v, DTensor) else v.clone()
+            for n, p in model.named_parameters() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+
+
+def _checkpoints(rank: int, world: int, d: str) -> None:
+    """DCP checkpoints do not depend on offload: saved offloaded and loaded into a run without offload, and the
+    reverse, the run goes on as the uninterrupted one, bit for bit (float32 state). Saves the offloaded run's
+    checkpoint, whole parameters and state for :func:`_reshard_offloaded`."""
+    from matrixopt.distributed import checkpoint
+
+    for sharded in (ShardedMuon, ShardedNorMuon):
+        ref, opt_ref = _embedded(world, sharded)
+        _steps(ref, opt_ref, range(4))
+        final = {n: p.full_tensor() for n, p in ref.named_parameters()}
+        for save_offloaded in (True, False):
+            path = f"{d}/{sharded.__name__}_{save_offloaded}"
+            model, opt = _embedded(world, sharded, **_offloaded(save_offloaded))
+            _steps(model, opt, range(2))
+            checkpoint.save_dtensor(path, model, opt, extra={"step": 2})
+            state = _full_state(model, opt)
+            if save_offloaded and rank == 0:
+                torch.save({"state": state, "final": final}, f"{path}.pt")
+            resumed, opt2 = _embedded(world, sharded, seed=1, **_offloaded(not save_offloaded))
+            assert checkpoint.load_dtensor(path, resumed, opt2) == {"step": 2}
+            loaded = _full_state(resumed, opt2)
+            assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], v) for k, v in state.items())
+            _steps(resumed, opt2, range(2, 4))
+            _assert_same(ref, opt_ref, resumed, opt2, f"{sharded.__name__} saved offloaded={save_offloaded}")
+
+
+def _reshard_offloaded(rank: int, world: int, d: str) -> None:
+    """The offloaded 2-rank checkpoint of :func:`_checkpoints` at another number of ranks, offloaded: the whole
+    state comes back exactly, and the run ends as the 2-rank run (up to the order of float sums)."""
+    from matrixopt.distributed import checkpoint
+
+    for sharded in (ShardedMuon, ShardedNorMuon):
+        path = f"{d}/{sharded.__name__}_True"
+        saved = torch.load(f"{path}.pt")
+        model, opt = _embedded(world, sharded, seed=1, **_offloaded(True))
+        assert checkpoint.load_dtensor(path, model, opt) == {"step": 2}
+        loaded = _full_state(model, opt)
+        assert loaded.keys() == saved["state"].keys()
+        assert all(torch.equal(loaded[k], v) for k, v in saved["state"].items())
+        _steps(model, opt, range(2, 4))
+        for n, p in model.named_parameters():
+            err = (p.full_tensor() - saved["final"][n]).abs().max().item()
+            assert err < ATOL, f"{sharded.__name__} at {world} ranks: {n} {err}"
+
+
+def _offload_and_compact(rank: int, world: int, d: str) -> None:
     _offloaded_matches_on_device(rank, world)
     _faults(rank, world)
+    _checkpoints(rank, world, d)
     _compact_state(rank, world)
 
 
-def test_fsdp2_offloaded_and_compact_state():
-    run(_offload_and_compact, 2, timeout=300)
+def test_fsdp2_offloaded_and_compact_state(tmp_path):
+    run(_offload_and_compact, 2, str(tmp_path), timeout=300)
+    run(_reshard_offloaded, 1, str(tmp_path), timeout=120)
