@@ -34,6 +34,10 @@ allocation that fails later, mid-step, raises MemoryError naming its size and le
 
 The copies go through :class:`Offload`, whose ``device_copy`` can be replaced: a test on a CPU-only machine runs
 the whole path with the "device" being the CPU and a copy standing in for the transfer.
+
+A sharded optimizer (:class:`matrixopt.distributed.sharded.ShardedMuon`) runs the same step on the local shards of
+its DTensor parameters and state (:class:`Shards`): each rank moves, encodes and backs up what it holds, and its
+stored state stays DTensors laid out as before.
 """
 
 from __future__ import annotations
