@@ -298,6 +298,18 @@ def _dp_tp_mesh(rank: int, world: int) -> None:
             assert p.placements == MESH_2D[k][1]
             err = (p.full_tensor() - ref[k].detach()).abs().max().item()
             assert err < ATOL, f"{sharded.__name__} {mode} {k}: {err}"
+    # offloaded float32 state on these layouts (NorMuon's row state replicated over TP): the same bits
+    for sharded in (ShardedMuon, ShardedNorMuon):
+        runs = []
+        for options in ({}, {"offload": Offload(device_copy=FakeDeviceCopy())}):
+            params = {k: nn.Parameter(distribute_tensor(w, mesh, list(MESH_2D[k][1]))) for k, w in weights.items()}
+            opt = sharded(list(params.values()), tp_mode="duplicated", **HPARAMS, **options)
+            for gs in grads:
+                for k, p in params.items():
+                    p.grad = distribute_tensor(gs[k], mesh, list(MESH_2D[k][1]))
+                opt.step()
+            runs.append([p.to_local() for p in params.values()])
+        assert all(torch.equal(a, b) for a, b in zip(*runs)), sharded.__name__
     bad = nn.Parameter(distribute_tensor(weights["pair_a"], mesh, [Shard(0), Shard(0)]))
     bad.grad = distribute_tensor(grads[0]["pair_a"], mesh, [Shard(0), Shard(0)])
     with pytest.raises(ValueError, match="both shard the rows"):
@@ -548,8 +560,9 @@ class _FailingAt:
 
 
 def _faults(rank: int, world: int) -> None:
-    """An exception mid-step (the update of the second bucket, on every rank) leaves the parameters and state of
-    the step before on every rank; the same step then succeeds as the run without offload."""
+    """An exception mid-step (the update of the second bucket, on every rank: at 2 ranks no shard is empty, so each
+    rank fails at the same bucket and the collectives stay matched) leaves the parameters and state of the step
+    before on every rank; the same step then succeeds as the run without offload."""
     from matrixopt.distributed import sharded as sharded_module
 
     for sharded in (ShardedMuon, ShardedNorMuon):
