@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from matrixopt.distributed import comm
@@ -44,9 +45,11 @@ from matrixopt.distributed.cost import TP_GRAM_CHUNKS
 from matrixopt.distributed.tp import MODES, CostModel, tp_newton_schulz
 from matrixopt.kernels.muon_elementwise import apply_update, momentum_pack, row_sums_of_squares, skips_on_device
 from matrixopt.optim.adaptive import AdaMuon, NorMuon
+from matrixopt.optim.base import param_label
 from matrixopt.optim.layout import _SPLIT
 from matrixopt.optim.muon import Muon, ns_config, update_scale
 from matrixopt.optim.nonfinite import nonfinite_flags
+from matrixopt.optim.offload import Shards, StagedStep
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,32 @@ class OnLocalShards:
         return (params, *lists)
 
 
+class DTensorShards(Shards):
+    """A staged step over DTensors (:class:`matrixopt.optim.offload.Shards`): it moves, decodes and encodes their
+    local shards, and lays the stored state back out as DTensors of the same mesh, placements and shape, whose
+    local tensors are compact (bfloat16) or in host memory (offloaded) as the plain tensors of a single-process
+    optimizer are. State dicts and distributed checkpoints then see ordinary sharded state, as FSDP2's own CPU
+    offload keeps its parameters."""
+
+    def local(self, t: Tensor) -> Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def layout(self, t: Tensor) -> Any:
+        return (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+
+    def placed(self, local: Tensor, layout: Any) -> Tensor:
+        if layout is None:
+            return local
+        mesh, placements, shape, stride = layout
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    def offset(self, p: Tensor) -> int:
+        if not isinstance(p, DTensor):
+            return 0
+        _, start = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        return sum(i * stride for i, stride in zip(start, torch.empty(p.shape, device="meta").stride()))
+
+
 class ShardedMuon(OnLocalShards, Muon):
     """Muon over DTensor parameters (FSDP2, TP, FSDP x TP, HSDP). Takes Muon's arguments plus:
 
@@ -160,6 +189,16 @@ class ShardedMuon(OnLocalShards, Muon):
     reads the local shards' flags, agreed over all ranks; with ``deferred_nonfinite`` no rank waits for them on the
     host (the fused kernels skip the step on the agreed device flag; updates off them read it on the host).
     Where any gradient is a DTensor, ``clip_grad_norm_`` scales the gradients at once.
+
+    ``state_dtype`` and ``offload`` work as in :class:`~matrixopt.optim.muon.Muon`, on each rank's local shards:
+    the momentum (and NorMuon's and AdaMuon's second moments, and the AdamW groups' moments) stay DTensors laid out
+    as the parameters, their local tensors compact or in host memory (:class:`DTensorShards`). The step runs the
+    same pipeline over the buckets, with each bucket's state brought to the device and decoded to float32 for its
+    momentum pass, then encoded and stored back (NorMuon, AdaMuon: after the second moments' step, which follows
+    Newton–Schulz). With float32 state an offloaded step is bit for bit the step without offload; offloaded, it is
+    all or nothing on every rank that fails. An AdamW parameter's local shard moves whole. ``state_dtype="int8"``
+    stores the matrix groups' state in bfloat16, as everywhere, and refuses DTensors in AdamW groups: its blocks
+    of each local shard can't be laid out for another number of ranks by a distributed checkpoint.
     """
 
     def __init__(self, params: Iterable[Any], *args: Any, tp_mode: str = "auto", tp_mesh_dim: str = "tp",
@@ -171,12 +210,23 @@ class ShardedMuon(OnLocalShards, Muon):
         self.tp_mode, self.tp_mesh_dim = tp_mode, tp_mesh_dim
         self.tp_chunks, self.tp_cost_model = tp_chunks, tp_cost_model
         super().__init__(params, *args, **kwargs)
-        if (self.state_dtype is not None or self.offload is not None) and any(
-                isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
-            raise NotImplementedError(
-                f"{type(self).__name__} does not take state_dtype ({self.state_dtype}) or offload ({self.offload}) "
-                f"for sharded (DTensor) parameters: they handle plain tensors. Leave them unset, or train with the "
-                f"layer-wise optimizer (--parallel layerwise), whose owners take both")
+
+    shards = DTensorShards()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        group = dict(param_group)
+        params = group["params"]
+        group["params"] = [params] if isinstance(params, Tensor) else list(params)
+        if self.state_dtype == "int8" and not group.get(self.matrix_flag, True):
+            for i, p in enumerate(group["params"]):
+                if isinstance(p, DTensor):
+                    raise NotImplementedError(
+                        f"{type(self).__name__} with state_dtype='int8' quantizes the AdamW groups' moments in "
+                        f"blocks of each local shard, which a distributed checkpoint can't lay out for another "
+                        f"number of ranks; {param_label(group, i, p)} is a DTensor in an AdamW group. Use "
+                        f"state_dtype='bf16', or the layer-wise optimizer (--parallel layerwise), whose owners "
+                        f"take 'int8'.")
+        super().add_param_group(group)
 
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                        skip: Tensor | None = None) -> None:
@@ -186,8 +236,42 @@ class ShardedMuon(OnLocalShards, Muon):
         updates are applied last. ``skip``: the deferred check's agreed device flag; the DTensor buckets skip on it
         in the fused kernels (the owners' collectives and Newton–Schulz still run, on every rank alike), or read it
         on the host where their local shards don't take the fused kernels."""
+        self._pipelined(group, params, grads, skip, None)
+
+    def _state_chunks(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[list[int]]:
+        """As Muon's for the plain tensors; a matrix group's DTensors make one chunk, stepped by one pipeline as
+        without staged state, each bucket's state staged in turn (:meth:`_stream_units`)."""
+        sharded = [i for i, p in enumerate(params) if isinstance(p, DTensor)]
+        if not group[self.matrix_flag] or not sharded:
+            return super()._state_chunks(group, params, grads)
+        plain = [i for i, p in enumerate(params) if not isinstance(p, DTensor)]
+        chunks = super()._state_chunks(group, [params[i] for i in plain], [grads[i] for i in plain]) if plain else []
+        return [[plain[j] for j in c] for c in chunks] + [sharded]
+
+    def _stream_units(self, group: dict[str, Any], params: list[Tensor]) -> list[list[int]] | None:
+        """For a matrix group's chunk of DTensors: its buckets (indices of ``params`` in stack order), whose state
+        the pipeline stages one at a time (:meth:`_streamed_update`), offloaded or compact. As Muon's otherwise."""
+        if not group[self.matrix_flag] or not isinstance(params[0], DTensor):
+            return super()._stream_units(group, params)
+        return [list(b.order) for b in self._plan(params).buckets]
+
+    def _streamed_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                         units: list[list[int]], staged: StagedStep) -> None:
+        """The staged step of a matrix group's DTensors (``units``: their buckets): the pipeline of
+        :meth:`_matrix_update`, each bucket's state staged for its momentum pass (and, NorMuon and AdaMuon, kept
+        staged until its second moments have stepped). As Muon's for a chunk of plain tensors."""
+        if not isinstance(params[0], DTensor):
+            super()._streamed_update(group, params, grads, units, staged)
+            return
+        self._pipelined(group, params, grads, None, staged)
+
+    def _pipelined(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], skip: Tensor | None,
+                   staged: StagedStep | None) -> None:
+        """:meth:`_matrix_update`'s pipeline; ``staged``: the staged step (compact or offloaded state) whose units
+        are this chunk's buckets, which then holds DTensors only."""
         plan = self._plan(params)
         if plan.plain:
+            assert staged is None, "a staged chunk of DTensors holds no plain tensors"
             super()._matrix_update(group, [params[i] for i in plan.plain], [grads[i] for i in plan.plain], skip)
         shards = [(local_shards(params[i] for i in b.order), local_shards(grads[i] for i in b.order))
                   for b in plan.buckets]
@@ -195,7 +279,7 @@ class ShardedMuon(OnLocalShards, Muon):
             if self.nonfinite.on_host(skip):  # agreed over ranks: every rank returns (or raises) here
                 return
             skip = None
-        flights = [self._launch(group, b, [params[i] for i in b.order], *local, skip)
+        flights = [self._launch(group, b, [params[i] for i in b.order], *local, skip, staged)
                    for b, local in zip(plan.buckets, shards)]
         for f in flights:
             self._orthogonalize_owned(group, f)
@@ -203,6 +287,8 @@ class ShardedMuon(OnLocalShards, Muon):
         for f in flights:
             Y = f.exchange.wait() if f.exchange is not None else f.Y
             Y, row_scale = self._shard_update(group, f, Y, skip)  # collective for NorMuon and AdaMuon
+            if staged is not None and not self.streams_state:
+                staged.unstage(f.dtensors)
             if f.params:  # Y (times row_scale) carries each matrix's full update scale already
                 apply_update(f.params, Y, lambda m, n: 1.0, lr, group["weight_decay"], f.bucket.transposed,
                              skip=skip, decay_mode=group["weight_decay_mode"], row_scale=row_scale)
@@ -257,10 +343,13 @@ class ShardedMuon(OnLocalShards, Muon):
         return update_scale(group["scaling"], m, n)
 
     def _launch(self, group: dict[str, Any], b: _Bucket, ps: list[DTensor], local_ps: list[Tensor],
-                local_gs: list[Tensor], skip: Tensor | None) -> _Flight:
+                local_gs: list[Tensor], skip: Tensor | None, staged: StagedStep | None) -> _Flight:
         """Momentum step and packing of one bucket's local shards (``local_ps``, ``local_gs`` of the DTensors ``ps``,
         in stack order; the momentum left as it was where ``skip`` is nonzero), and the launch of their owner
-        gather."""
+        gather. ``staged``: the staged step, which brings the bucket's state for the momentum pass (and stores it
+        back after it, unless the update reads it again: ``streams_state``)."""
+        if staged is not None:
+            staged.stage(ps)
         for p in ps:
             if not self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
@@ -271,6 +360,8 @@ class ShardedMuon(OnLocalShards, Muon):
         if params:
             momentum_pack(local_gs, [self.state[p]["momentum_buffer"].to_local() for p in ps], X,
                           group["momentum"], group["nesterov"], b.transposed, skip=skip, sign=self._pack_sign(group))
+        if staged is not None and self.streams_state:
+            staged.unstage(ps)
         exchange = gather_to_owners(X, b.counts, b.sharding.fsdp_rows, 2 if b.transposed else 1,
                                     b.sharding.fsdp_group) if b.counts is not None else None
         return _Flight(b, ps, params, X, exchange)

@@ -34,7 +34,7 @@ from matrixopt.optim.nonfinite import (
     nonfinite_flags,
     plain_on,
 )
-from matrixopt.optim.offload import CHUNK_NUMEL, Offload, StagedStep, check_offload
+from matrixopt.optim.offload import CHUNK_NUMEL, Offload, Shards, StagedStep, check_offload
 
 
 def _check_finite(name: str, value: Any) -> None:
@@ -121,18 +121,21 @@ class MatrixOptimizer(Optimizer):
 
     matrix_state_tensors: int = 1
     """Parameter-shaped state tensors per parameter of a matrix group (Muon's momentum: 1; SOAP's moments: 2)."""
+    shards = Shards()
+    """How a staged step (compact or offloaded state) reaches the values this process holds of each parameter and
+    state tensor: plain tensors here; optimizers that step DTensors' local shards give their own."""
 
     def _offload_host_bytes(self) -> tuple[int, str]:
         """``(bytes, what)``: the least host memory the offloaded state holds once every parameter has stepped: the
         parameter-shaped state twice (live and the step's shadow) and a copy of the parameters, each tensor as the
-        offload allocates it (:meth:`~matrixopt.optim.offload.Offload.block_bytes`). Smaller state (rows, factors,
-        step counts) is left out."""
+        offload allocates it (:meth:`~matrixopt.optim.offload.Offload.block_bytes`), for the values this process
+        holds (a sharded parameter's local shard). Smaller state (rows, factors, step counts) is left out."""
         block = self.offload.block_bytes
         state = params = 0
         for group in self.param_groups:
             tensors = self.matrix_state_tensors if group[self.matrix_flag] else 2  # AdamW: exp_avg, exp_avg_sq
             each = compact.value_bytes(self._state_format(group))
-            for p in group["params"]:
+            for p in map(self.shards.local, group["params"]):
                 state += tensors * block(int(p.numel() * each))
                 params += block(p.numel() * p.element_size())
         return 2 * state + params, (f"the optimizer state twice, {2 * state / 2**30:.2f} GiB, and a copy of the "
@@ -397,26 +400,30 @@ class MatrixOptimizer(Optimizer):
         """The step over compact or offloaded state: chunk by chunk (:meth:`_state_chunks`), each chunk's state
         decoded to float32 on the parameters' device, updated by the usual update and stored back
         (:class:`matrixopt.optim.offload.StagedStep`; the next chunk's state is fetched while this one computes).
-        A parameter of an AdamW group larger than a chunk moves in ranges. Offloaded, the step is all or nothing:
-        on an exception the parameters and state are the step's before."""
+        A plain parameter of an AdamW group larger than a chunk moves in ranges. Offloaded, the step is all or
+        nothing: on an exception the parameters and state are the step's before."""
         for group, _, _ in work:
             for i, p in enumerate(group["params"]):
-                if type(p.data) is not Tensor:
+                if type(self.shards.local(p).data) is not Tensor:
                     raise NotImplementedError(
-                        f"state_dtype and offload handle plain tensors; {param_label(group, i, p)} is a "
-                        f"{type(p.data).__name__} (sharded parameters: FSDP2, tensor parallelism). Turn them off.")
+                        f"{type(self).__name__} takes state_dtype and offload for plain tensors; "
+                        f"{param_label(group, i, p)} is a {type(p.data).__name__} (sharded parameters: FSDP2, "
+                        f"tensor parallelism). Turn them off, or use the sharded optimizer "
+                        f"(matrixopt.distributed.ShardedMuon and its variants).")
         if skip is not None:  # a deferred check, read on the host now: the state is moved and encoded anyway
             if self.nonfinite.on_host(skip):
                 return
             skip = None
         formats = {p: self._state_format(group) for group, params, _ in work for p in params}
         # the rounding's seed, new each step: reproducible, and resumable from a checkpoint
-        staged = StagedStep(self.state, formats, self.offload, 0x5EED * 1_000_003 + self._rounding_step)
+        staged = StagedStep(self.state, formats, self.offload, 0x5EED * 1_000_003 + self._rounding_step,
+                            self.shards)
         chunks = []  # (group, params, grads, units: None, or sub-chunks whose state moves one at a time)
         for group, params, grads in sorted(work, key=lambda w: not w[0][self.matrix_flag]):
             for idx in self._state_chunks(group, params, grads):
                 p, g = params[idx[0]], grads[idx[0]]
-                if group[self.matrix_flag] or len(idx) > 1 or p.numel() <= CHUNK_NUMEL or not p.is_contiguous():
+                if (group[self.matrix_flag] or len(idx) > 1 or p.numel() <= CHUNK_NUMEL or not p.is_contiguous()
+                        or type(p.data) is not Tensor):  # a shard (DTensor) moves whole
                     ps = [params[i] for i in idx]
                     chunks.append((group, ps, [grads[i] for i in idx], self._stream_units(group, ps)))
                     continue
@@ -639,13 +646,17 @@ class MatrixOptimizer(Optimizer):
         formats = {p: self._state_format(g) for g in self.param_groups for p in g["params"]}
         for pid, st in state_dict["state"].items():
             p = id_map[pid]
-            st = {k: (v.to(device=p.device, copy=True) if isinstance(v, Tensor) else v) for k, v in st.items()}
+            layouts = {k: self.shards.layout(v) for k, v in st.items() if isinstance(v, Tensor)}
+            # converted and moved as this process holds them (a DTensor's local shard), then laid out as saved
+            st = {k: (self.shards.local(v).to(device=p.device, copy=True) if isinstance(v, Tensor) else v)
+                  for k, v in st.items()}
             if any(isinstance(v, Tensor) and not compact.in_format(st, k, formats[p])
                    for k, v in st.items() if not compact.is_scale(k, st)):
                 st = compact.converted(st, formats[p], generator)
-            self.state[p] = st
             if self.offload is not None:
-                self.state[p] = {k: self.offload.to_host(v) for k, v in self.state[p].items()}
+                st = {k: self.offload.to_host(v) for k, v in st.items()}
+            self.state[p] = {k: self.shards.placed(v, layouts.get(k)) if isinstance(v, Tensor) else v
+                             for k, v in st.items()}
         self._rounding_step = int(state_dict.get("rounding_step", self._rounding_step))
 
     _shaped_state_keys = ("exp_avg", "exp_avg_sq", "momentum_buffer")

@@ -256,8 +256,10 @@ class Muon(MatrixOptimizer):
         return _pack(list(units.values()), [p.numel() for p in params])
 
     streams_state = True
-    """Whether an offloaded matrix chunk's state may move in sub-chunks (:meth:`_stream_units`): not where the
-    update reads further state after Newton–Schulz (NorMuon's and AdaMuon's second moments)."""
+    """Whether the update reads a matrix's state in the momentum pass only, so that an offloaded chunk's state may
+    move in sub-chunks (:meth:`_stream_units`) and a sharded optimizer's bucket stores its state back right after
+    that pass: not where the update reads further state after Newton–Schulz (NorMuon's and AdaMuon's second
+    moments)."""
 
     def _stream_units(self, group: dict[str, Any], params: list[Tensor]) -> list[list[int]] | None:
         """For an offloaded chunk of a matrix group (whole Newton–Schulz batches, as the step without offload

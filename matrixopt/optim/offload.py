@@ -34,6 +34,10 @@ allocation that fails later, mid-step, raises MemoryError naming its size and le
 
 The copies go through :class:`Offload`, whose ``device_copy`` can be replaced: a test on a CPU-only machine runs
 the whole path with the "device" being the CPU and a copy standing in for the transfer.
+
+A sharded optimizer (:class:`matrixopt.distributed.sharded.ShardedMuon`) runs the same step on the local shards of
+its DTensor parameters and state (:class:`Shards`): each rank moves, encodes and backs up what it holds, and its
+stored state stays DTensors laid out as before.
 """
 
 from __future__ import annotations
@@ -202,51 +206,54 @@ class Offload:
             self._packers[device] = torch.cuda.Stream(device)
         return self._packers[device]
 
-    def backup(self, p: Tensor) -> None:
-        """Make parameter ``p``'s host backup hold ``p`` as it is before its update. The copy
-        :meth:`refresh_backups` started after the last step does, where ``p``'s version counter has not moved
-        since (then the compute stream only waits for that copy); otherwise ``p`` is copied now, on the compute
-        stream, after that copy (which would otherwise land over it)."""
-        if p.device in self._refreshing:
-            self._refreshing.discard(p.device)
-            if self._overlapped(p.device):  # the refresh reads p and writes its backup on the D2H stream: before
-                # the update writes p, or a copy made now writes the backup
-                torch.cuda.current_stream(p.device).wait_stream(self._cuda_streams(p.device)[1])
+    def backup(self, p: Tensor, values: Tensor) -> None:
+        """Make parameter ``p``'s host backup hold ``values`` (the tensor holding ``p``'s values on this process:
+        ``p`` itself, or a sharded parameter's local shard) as they are before the update. The copy
+        :meth:`refresh_backups` started after the last step does, where the version counter of ``values`` has not
+        moved since (then the compute stream only waits for that copy); otherwise ``values`` are copied now, on the
+        compute stream, after that copy (which would otherwise land over it)."""
+        if values.device in self._refreshing:
+            self._refreshing.discard(values.device)
+            if self._overlapped(values.device):  # the refresh reads p and writes its backup on the D2H stream:
+                # before the update writes p, or a copy made now writes the backup
+                torch.cuda.current_stream(values.device).wait_stream(self._cuda_streams(values.device)[1])
         b = self.backups.get(p)
-        if b is not None and b.shape == p.shape and b.dtype == p.dtype and self._versions.get(p) == p._version:
+        if (b is not None and b.shape == values.shape and b.dtype == values.dtype
+                and self._versions.get(p) == values._version):
             return
         self._versions.pop(p, None)
-        if b is None or b.shape != p.shape or b.dtype != p.dtype:
-            b = self.backups[p] = self.empty(p.shape, p.dtype)
-        b.copy_(p, non_blocking=b.is_pinned())
+        if b is None or b.shape != values.shape or b.dtype != values.dtype:
+            b = self.backups[p] = self.empty(values.shape, values.dtype)
+        b.copy_(values, non_blocking=b.is_pinned())
 
-    def refresh_backups(self, params: list[Tensor]) -> None:
-        """After a step: copy the updated ``params`` to their host backups for the next step's :meth:`backup`,
-        on CUDA on the D2H stream, so that the copies overlap what runs until then (the next forward and
-        backward) rather than the step. A parameter changed in place before the next step (its version counter
-        moves) is copied again then. Code that writes a parameter's storage without moving its counter (through
-        ``.data``, or a custom kernel) between steps leaves a stale backup, which only a step that fails would
-        restore."""
+    def refresh_backups(self, params: dict[Tensor, Tensor]) -> None:
+        """After a step: copy the updated ``params`` (parameter -> the tensor holding its values, as for
+        :meth:`backup`) to their host backups for the next step's :meth:`backup`, on CUDA on the D2H stream, so
+        that the copies overlap what runs until then (the next forward and backward) rather than the step. A
+        parameter changed in place before the next step (its version counter moves) is copied again then. Code
+        that writes a parameter's storage without moving its counter (through ``.data``, or a custom kernel)
+        between steps leaves a stale backup, which only a step that fails would restore."""
         waited: set[torch.device] = set()
-        for p in params:
+        for p, values in params.items():
             b = self.backups.get(p)
-            if b is None or b.shape != p.shape or b.dtype != p.dtype:
+            if b is None or b.shape != values.shape or b.dtype != values.dtype:
                 continue
-            if self._overlapped(p.device):
-                _, d2h = self._cuda_streams(p.device)
-                if p.device not in waited:
-                    d2h.wait_stream(torch.cuda.current_stream(p.device))
-                    waited.add(p.device)
+            if self._overlapped(values.device):
+                _, d2h = self._cuda_streams(values.device)
+                if values.device not in waited:
+                    d2h.wait_stream(torch.cuda.current_stream(values.device))
+                    waited.add(values.device)
                 with torch.cuda.stream(d2h):
-                    b.copy_(p, non_blocking=True)
+                    b.copy_(values, non_blocking=True)
             else:
-                b.copy_(p)
-            self._versions[p] = p._version
-            self._refreshing.add(p.device)
+                b.copy_(values)
+            self._versions[p] = values._version
+            self._refreshing.add(values.device)
 
-    def restore(self, p: Tensor) -> None:
-        """Parameter ``p`` back from its host backup (after :meth:`synchronize`: a failed step's rollback)."""
-        p.copy_(self.backups[p])
+    def restore(self, p: Tensor, values: Tensor) -> None:
+        """Parameter ``p`` back from its host backup into ``values`` (as for :meth:`backup`; after
+        :meth:`synchronize`: a failed step's rollback)."""
+        values.copy_(self.backups[p])
         self._versions.pop(p, None)
 
     def shadow(self, p: Tensor, new: dict[str, Any]) -> dict[str, Any]:
@@ -307,13 +314,38 @@ def check_offload(value: Any) -> Offload | None:
                      f"CPU memory, moved to the device per chunk) or a matrixopt.optim.offload.Offload")
 
 
+class Shards:
+    """How a staged step reaches the values of each tensor that this process holds: for plain tensors, the tensors
+    themselves. Sharded optimizers give a subclass (:class:`matrixopt.distributed.sharded.DTensorShards`) whose
+    tensors are DTensors: the step then moves, decodes and encodes their local shards and lays the stored state
+    back out as DTensors, so ``self.state`` holds sharded state whether or not it is offloaded or compact."""
+
+    def local(self, t: Tensor) -> Tensor:
+        """The values of ``t`` this process holds, as a plain tensor."""
+        return t
+
+    def layout(self, t: Tensor) -> Any:
+        """What :meth:`placed` needs to lay a local tensor out as ``t`` is (None: as it is)."""
+        return None
+
+    def placed(self, local: Tensor, layout: Any) -> Tensor:
+        """``local`` laid out as the tensor :meth:`layout` described (``local`` itself for None)."""
+        return local
+
+    def offset(self, p: Tensor) -> int:
+        """Where this process's values of parameter ``p`` start in the whole parameter (flattened): the stochastic
+        rounding of a shard draws bits of its own (replicas of one shard the same bits)."""
+        return 0
+
+
 class StagedStep:
     """One optimizer step over state that is compact, offloaded or both (module docstring). ``state``: the
     optimizer's ``self.state``; ``formats``: per parameter, how its state is stored (``state_dtype`` of
     :mod:`matrixopt.optim.state`), in the optimizer's order of parameters; ``seed``: the step's stochastic
-    rounding seed. Each parameter, or part, rounds with random bits of its own, keyed by the seed, its place in
-    ``formats`` and its first value, so the result does not depend on the order the units run in (offloaded or
-    not, interleaved or not).
+    rounding seed; ``shards``: how to reach the values this process holds of each parameter and state tensor
+    (:class:`Shards`; default: plain tensors). Each parameter, or part, rounds with random bits of its own, keyed by
+    the seed, its place in ``formats`` and its first value (in the whole parameter, for a shard), so the result
+    does not depend on the order the units run in (offloaded or not, interleaved or not).
 
     Use: ``plan(units)`` (optional: each ``stage()`` then prefetches the unit after its own), ``stage(unit)``, the
     update, ``unstage(unit)``, ..., then ``commit()`` once every unit succeeded, or ``rollback()`` on an exception.
@@ -322,15 +354,17 @@ class StagedStep:
     :meth:`pack_stream`, takes its stacks from :meth:`stack`, and calls :meth:`packed` and :meth:`chunk_done`."""
 
     def __init__(self, state: dict[Tensor, dict[str, Any]], formats: dict[Tensor, str | None],
-                 offload: Offload | None, seed: int) -> None:
+                 offload: Offload | None, seed: int, shards: Shards | None = None) -> None:
         self.state, self.formats, self.offload, self.seed = state, formats, offload, seed
+        self.shards = Shards() if shards is None else shards
+        self._layouts: dict[Tensor, dict[str, Any]] = {}  # per parameter: each state entry's (Shards.layout)
         self._index = {p: i for i, p in enumerate(formats)}
         self.streaming = False  # whether element-wise units run on the packing stream (set by the optimizer)
         self._stored: dict[Tensor, dict[str, Any]] = {}  # per staged parameter or part: its state as stored
         self._fetched: dict[Tensor, dict[str, Any]] = {}  # prefetched device copies of stored state
         self._pending: dict[Tensor, dict[str, Any]] = {}  # offload: new state in the shadows, for commit()
         self._parts: dict[Tensor, tuple[Tensor, int, int]] = {}  # part view -> (parameter, start, stop)
-        self._backed_up: dict[Tensor, None] = {}  # parameters whose host backup this step relies on
+        self._backed_up: dict[Tensor, Tensor] = {}  # parameters whose host backup this step relies on -> values
         self._before: dict[Tensor, dict[str, Any] | None] = {}  # see _part_before
         self._plan: list[list[Tensor]] = []  # the units stage() is called with, in order (see plan)
         self._next = 0  # index in _plan of the next unit to stage
@@ -351,9 +385,27 @@ class StagedStep:
         return view, g.reshape(-1)[start:stop]
 
     def _source(self, q: Tensor) -> tuple[Tensor, dict[str, Any], int | None, int | None]:
-        """``(parameter, its stored state, start, stop)`` of parameter or part ``q`` (start, stop None: whole)."""
+        """``(parameter, its stored state, start, stop)`` of parameter or part ``q`` (start, stop None: whole), the
+        state's tensors as this process holds them (:meth:`_local`)."""
         p, start, stop = self._parts.get(q, (q, None, None))
-        return p, self.state.get(p, {}), start, stop
+        return p, self._local(p, self.state.get(p, {})), start, stop
+
+    def _local(self, p: Tensor, stored: dict[str, Any]) -> dict[str, Any]:
+        """Parameter ``p``'s ``stored`` state with its tensors as this process holds them (:meth:`Shards.local`),
+        their layouts noted for :meth:`_placed`."""
+        layouts = self._layouts.setdefault(p, {})
+        local = {}
+        for k, v in stored.items():
+            if isinstance(v, Tensor):
+                layouts[k] = self.shards.layout(v)
+                v = self.shards.local(v)
+            local[k] = v
+        return local
+
+    def _placed(self, p: Tensor, state: dict[str, Any]) -> dict[str, Any]:
+        """Parameter ``p``'s ``state`` (local tensors) laid out as its entries are stored (:meth:`Shards.placed`)."""
+        layouts = self._layouts.get(p, {})
+        return {k: self.shards.placed(v, layouts.get(k)) if isinstance(v, Tensor) else v for k, v in state.items()}
 
     def _view(self, q: Tensor) -> dict[str, Any]:
         """The stored state of ``q``: a part's range of each parameter-sized tensor (and of int8 block scales),
@@ -399,17 +451,18 @@ class StagedStep:
         then start fetching the planned unit after them (:meth:`plan`)."""
         self.prefetch(params)
         for q in params:
-            p, stored, start, _ = self._source(q)
-            self._stored[q] = stored
+            p, _, start, _ = self._source(q)
+            self._stored[q] = self.state.get(p, {})
             raw = self._fetched.pop(q, None)
             if raw is None:
                 raw = self._view(q) if start is None or self.offload is not None else self._part_before(q)
             if self.offload is not None:
                 self.offload.ready([v for v in raw.values() if isinstance(v, Tensor)], q.device)
                 if p not in self._backed_up:
-                    self.offload.backup(p)
-                    self._backed_up[p] = None
-            self.state[q] = compact.decoded(raw)
+                    values = self.shards.local(p.detach())
+                    self.offload.backup(p, values)
+                    self._backed_up[p] = values
+            self.state[q] = self._placed(p, compact.decoded(raw))
         planned = self._plan[self._next] if self._next < len(self._plan) else None
         if planned is not None and len(planned) == len(params) and all(a is b for a, b in zip(planned, params)):
             self._next += 1
@@ -464,11 +517,16 @@ class StagedStep:
         the stored state back into ``state``. A part writes its range, and the last part of a parameter its other
         entries (the earlier parts read them as they stood before the step)."""
         for q in params:
-            p, _, start, stop = self._source(q)
+            p, start, stop = self._parts.get(q, (q, None, None))
             work, stored = self.state[q], self._stored[q]  # still restorable by rollback() until stored back
-            new, generator = {}, self._generator(p, start)
+            local = self._local(p, stored)
+            new, generator, layouts = {}, self._generator(p, start), self._layouts[p]
             for k, v in work.items():
-                new |= compact.encode(v, k, self.formats.get(p), generator) if isinstance(v, Tensor) else {k: v}
+                if not isinstance(v, Tensor):
+                    new[k] = v
+                    continue
+                layouts.setdefault(k, self.shards.layout(v))  # entries the update created
+                new |= compact.encode(self.shards.local(v), k, self.formats.get(p), generator)
             whole = start is None or stop == p.numel()
             if self.offload is not None:
                 shadow = self._pending.get(p)
@@ -484,13 +542,13 @@ class StagedStep:
                 for k, v in new.items():
                     if not (whole or (isinstance(v, Tensor) and v.ndim > 0)):
                         continue
-                    o, f = stored.get(k), full[k]
+                    o, f = local.get(k), full[k]
                     if isinstance(o, Tensor) and isinstance(f, Tensor) and o.shape == f.shape and o.dtype == f.dtype:
-                        dst = self._range(p, stored, k, start, stop)
+                        dst = self._range(p, local, k, start, stop)
                         if dst is not v:
                             dst.copy_(v)
                     elif start is None:
-                        stored[k] = v
+                        stored[k] = self.shards.placed(v, layouts.get(k))
                     else:
                         stored[k] = torch.empty(f.shape, dtype=f.dtype, device=v.device)
                         self._range(p, stored, k, start, stop).copy_(v)
@@ -506,11 +564,11 @@ class StagedStep:
     def _generator(self, p: Tensor, start: int | None) -> torch.Generator | None:
         """The rounding's host generator for parameter ``p``'s values from ``start`` on (None: float32 state, which
         draws nothing), seeded from ``(seed, p's place, start)`` by a multiply-xorshift mix (SplitMix64's
-        constants)."""
+        constants); ``start`` counts from the beginning of the whole parameter (:meth:`Shards.offset`)."""
         if self.formats.get(p) is None:
             return None
         h = self.seed & _MASK64
-        for v in (self._index[p], start or 0):
+        for v in (self._index[p], self.shards.offset(p) + (start or 0)):
             h = (h ^ v) * 0xBF58476D1CE4E5B9 & _MASK64
             h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK64
         return torch.Generator().manual_seed(h >> 1)  # below 2**63
@@ -553,10 +611,11 @@ class StagedStep:
             self.offload.synchronize()
             for p, new in self._pending.items():
                 old = self.state.get(p)
-                self.state[p] = new
+                self.state[p] = self._placed(p, new)
                 if old:
-                    self.offload.shadows[p] = old
-            self.offload.refresh_backups(list(self._backed_up))
+                    self.offload.shadows[p] = {k: self.shards.local(v) if isinstance(v, Tensor) else v
+                                               for k, v in old.items()}
+            self.offload.refresh_backups(self._backed_up)
         self._pending.clear()
 
     def rollback(self) -> None:
@@ -575,5 +634,5 @@ class StagedStep:
         self._fetched.clear()
         if self.offload is not None:
             self.offload.synchronize()
-            for p in self._backed_up:
-                self.offload.restore(p)
+            for p, values in self._backed_up.items():
+                self.offload.restore(p, values)
