@@ -98,6 +98,12 @@ ADAMW_BYTES = 28  # read grad, weight, m, v; write weight, m, v
 SHAMPOO_BYTES = 48
 SOAP_BYTES = 36  # AdamW's passes in the eigenbasis plus the projected gradient written and read
 CHECK_BYTES = 4  # the non-finite check reads each fp32 gradient once (nonfinite.nonfinite_flags)
+# Sharded Muon's owner (matrixopt.distributed.sharded, FSDP2), per 16-bit element of the whole matrices it gathers,
+# besides Newton-Schulz and MUON_BYTES: the received rows concatenated into matrices (comm.gather_to_owners: read
+# and write, 4), the Frobenius norm read in a pass of its own (a gathered stack comes without the momentum pass's
+# partial sums: 2), the update scale multiplied into the result (read and write, 4) and the result copied into the
+# all-to-all's send buffer by destination (comm.scatter_from_owners: 4)
+SHARDED_OWNER_BYTES = 14
 
 
 def block_pass_bytes(optimizer: str, m: int, n: int) -> float:

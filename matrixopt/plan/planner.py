@@ -57,8 +57,10 @@ from typing import Any
 from matrixopt.distributed.balance import lpt
 from matrixopt.distributed.cost import (
     ADAMW_BYTES,
+    CHECK_BYTES,
     MUON_BYTES,
     SHAMPOO_BYTES,
+    SHARDED_OWNER_BYTES,
     SOAP_BYTES,
     DeviceProfile,
     Memory,
@@ -398,10 +400,13 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         sync = max(0.0, reduce - bwd) + max(0.0, bcast - fwd)
         adamw_sync = max(0.0, collective_time("all_reduce", 4 * params_el, dp, dp_link) - bwd)
         ns, opt_comm, owned = _owner_load(profile, cfg, mats, dp, 1, None)
-        # the step's passes, and (with other ranks to send to) the owner's cast of its matrices into the bf16
-        # broadcast buffers
+        # the step's passes, (with other ranks to send to) the owner's cast of its matrices into the bf16
+        # broadcast buffers, and the ranks' non-finite agreement before any owner steps
+        # (LayerwiseOptimizer._agree_finite: nonfinite_flags reads every owned gradient once; the clip's norms
+        # are not handed to it)
         wire = WIRE_CAST_BYTES if dp > 1 else 0
-        elementwise = profile.seconds("elementwise", (ELEMENTWISE_BYTES[cfg.optimizer] + wire) * owned)
+        elementwise = (profile.seconds("elementwise", (ELEMENTWISE_BYTES[cfg.optimizer] + wire) * owned)
+                       + profile.seconds("elementwise", CHECK_BYTES * (owned + rest_el / dp)))
         side = profile.seconds("elementwise", ADAMW_BYTES * rest_el / dp)  # AdamW groups on a side stream
         opt = max(ns, side) + elementwise
         adamw_opt = profile.seconds("fused_adamw", ADAMW_BYTES * params_el)  # torch fused AdamW
@@ -429,8 +434,8 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
             sync = acc * (max(0.0, gather - fwd) + max(0.0, gather - bwd)) - max(0.0, gather - bwd)
             sync += max(0.0, gather + rs - bwd)
         adamw_sync = sync
-        ns_d, comm_d, _ = _owner_load(profile, cfg, dense, dp, tp, layout.tp_mode)
-        ns_e, comm_e, _ = _owner_load(profile, cfg, experts, edp, 1, None)
+        ns_d, comm_d, owned_d = _owner_load(profile, cfg, dense, dp, tp, layout.tp_mode)
+        ns_e, comm_e, owned_e = _owner_load(profile, cfg, experts, edp, 1, None)
         ns = ns_d + ns_e  # dense and expert matrices run one after the other on every rank
         dense_mat_shard = sum(m.numel / (tp if _tp_sharded(m, tp) else 1) for m in dense) / dp
         a2a = 2 * (collective_time("all_to_all", 2 * dense_mat_shard, dp, dp_link)
@@ -439,7 +444,10 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         opt_comm = comm_d + comm_e + max(0.0, a2a - ns) + a2a / buckets
         local_mat = dense_mat_shard + expert_shard
         local_rest = rest_el / dp
-        elementwise = profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * local_mat)
+        # the step's passes on the local shards and, for ShardedMuon, the owner's on the matrices it gathers
+        gathered_el = (owned_d if dp > 1 else 0) + (owned_e if edp > 1 else 0)
+        owner_bytes = SHARDED_OWNER_BYTES * gathered_el if cfg.optimizer == "muon" else 0.0
+        elementwise = profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * local_mat + owner_bytes)
         side = profile.seconds("elementwise", ADAMW_BYTES * local_rest)  # AdamW groups on a side stream
         opt = max(ns, side) + max(0.0, a2a - ns) + a2a / buckets + elementwise  # ns holds the TP traffic
         adamw_opt = profile.seconds("fused_adamw", ADAMW_BYTES * (dense_shard + expert_shard))

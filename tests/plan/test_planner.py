@@ -267,14 +267,15 @@ def test_stale_time_rows_are_listed_but_not_counted():
 
 
 def test_layerwise_step_on_one_gpu_is_the_cost_models_step_with_adamw_beside_it():
-    """One owner steps every matrix (one stack per matrix entry) with its AdamW groups on a side stream."""
+    """One owner steps every matrix (one stack per matrix entry) with its AdamW groups on a side stream, after the
+    non-finite agreement's read of every gradient (the layer-wise optimizer does not take the clip's norms)."""
     from matrixopt.distributed.cost import Shapes, matrix_step_time
 
     model = gpt("gpt2-small")
     p = planner.predict(planner.Layout(kind="layerwise"), planner.PlanConfig(model=model, gpus=1), H100)
     groups = [Shapes(m.m, m.n, m.count) for m in model.matrices()]
     rest = model.table_params() + model.vector_params()
-    assert p.opt_step_s == pytest.approx(matrix_step_time(H100, "muon", groups, adamw_numel=rest))
+    assert p.opt_step_s == pytest.approx(matrix_step_time(H100, "muon", groups, adamw_numel=rest, check=True))
 
 
 def test_fsdp_gather_once_gathers_twice_per_step_and_holds_the_gathered_model():
@@ -398,3 +399,16 @@ def test_leftover_peaks_are_those_after_a_layerwise_configuration():
     for ranks in rec["per_rank"]:
         ranks[0]["held_before_mb"] = 0.0
     assert validate._leftover_configs(rec) == set()
+
+
+def test_fsdp_muon_owner_pays_its_passes_on_the_gathered_matrices(monkeypatch):
+    """ShardedMuon's owner concatenates the gathered rows, reads the norm apart, scales the result and packs the
+    send buffer (:data:`~matrixopt.distributed.cost.SHARDED_OWNER_BYTES` per gathered element): the FSDP Muon
+    step counts them, Shampoo's (another sharded step) does not."""
+    cfg = planner.PlanConfig(model=gpt("gpt2-medium"), gpus=2)
+    fsdp = planner.Layout(kind="fsdp")
+    with_passes = planner.predict(fsdp, cfg, H100).opt_step_s
+    shampoo = planner.predict(fsdp, dataclasses.replace(cfg, optimizer="shampoo"), H100).opt_step_s
+    monkeypatch.setattr(planner, "SHARDED_OWNER_BYTES", 0)
+    assert with_passes > planner.predict(fsdp, cfg, H100).opt_step_s
+    assert shampoo == planner.predict(fsdp, dataclasses.replace(cfg, optimizer="shampoo"), H100).opt_step_s
