@@ -630,17 +630,25 @@ def tp_ns_times(rows: int, cols: int, parts: int, *, batch: int = 1, steps: int 
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes one rank holds at its peak, by kind."""
+    """Bytes one rank holds, by kind, at the larger of its two peaks (:attr:`total`): backward's start, every
+    activation of the micro-batch live beside the gradients held through the forward (``grads``), and the optimizer
+    step, the activations freed, with the step's gradients (``step_grads``) and its workspace (``buffers``)."""
 
     params: float
     grads: float
+    """Gradients held while the activations are: what earlier micro-batches or steps leave allocated and what
+    backward makes before it frees the first activations."""
     optimizer_state: float
     buffers: float
+    """The optimizer step's workspace (Newton–Schulz stacks), allocated after backward."""
     activations: float
+    step_grads: float
+    """Gradients the optimizer step reads."""
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer_state + self.buffers + self.activations
+        held = self.params + self.optimizer_state
+        return held + max(self.grads + self.activations, self.step_grads + self.buffers)
 
     def to_dict(self) -> dict[str, float]:
         return {**asdict(self), "total": self.total}

@@ -417,9 +417,9 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         # gather in .grad until the last backward's hooks copy them over, so both are held at its start
         grads = 4 * params_el * (2 if acc > 1 else 1)
         memory = Memory(params=4 * params_el, grads=grads, optimizer_state=state, buffers=ws,
-                        activations=_activations(model, mb, tp, cfg.recompute))
+                        activations=_activations(model, mb, tp, cfg.recompute), step_grads=4 * params_el)
         adamw_memory = Memory(params=4 * params_el, grads=8 * params_el, optimizer_state=8 * params_el, buffers=0.0,
-                              activations=memory.activations)
+                              activations=memory.activations, step_grads=8 * params_el)
     else:
         dense_shard = (dense_el + rest_el) / dp
         expert_shard = expert_el / edp
@@ -456,13 +456,14 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         transient = 2 * 2 * layer_el  # two layers' bf16 parameters gathered (current and prefetched)
         gathered = 2 * params_el if once else transient  # gather-once: the whole model's bf16 parameters
         ws = max(_workspace(dense, dp, tp), _workspace(experts, edp, 1))  # gathered stacks, one bucket at a time
-        grads = 4 * (dense_shard + expert_shard)
-        if acc > 1:  # between micro-batches FSDP2 keeps every gradient unsharded, upcast to the fp32 reduce dtype
-            grads = 4 * params_el
-        # gradients: plus two layers' bf16 gradients before their reduction (or upcast)
+        # gradients beside the activations: the last step's sharded ones were freed (zero_grad(set_to_none=True)),
+        # but between micro-batches FSDP2 keeps every gradient unsharded, upcast to the fp32 reduce dtype; plus two
+        # layers' bf16 gradients before their reduction (or upcast). The step reads the sharded ones.
+        grads = 4 * params_el if acc > 1 else 0.0
         memory = Memory(params=4 * (dense_shard + expert_shard) + gathered,
                         grads=grads + transient, optimizer_state=state, buffers=ws,
-                        activations=_activations(model, mb, tp, cfg.recompute))
+                        activations=_activations(model, mb, tp, cfg.recompute),
+                        step_grads=4 * (dense_shard + expert_shard))
         adamw_memory = dataclasses.replace(memory, optimizer_state=8 * (dense_shard + expert_shard), buffers=0.0)
         if tp > 1 and cfg.optimizer == "muon":
             notes.append(f"TP Newton-Schulz {layout.tp_mode}")

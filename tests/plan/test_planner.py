@@ -216,8 +216,9 @@ def test_fsdp_accumulation_keeps_fp32_unsharded_gradients_and_reduces_once():
                                                                            **base), slow)
     params = model.total_params()
     transient = 2 * 2 * params / model.n_layer
-    assert one.memory.grads == pytest.approx(4 * params / 16 + transient)
+    assert one.memory.grads == pytest.approx(transient)  # the last step's sharded gradients were freed
     assert four.memory.grads == pytest.approx(4 * params + transient)
+    assert one.memory.step_grads == four.memory.step_grads == pytest.approx(4 * params / 16)
     link = slow.link(16, 1, 8)
     gather = collective_time("all_gather", 2 * params, 16, link)
     rs = collective_time("reduce_scatter", 4 * params, 16, link)
@@ -412,3 +413,14 @@ def test_fsdp_muon_owner_pays_its_passes_on_the_gathered_matrices(monkeypatch):
     monkeypatch.setattr(planner, "SHARDED_OWNER_BYTES", 0)
     assert with_passes > planner.predict(fsdp, cfg, H100).opt_step_s
     assert shampoo == planner.predict(fsdp, dataclasses.replace(cfg, optimizer="shampoo"), H100).opt_step_s
+
+
+def test_peak_memory_is_backwards_start_or_the_step_whichever_is_larger():
+    """The activations are freed before the optimizer step allocates its Newton–Schulz stacks: the peak is the
+    larger of backward's start (activations and the gradients held through forward) and the step (its gradients and
+    workspace), both beside the parameters and the state."""
+    from matrixopt.distributed.cost import Memory
+
+    m = Memory(params=10.0, grads=1.0, optimizer_state=5.0, buffers=4.0, activations=8.0, step_grads=3.0)
+    assert m.total == 10 + 5 + max(1 + 8, 3 + 4)
+    assert dataclasses.replace(m, buffers=20.0).total == 10 + 5 + 3 + 20
