@@ -416,8 +416,11 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         # the owners' reduce buffers (4 bytes per parameter); under accumulation the micro-batches' gradients
         # gather in .grad until the last backward's hooks copy them over, so both are held at its start
         grads = 4 * params_el * (2 if acc > 1 else 1)
+        # under autocast each MoE layer's forward casts its fp32 expert stacks to bf16 for the grouped GEMM, which
+        # keeps the copies for backward (matrixopt.train.model.grouped_mm); with recomputation one layer's at a time
+        casts = 2 * expert_el / (model.n_layer if cfg.recompute else 1)
         memory = Memory(params=4 * params_el, grads=grads, optimizer_state=state, buffers=ws,
-                        activations=_activations(model, mb, tp, cfg.recompute), step_grads=4 * params_el)
+                        activations=_activations(model, mb, tp, cfg.recompute) + casts, step_grads=4 * params_el)
         adamw_memory = Memory(params=4 * params_el, grads=8 * params_el, optimizer_state=8 * params_el, buffers=0.0,
                               activations=memory.activations, step_grads=8 * params_el)
     else:

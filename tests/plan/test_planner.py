@@ -424,3 +424,14 @@ def test_peak_memory_is_backwards_start_or_the_step_whichever_is_larger():
     m = Memory(params=10.0, grads=1.0, optimizer_state=5.0, buffers=4.0, activations=8.0, step_grads=3.0)
     assert m.total == 10 + 5 + max(1 + 8, 3 + 4)
     assert dataclasses.replace(m, buffers=20.0).total == 10 + 5 + 3 + 20
+
+
+def test_moe_layerwise_keeps_bf16_casts_of_its_experts_for_backward():
+    """Layer-wise (fp32 parameters, bf16 autocast) keeps each MoE layer's bf16 cast of its expert stacks for the
+    grouped GEMM's backward: 2 bytes per expert parameter on the rank; FSDP2 computes on its gathered bf16 copy."""
+    model = gpt("moe-2b")
+    cfg = planner.PlanConfig(model=model, gpus=2, ep=2)
+    lw = planner.predict(planner.Layout(kind="layerwise", ep=2), cfg, H100)
+    fsdp = planner.predict(planner.Layout(kind="fsdp", ep=2), cfg, H100)
+    experts = sum(m.numel for m in model.matrices() if m.expert) / 2
+    assert lw.memory.activations - fsdp.memory.activations == pytest.approx(2 * experts)
