@@ -98,6 +98,12 @@ ADAMW_BYTES = 28  # read grad, weight, m, v; write weight, m, v
 SHAMPOO_BYTES = 48
 SOAP_BYTES = 36  # AdamW's passes in the eigenbasis plus the projected gradient written and read
 CHECK_BYTES = 4  # the non-finite check reads each fp32 gradient once (nonfinite.nonfinite_flags)
+# Sharded Muon's owner (matrixopt.distributed.sharded, FSDP2), per 16-bit element of the whole matrices it gathers,
+# besides Newton-Schulz and MUON_BYTES: the received rows concatenated into matrices (comm.gather_to_owners: read
+# and write, 4), the Frobenius norm read in a pass of its own (a gathered stack comes without the momentum pass's
+# partial sums: 2), the update scale multiplied into the result (read and write, 4) and the result copied into the
+# all-to-all's send buffer by destination (comm.scatter_from_owners: 4)
+SHARDED_OWNER_BYTES = 14
 
 
 def block_pass_bytes(optimizer: str, m: int, n: int) -> float:
@@ -624,17 +630,25 @@ def tp_ns_times(rows: int, cols: int, parts: int, *, batch: int = 1, steps: int 
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes one rank holds at its peak, by kind."""
+    """Bytes one rank holds, by kind, at the larger of its two peaks (:attr:`total`): backward's start, every
+    activation of the micro-batch live beside the gradients held through the forward (``grads``), and the optimizer
+    step, the activations freed, with the step's gradients (``step_grads``) and its workspace (``buffers``)."""
 
     params: float
     grads: float
+    """Gradients held while the activations are: what earlier micro-batches or steps leave allocated and what
+    backward makes before it frees the first activations."""
     optimizer_state: float
     buffers: float
+    """The optimizer step's workspace (Newton–Schulz stacks), allocated after backward."""
     activations: float
+    step_grads: float
+    """Gradients the optimizer step reads."""
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer_state + self.buffers + self.activations
+        held = self.params + self.optimizer_state
+        return held + max(self.grads + self.activations, self.step_grads + self.buffers)
 
     def to_dict(self) -> dict[str, float]:
         return {**asdict(self), "total": self.total}

@@ -155,13 +155,16 @@ class Architecture:
         """bf16 bytes kept for backward per token and layer, without recomputation and with flash attention (no
         scores): two norm outputs and two residuals (``4 d``), Q, K, V and the attention output (``2 q + 2 kv``),
         the MLP's inputs and activations (``3 f`` over the active width). For GPT that is 40 d bytes, near
-        Korthikanti et al.'s 34 d (arXiv:2205.05198)."""
+        Korthikanti et al.'s 34 d (arXiv:2205.05198). A mixture of experts also keeps, per routed copy, its input
+        in bf16 for the grouped GEMM and the experts' output before the gate weighting (``2 top_k d``:
+        ``matrixopt.train.model.MoE.forward``)."""
         d, q, kv = self.d_model, self.n_head * self.hd, self.kv_heads * self.hd
         if self.moe:
             f = self.expert_ffn * (self.top_k + self.n_shared_experts) * (1.5 if self.gated else 1)
+            routed = 2 * self.top_k * d
         else:
-            f = (self.ffn or 4 * d) * (1.5 if self.gated else 1)
-        return 2.0 * (4 * d + 2 * q + 2 * kv + 3 * f)
+            f, routed = (self.ffn or 4 * d) * (1.5 if self.gated else 1), 0
+        return 2.0 * (4 * d + 2 * q + 2 * kv + 3 * f + routed)
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,10 @@ from typing import Any
 from matrixopt.distributed.balance import lpt
 from matrixopt.distributed.cost import (
     ADAMW_BYTES,
+    CHECK_BYTES,
     MUON_BYTES,
     SHAMPOO_BYTES,
+    SHARDED_OWNER_BYTES,
     SOAP_BYTES,
     DeviceProfile,
     Memory,
@@ -398,10 +400,13 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         sync = max(0.0, reduce - bwd) + max(0.0, bcast - fwd)
         adamw_sync = max(0.0, collective_time("all_reduce", 4 * params_el, dp, dp_link) - bwd)
         ns, opt_comm, owned = _owner_load(profile, cfg, mats, dp, 1, None)
-        # the step's passes, and (with other ranks to send to) the owner's cast of its matrices into the bf16
-        # broadcast buffers
+        # the step's passes, (with other ranks to send to) the owner's cast of its matrices into the bf16
+        # broadcast buffers, and the ranks' non-finite agreement before any owner steps
+        # (LayerwiseOptimizer._agree_finite: nonfinite_flags reads every owned gradient once; the clip's norms
+        # are not handed to it)
         wire = WIRE_CAST_BYTES if dp > 1 else 0
-        elementwise = profile.seconds("elementwise", (ELEMENTWISE_BYTES[cfg.optimizer] + wire) * owned)
+        elementwise = (profile.seconds("elementwise", (ELEMENTWISE_BYTES[cfg.optimizer] + wire) * owned)
+                       + profile.seconds("elementwise", CHECK_BYTES * (owned + rest_el / dp)))
         side = profile.seconds("elementwise", ADAMW_BYTES * rest_el / dp)  # AdamW groups on a side stream
         opt = max(ns, side) + elementwise
         adamw_opt = profile.seconds("fused_adamw", ADAMW_BYTES * params_el)  # torch fused AdamW
@@ -411,10 +416,13 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         # the owners' reduce buffers (4 bytes per parameter); under accumulation the micro-batches' gradients
         # gather in .grad until the last backward's hooks copy them over, so both are held at its start
         grads = 4 * params_el * (2 if acc > 1 else 1)
+        # under autocast each MoE layer's forward casts its fp32 expert stacks to bf16 for the grouped GEMM, which
+        # keeps the copies for backward (matrixopt.train.model.grouped_mm); with recomputation one layer's at a time
+        casts = 2 * expert_el / (model.n_layer if cfg.recompute else 1)
         memory = Memory(params=4 * params_el, grads=grads, optimizer_state=state, buffers=ws,
-                        activations=_activations(model, mb, tp, cfg.recompute))
+                        activations=_activations(model, mb, tp, cfg.recompute) + casts, step_grads=4 * params_el)
         adamw_memory = Memory(params=4 * params_el, grads=8 * params_el, optimizer_state=8 * params_el, buffers=0.0,
-                              activations=memory.activations)
+                              activations=memory.activations, step_grads=8 * params_el)
     else:
         dense_shard = (dense_el + rest_el) / dp
         expert_shard = expert_el / edp
@@ -429,8 +437,8 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
             sync = acc * (max(0.0, gather - fwd) + max(0.0, gather - bwd)) - max(0.0, gather - bwd)
             sync += max(0.0, gather + rs - bwd)
         adamw_sync = sync
-        ns_d, comm_d, _ = _owner_load(profile, cfg, dense, dp, tp, layout.tp_mode)
-        ns_e, comm_e, _ = _owner_load(profile, cfg, experts, edp, 1, None)
+        ns_d, comm_d, owned_d = _owner_load(profile, cfg, dense, dp, tp, layout.tp_mode)
+        ns_e, comm_e, owned_e = _owner_load(profile, cfg, experts, edp, 1, None)
         ns = ns_d + ns_e  # dense and expert matrices run one after the other on every rank
         dense_mat_shard = sum(m.numel / (tp if _tp_sharded(m, tp) else 1) for m in dense) / dp
         a2a = 2 * (collective_time("all_to_all", 2 * dense_mat_shard, dp, dp_link)
@@ -439,7 +447,10 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         opt_comm = comm_d + comm_e + max(0.0, a2a - ns) + a2a / buckets
         local_mat = dense_mat_shard + expert_shard
         local_rest = rest_el / dp
-        elementwise = profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * local_mat)
+        # the step's passes on the local shards and, for ShardedMuon, the owner's on the matrices it gathers
+        gathered_el = (owned_d if dp > 1 else 0) + (owned_e if edp > 1 else 0)
+        owner_bytes = SHARDED_OWNER_BYTES * gathered_el if cfg.optimizer == "muon" else 0.0
+        elementwise = profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * local_mat + owner_bytes)
         side = profile.seconds("elementwise", ADAMW_BYTES * local_rest)  # AdamW groups on a side stream
         opt = max(ns, side) + max(0.0, a2a - ns) + a2a / buckets + elementwise  # ns holds the TP traffic
         adamw_opt = profile.seconds("fused_adamw", ADAMW_BYTES * (dense_shard + expert_shard))
@@ -448,13 +459,14 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         transient = 2 * 2 * layer_el  # two layers' bf16 parameters gathered (current and prefetched)
         gathered = 2 * params_el if once else transient  # gather-once: the whole model's bf16 parameters
         ws = max(_workspace(dense, dp, tp), _workspace(experts, edp, 1))  # gathered stacks, one bucket at a time
-        grads = 4 * (dense_shard + expert_shard)
-        if acc > 1:  # between micro-batches FSDP2 keeps every gradient unsharded, upcast to the fp32 reduce dtype
-            grads = 4 * params_el
-        # gradients: plus two layers' bf16 gradients before their reduction (or upcast)
+        # gradients beside the activations: the last step's sharded ones were freed (zero_grad(set_to_none=True)),
+        # but between micro-batches FSDP2 keeps every gradient unsharded, upcast to the fp32 reduce dtype; plus two
+        # layers' bf16 gradients before their reduction (or upcast). The step reads the sharded ones.
+        grads = 4 * params_el if acc > 1 else 0.0
         memory = Memory(params=4 * (dense_shard + expert_shard) + gathered,
                         grads=grads + transient, optimizer_state=state, buffers=ws,
-                        activations=_activations(model, mb, tp, cfg.recompute))
+                        activations=_activations(model, mb, tp, cfg.recompute),
+                        step_grads=4 * (dense_shard + expert_shard))
         adamw_memory = dataclasses.replace(memory, optimizer_state=8 * (dense_shard + expert_shard), buffers=0.0)
         if tp > 1 and cfg.optimizer == "muon":
             notes.append(f"TP Newton-Schulz {layout.tp_mode}")

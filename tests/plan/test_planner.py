@@ -216,8 +216,9 @@ def test_fsdp_accumulation_keeps_fp32_unsharded_gradients_and_reduces_once():
                                                                            **base), slow)
     params = model.total_params()
     transient = 2 * 2 * params / model.n_layer
-    assert one.memory.grads == pytest.approx(4 * params / 16 + transient)
+    assert one.memory.grads == pytest.approx(transient)  # the last step's sharded gradients were freed
     assert four.memory.grads == pytest.approx(4 * params + transient)
+    assert one.memory.step_grads == four.memory.step_grads == pytest.approx(4 * params / 16)
     link = slow.link(16, 1, 8)
     gather = collective_time("all_gather", 2 * params, 16, link)
     rs = collective_time("reduce_scatter", 4 * params, 16, link)
@@ -267,14 +268,15 @@ def test_stale_time_rows_are_listed_but_not_counted():
 
 
 def test_layerwise_step_on_one_gpu_is_the_cost_models_step_with_adamw_beside_it():
-    """One owner steps every matrix (one stack per matrix entry) with its AdamW groups on a side stream."""
+    """One owner steps every matrix (one stack per matrix entry) with its AdamW groups on a side stream, after the
+    non-finite agreement's read of every gradient (the layer-wise optimizer does not take the clip's norms)."""
     from matrixopt.distributed.cost import Shapes, matrix_step_time
 
     model = gpt("gpt2-small")
     p = planner.predict(planner.Layout(kind="layerwise"), planner.PlanConfig(model=model, gpus=1), H100)
     groups = [Shapes(m.m, m.n, m.count) for m in model.matrices()]
     rest = model.table_params() + model.vector_params()
-    assert p.opt_step_s == pytest.approx(matrix_step_time(H100, "muon", groups, adamw_numel=rest))
+    assert p.opt_step_s == pytest.approx(matrix_step_time(H100, "muon", groups, adamw_numel=rest, check=True))
 
 
 def test_fsdp_gather_once_gathers_twice_per_step_and_holds_the_gathered_model():
@@ -398,3 +400,38 @@ def test_leftover_peaks_are_those_after_a_layerwise_configuration():
     for ranks in rec["per_rank"]:
         ranks[0]["held_before_mb"] = 0.0
     assert validate._leftover_configs(rec) == set()
+
+
+def test_fsdp_muon_owner_pays_its_passes_on_the_gathered_matrices(monkeypatch):
+    """ShardedMuon's owner concatenates the gathered rows, reads the norm apart, scales the result and packs the
+    send buffer (:data:`~matrixopt.distributed.cost.SHARDED_OWNER_BYTES` per gathered element): the FSDP Muon
+    step counts them, Shampoo's (another sharded step) does not."""
+    cfg = planner.PlanConfig(model=gpt("gpt2-medium"), gpus=2)
+    fsdp = planner.Layout(kind="fsdp")
+    with_passes = planner.predict(fsdp, cfg, H100).opt_step_s
+    shampoo = planner.predict(fsdp, dataclasses.replace(cfg, optimizer="shampoo"), H100).opt_step_s
+    monkeypatch.setattr(planner, "SHARDED_OWNER_BYTES", 0)
+    assert with_passes > planner.predict(fsdp, cfg, H100).opt_step_s
+    assert shampoo == planner.predict(fsdp, dataclasses.replace(cfg, optimizer="shampoo"), H100).opt_step_s
+
+
+def test_peak_memory_is_backwards_start_or_the_step_whichever_is_larger():
+    """The activations are freed before the optimizer step allocates its Newton–Schulz stacks: the peak is the
+    larger of backward's start (activations and the gradients held through forward) and the step (its gradients and
+    workspace), both beside the parameters and the state."""
+    from matrixopt.distributed.cost import Memory
+
+    m = Memory(params=10.0, grads=1.0, optimizer_state=5.0, buffers=4.0, activations=8.0, step_grads=3.0)
+    assert m.total == 10 + 5 + max(1 + 8, 3 + 4)
+    assert dataclasses.replace(m, buffers=20.0).total == 10 + 5 + 3 + 20
+
+
+def test_moe_layerwise_keeps_bf16_casts_of_its_experts_for_backward():
+    """Layer-wise (fp32 parameters, bf16 autocast) keeps each MoE layer's bf16 cast of its expert stacks for the
+    grouped GEMM's backward: 2 bytes per expert parameter on the rank; FSDP2 computes on its gathered bf16 copy."""
+    model = gpt("moe-2b")
+    cfg = planner.PlanConfig(model=model, gpus=2, ep=2)
+    lw = planner.predict(planner.Layout(kind="layerwise", ep=2), cfg, H100)
+    fsdp = planner.predict(planner.Layout(kind="fsdp", ep=2), cfg, H100)
+    experts = sum(m.numel for m in model.matrices() if m.expert) / 2
+    assert lw.memory.activations - fsdp.memory.activations == pytest.approx(2 * experts)
