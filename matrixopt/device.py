@@ -129,6 +129,11 @@ def time_ms(fn: Callable[[], Any], device: torch.device, *, reps: int = 10, inne
                 calls()
             sync(device)
             times.append((time.perf_counter() - t0) * 1e3 / per_block)
+    return ms_summary(times)
+
+
+def ms_summary(times: list[float]) -> dict[str, float]:
+    """Median, p20, p80 and min of per-call milliseconds (:func:`time_ms`'s record)."""
     q = statistics.quantiles(times, n=5, method="inclusive") if len(times) > 1 else [times[0]] * 4
     return {"median": statistics.median(times), "p20": q[0], "p80": q[3], "min": min(times)}
 

@@ -16,7 +16,11 @@ embeddings, head, router, norms and biases to AdamW. Compared on the same parame
   step amortized over the refresh, and each again as ``matrixopt <name>, frequency F, TF32 products``
   (``matmul_precision="tf32"``); Muon also with the Newton–Schulz dispatcher forced to cuBLAS or
   to Triton, with its elementwise passes as foreach ops instead of the fused kernels, with ``cuda_graph=True``,
-  and with ``deferred_nonfinite=True`` (no host sync in the step; what the trainer uses), alone and with the graph.
+  and with ``deferred_nonfinite=True`` (no host sync in the step; what the trainer uses), alone and with the graph;
+  and ``matrixopt muon, after the clip, deferred check, CUDA graph``: the step as the trainer runs it on one GPU,
+  each ``step()`` after the trainer's clip through the optimizer (``clip_grad_norm_(1.0)``, not timed), which hands
+  the step each gradient's norm: the step scales the gradients as it reads them and takes the norms as its
+  non-finite check instead of reading every gradient once more.
 
 Limit of a Muon step: the Newton–Schulz FLOPs at ``PEAK_BF16_TFLOPS`` plus the fewest bytes at ``COPY_TBPS``:
     FLOPs = sum over hidden matrices of the fewer of the two forms' dense counts
@@ -41,7 +45,7 @@ from torch import nn
 
 from matrixopt.bench.common import COPY_TBPS, PEAK_BF16_TFLOPS, environment, kernel_choices, table
 from matrixopt.bench.peers import peer_muons, split_hidden
-from matrixopt.device import resolve_device, time_ms
+from matrixopt.device import StreamTimer, ms_summary, resolve_device, time_ms
 from matrixopt.kernels.muon_elementwise import elementwise_backend
 from matrixopt.kernels.ns_step import ns_backend, triton_available
 from matrixopt.linalg.ortho import newton_schulz_flops
@@ -49,6 +53,7 @@ from matrixopt.optim.layout import mark_experts
 from matrixopt.optim.registry import OPTIMIZERS, accepted, build_optimizer
 from matrixopt.plan.models import PRESETS as ARCHITECTURES
 from matrixopt.plan.models import Architecture
+from matrixopt.train.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -175,11 +180,29 @@ def _one_stream(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
 class Candidate:
     """An optimizer to time: ``factory()`` builds it inside ``context()``. A preconditioner refreshed every
     ``period`` steps is timed in blocks of whole periods, so the median block gives the cost per step amortized
-    over the refresh."""
+    over the refresh. ``clip``: each step follows the trainer's clip through the optimizer, untimed
+    (:func:`time_after_clip`)."""
 
     factory: Callable[[], Any]
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     period: int = 1
+    clip: bool = False
+
+
+def time_after_clip(opt: Any, device: torch.device, *, reps: int, inner: int, warmup: int = 3) -> dict[str, float]:
+    """Milliseconds per ``opt.step()`` when each follows ``opt.clip_grad_norm_`` at the trainer's max norm, as in
+    training; only the steps are timed (events around each on the compute stream, summed over blocks of
+    ``inner``). Returns :func:`~matrixopt.device.ms_summary`'s record."""
+    timer = StreamTimer(device)
+    for i in range(warmup + reps * inner):
+        opt.clip_grad_norm_(TrainConfig.grad_clip)
+        if i >= warmup:
+            timer.start()
+        opt.step()
+        if i >= warmup:
+            timer.stop()
+    laps = timer.resolve()
+    return ms_summary([1e3 * sum(laps[b * inner:(b + 1) * inner]) / inner for b in range(reps)])
 
 
 def candidates(ps: ParamSet, device: torch.device) -> dict[str, Candidate | str]:
@@ -219,6 +242,8 @@ def candidates(ps: ParamSet, device: torch.device) -> dict[str, Candidate | str]
     out["matrixopt muon, CUDA graph"] = muon(cuda_graph=True)
     out["matrixopt muon, deferred check"] = muon(deferred_nonfinite=True)
     out["matrixopt muon, deferred check, CUDA graph"] = muon(deferred_nonfinite=True, cuda_graph=True)
+    out["matrixopt muon, after the clip, deferred check, CUDA graph"] = dataclasses.replace(
+        muon(deferred_nonfinite=True, cuda_graph=True), clip=True)
     out["matrixopt muon, deferred check, CUDA graph, one stream"] = Candidate(
         lambda: _one_stream(build_optimizer(ps, "muon", lr=LR, deferred_nonfinite=True, cuda_graph=True)))
     out["matrixopt muon, standard NS, deferred check, CUDA graph"] = muon(deferred_nonfinite=True, cuda_graph=True,
@@ -260,7 +285,8 @@ def run(model: str = "gpt2-small", *, device: torch.device | None = None, reps: 
         block = -(-inner // entry.period) * entry.period  # inner steps, rounded up to whole refresh periods
         with entry.context():
             opt = entry.factory()
-            t = time_ms(opt.step, device, reps=reps, inner=block, warmup=3)
+            t = (time_after_clip(opt, device, reps=reps, inner=block) if entry.clip
+                 else time_ms(opt.step, device, reps=reps, inner=block, warmup=3))
         results[name] = {"status": "ok", "ms": t, "steps_per_block": block}
         del opt
         gc.collect()
