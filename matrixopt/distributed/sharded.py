@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -164,7 +165,10 @@ class DTensorShards(Shards):
         if layout is None:
             return local
         mesh, placements, shape, stride = layout
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+        # not DTensor.from_local, which moves a local tensor to the mesh's device type: offloaded state stays in
+        # host memory, as FSDP2's CPU offload keeps its sharded parameters
+        spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
+        return DTensor(local, spec, requires_grad=False)
 
     def offset(self, p: Tensor) -> int:
         if not isinstance(p, DTensor):

@@ -78,3 +78,50 @@ def _worker(rank: int, world: int) -> None:
 
 def test_fsdp2_deferred_nonfinite_skips_on_nccl_and_runs_repeat_exactly():
     run(_worker, 2, backend="nccl", timeout=180)
+
+
+def _offload_worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from matrixopt.distributed.fsdp import apply_fsdp
+    from matrixopt.distributed.sharded import ShardedMuon, ShardedNorMuon
+    from matrixopt.optim.routing import param_groups
+
+    torch.cuda.set_device(rank)
+    mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("dp",))
+    mine = slice(rank * 4, rank * 4 + 4)
+
+    def run_steps(cls: type, **options) -> tuple[list[torch.Tensor], list[torch.Tensor], ShardedMuon]:
+        torch.manual_seed(0)
+        model = apply_fsdp(Net().cuda(), mesh)
+        opt = cls(param_groups(model), lr=0.02, weight_decay=0.01, deferred_nonfinite=True, **options)
+        for step in range(12):
+            g = torch.Generator().manual_seed(100 + step)
+            x, y = torch.randn(8, 64, generator=g).cuda(), torch.randn(8, 64, generator=g).cuda()
+            nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+            opt.clip_grad_norm_(0.5)
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        state = [(i, k, getattr(t, "to_local", lambda t=t: t)().cpu()) for i, p in enumerate(model.parameters())
+                 for k, t in sorted(opt.state[p].items()) if torch.is_tensor(t)]
+        return [p.full_tensor() for p in model.parameters()], state, opt
+
+    for cls in (ShardedMuon, ShardedNorMuon):
+        for state_dtype in (None, "bf16"):
+            want, want_state, _ = run_steps(cls, state_dtype=state_dtype)
+            got, got_state, opt = run_steps(cls, state_dtype=state_dtype, offload="cpu")
+            name = f"{cls.__name__} {state_dtype}"
+            assert all(torch.equal(a, b) for a, b in zip(want, got)), name
+            differ = [(i, k, a.dtype, b.dtype, tuple(a.shape), tuple(b.shape), (a.double() - b.double()).abs().max())
+                      for (i, k, a), (_, _, b) in zip(want_state, got_state) if not torch.equal(a, b)]
+            assert [x[:2] for x in want_state] == [x[:2] for x in got_state] and not differ, (name, differ)
+            assert all(t.to_local().is_pinned() for st in opt.state.values() for t in st.values()
+                       if hasattr(t, "to_local")), name
+
+
+def test_fsdp2_offloaded_state_steps_as_on_the_device_on_nccl():
+    """ShardedMuon and ShardedNorMuon under FSDP2 with their state offloaded to pinned host memory (copy streams,
+    the clip's coefficient applied in the step): parameters and state bit for bit those of the same optimizer with
+    its state on the GPU, with float32 and with bf16 state, over 12 steps."""
+    run(_offload_worker, 2, backend="nccl", timeout=300)
