@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _fake_copy import FakeDeviceCopy
 from _mp import run
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -408,17 +409,6 @@ class Embedded(nn.Module):
 
     def forward(self, tokens):
         return self.norm(self.net(self.emb(tokens).mean(1)))
-
-
-class FakeDeviceCopy:
-    """The host-to-device copy of a machine without a GPU (as in tests/optim/test_offload.py), counted."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        self.calls += 1
-        return t.to(device, copy=True)
 
 
 def _tokens(step: int) -> tuple[torch.Tensor, torch.Tensor]:

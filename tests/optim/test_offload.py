@@ -6,23 +6,13 @@ import sys
 
 import pytest
 import torch
+from _fake_copy import FakeDeviceCopy
 from torch import nn
 
 import matrixopt
 from matrixopt.optim import base, layout
 from matrixopt.optim.offload import Offload
 from matrixopt.optim.state import decode
-
-
-class FakeDeviceCopy:
-    """The host-to-device copy of a machine without a GPU: a new tensor with the same values, counted."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        self.calls += 1
-        return t.to(device, copy=True)
 
 
 def _model() -> nn.Module:
