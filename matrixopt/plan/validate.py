@@ -512,6 +512,21 @@ def scaling_h200(root: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def scaling_4xh100(root: Path) -> list[dict[str, Any]]:
+    """The 4-H100 record of the current code: 1.3B and GPT-2-medium at 4k tokens per GPU (one micro-batch),
+    layer-wise Muon against DDP AdamW and FSDP2 Muon against FSDP2 AdamW, each configuration released before the
+    next is built; the layer-wise owners of 1.3B and the whole-model step the record took on one GPU."""
+    lw, fsdp = Layout(kind="layerwise"), Layout(kind="fsdp")
+    path = root / "distributed" / "scale_4k_4xh100.json"
+    rec = json.loads(path.read_text())
+    first = next(ranks for ranks in rec["per_rank"] if ranks[0]["config"] == "layerwise:muon")
+    line = next(s for s in rec["summary"] if s["config"] == "layerwise:muon" and s["preset"] == first[0]["preset"])
+    rows = layerwise_owners(path, rec, first[0]["preset"], [r["inner_step_ms"] for r in first],
+                            line["state_vs_single_gpu"])
+    return rows + _single_rows(path) + _scale_rows(path, [("layerwise:muon", "ddp:adamw", lw),
+                                                          ("fsdp:muon", "fsdp:adamw", fsdp)])
+
+
 def _tp_times(prof: DeviceProfile, world: int, steps: int, method: str, r: int, c: int,
               chunks: int) -> dict[str, float]:
     return tp_ns_times(r, c, world, steps=steps, chunks=chunks, link=prof.link(world),
@@ -521,7 +536,8 @@ def _tp_times(prof: DeviceProfile, world: int, steps: int, method: str, r: int, 
 
 def tensor_parallel(root: Path) -> list[dict[str, Any]]:
     rows = []
-    for world, name in ((2, "tp_ns_2gpu.json"), (4, "tp_ns_4gpu.json"), (2, "tp_ns_2xh100.json")):
+    for world, name in ((2, "tp_ns_2gpu.json"), (4, "tp_ns_4gpu.json"), (2, "tp_ns_2xh100.json"),
+                        (4, "tp_ns_4xh100.json")):
         path = root / "distributed" / name
         rec = json.loads(path.read_text())
         steps = rec["env"].get("ns_steps", 5)
@@ -558,7 +574,7 @@ def tensor_parallel(root: Path) -> list[dict[str, Any]]:
 
 SECTIONS: dict[str, Callable[[Path], list[dict[str, Any]]]] = {
     "single GPU": single_gpu, "scaling": scaling, "scaling, 2 H100": scaling_h100, "scaling, 2 H200": scaling_h200,
-    "tensor-parallel Newton-Schulz": tensor_parallel}
+    "scaling, 4 H100": scaling_4xh100, "tensor-parallel Newton-Schulz": tensor_parallel}
 
 
 def validate(root: Path = ROOT) -> dict[str, list[dict[str, Any]]]:
