@@ -27,7 +27,9 @@ finished on every rank, ``opt.step()`` and the model's forward raise, so a run w
 train on stale parameters. DCP writes its metadata file last, so an interrupted save is not loadable either.
 
 **A DTensor run** (FSDP2, tensor parallelism: :func:`save_dtensor`, :func:`load_dtensor`): the state dicts of
-``torch.distributed.checkpoint.state_dict.get_state_dict``, each rank writing its shards. Expert stacks that expert
+``torch.distributed.checkpoint.state_dict.get_state_dict``, each rank writing its shards, and what those leave out of
+the optimizer's own state dict (matrixopt's class name, checked on load, and compact state's rounding counter, so
+that a resumed run rounds as the uninterrupted one). Expert stacks that expert
 parallelism keeps out of FSDP2 (plain ``(E/ep, out, in)`` blocks) are written and read whole, as block parameters
 are above (:func:`block_shard`), so these checkpoints too resume at any expert-parallel degree.
 
@@ -327,7 +329,8 @@ def save_dtensor(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     if reorder is not None:
         reorder(model_sd, optim_sd, to_canonical=True)
     _blocks_whole(model_sd, optim_sd, blocks, block_mesh)
-    dcp.save({"model": model_sd, "optim": optim_sd, "trainer": _pickled(extra)}, checkpoint_id=path)
+    dcp.save({"model": model_sd, "optim": optim_sd, "trainer": _pickled(extra),
+              _OPTIMIZER_META: _pickled(_optimizer_meta(optimizer))}, checkpoint_id=path)
 
 
 def load_dtensor(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -336,6 +339,14 @@ def load_dtensor(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     """Load a checkpoint written by :func:`save_dtensor` into ``model`` and ``optimizer`` (sharded as for the run
     that saved it, or on another mesh; ``blocks`` over ``block_mesh`` as at :func:`save_dtensor`, each rank
     reading the rows of its block); returns ``extra``. Collective."""
+    meta = {}
+    if _OPTIMIZER_META in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:  # older ones have none
+        read = {_OPTIMIZER_META: b""}
+        dcp.load(read, checkpoint_id=path)
+        meta = torch.load(io.BytesIO(read[_OPTIMIZER_META]), weights_only=True)
+    if meta.get("optimizer", type(optimizer).__name__) != type(optimizer).__name__:
+        raise ValueError(f"the checkpoint at {path} was saved by {meta['optimizer']}, not "
+                         f"{type(optimizer).__name__}; build the same optimizer it came from to load it")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     _blocks_whole(model_sd, optim_sd, blocks, block_mesh)
     sd = {"model": model_sd, "optim": optim_sd, "trainer": b""}
@@ -348,7 +359,19 @@ def load_dtensor(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     if reorder is not None:
         reorder(sd["model"], sd["optim"], to_canonical=False)
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    if "rounding_step" in meta:
+        optimizer.rounding_step = meta["rounding_step"]
     return torch.load(io.BytesIO(sd["trainer"]), weights_only=True)
+
+
+_OPTIMIZER_META = "optimizer_meta"
+
+
+def _optimizer_meta(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What ``optimizer.state_dict()`` holds besides its state and param groups, which ``get_state_dict`` leaves
+    out: matrixopt's optimizers' class name (checked on load) and, with compact state, the stochastic rounding's
+    step counter (so that a resumed run rounds as the uninterrupted one)."""
+    return {k: v for k, v in optimizer.state_dict().items() if k not in ("state", "param_groups")}
 
 
 def _blocks_whole(model_sd: dict, optim_sd: dict, blocks: Sequence[str], mesh: DeviceMesh | None) -> None:

@@ -162,6 +162,16 @@ class MatrixOptimizer(Optimizer):
     def skipped_updates(self, value: int) -> None:
         self.nonfinite.skipped = value
 
+    @property
+    def rounding_step(self) -> int:
+        """Steps taken with compact state: the counter the stochastic rounding's seed comes from, which
+        ``state_dict()`` saves so that a resumed run rounds with the bits of the uninterrupted one."""
+        return self._rounding_step
+
+    @rounding_step.setter
+    def rounding_step(self, value: int) -> None:
+        self._rounding_step = int(value)
+
     def __getstate__(self) -> dict[str, Any]:
         """torch.optim.Optimizer pickles only defaults, state and param_groups; keep our attributes too."""
         return super().__getstate__() | {k: self.__dict__[k] for k in ("_matrix_defaults", "_adamw_defaults",

@@ -613,6 +613,28 @@ def _checkpoints(rank: int, world: int, d: str) -> None:
             _assert_same(ref, opt_ref, resumed, opt2, f"{sharded.__name__} saved offloaded={save_offloaded}")
 
 
+def _compact_resumes_exactly(rank: int, world: int, d: str) -> None:
+    """bf16 state, offloaded: a DCP checkpoint keeps the rounding's step counter, so the resumed run rounds with
+    the bits of the uninterrupted one and ends bit for bit the same; a checkpoint loaded into another optimizer
+    class is refused."""
+    from matrixopt.distributed import checkpoint
+
+    compact = {"state_dtype": "bf16", **_offloaded(True)}
+    ref, opt_ref = _embedded(world, ShardedMuon, **compact)
+    _steps(ref, opt_ref, range(4))
+    model, opt = _embedded(world, ShardedMuon, **compact)
+    _steps(model, opt, range(2))
+    path = f"{d}/compact"
+    checkpoint.save_dtensor(path, model, opt, extra={"step": 2})
+    resumed, opt2 = _embedded(world, ShardedMuon, seed=1, **compact)
+    assert checkpoint.load_dtensor(path, resumed, opt2) == {"step": 2} and opt2.rounding_step == 2
+    _steps(resumed, opt2, range(2, 4))
+    _assert_same(ref, opt_ref, resumed, opt2, "bf16 state resumed")
+    other, opt3 = _embedded(world, ShardedNorMuon, **compact)
+    with pytest.raises(ValueError, match="saved by ShardedMuon, not ShardedNorMuon"):
+        checkpoint.load_dtensor(path, other, opt3)
+
+
 def _reshard_offloaded(rank: int, world: int, d: str) -> None:
     """The offloaded 2-rank checkpoint of :func:`_checkpoints` at another number of ranks, offloaded: the whole
     state comes back exactly, and the run ends as the 2-rank run (up to the order of float sums)."""
@@ -636,6 +658,7 @@ def _offload_and_compact(rank: int, world: int, d: str) -> None:
     _offloaded_matches_on_device(rank, world)
     _faults(rank, world)
     _checkpoints(rank, world, d)
+    _compact_resumes_exactly(rank, world, d)
     _compact_state(rank, world)
 
 
