@@ -633,6 +633,16 @@ def _compact_resumes_exactly(rank: int, world: int, d: str) -> None:
     other, opt3 = _embedded(world, ShardedNorMuon, **compact)
     with pytest.raises(ValueError, match="saved by ShardedMuon, not ShardedNorMuon"):
         checkpoint.load_dtensor(path, other, opt3)
+    # a checkpoint written before the optimizer's own entries were saved still loads
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd, "trainer": checkpoint._pickled({"step": 2})},
+             checkpoint_id=f"{d}/older")
+    older, opt4 = _embedded(world, ShardedMuon, seed=1, **compact)
+    assert checkpoint.load_dtensor(f"{d}/older", older, opt4) == {"step": 2}
+    assert torch.equal(_local(next(older.parameters())), _local(next(model.parameters())))
 
 
 def _reshard_offloaded(rank: int, world: int, d: str) -> None:
