@@ -70,7 +70,7 @@ import gc
 import os
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -258,16 +258,22 @@ class Timeline:
         self.device[phase].stop()
         self.host[phase].append(time.perf_counter() - t0)
 
-    def per_step_ms(self, steps: slice, laps_per_step: dict[str, int]) -> dict[str, dict[str, float]]:
+    def per_step_ms(self, steps: slice, laps_per_step: dict[str, int]) -> dict[str, dict[str, Any]]:
         """Median ms per step of each phase over ``steps``: ``{phase: {"device": ms, "host": ms}}``; a phase run
-        ``laps_per_step[phase]`` times a step (forward and backward: once per micro-batch) is summed per step."""
+        ``laps_per_step[phase]`` times a step (forward and backward: once per micro-batch) is summed per step, and
+        its device time of each micro-batch is kept too (``"device_per_micro_batch"``, medians over ``steps``:
+        where a step's time goes, e.g. a first forward that waits for the last step's parameters)."""
         out = {}
         for p in PHASES:
             n = laps_per_step.get(p, 1)
-            per = {}
+            per: dict[str, Any] = {}
             for where, laps in (("device", self.device[p].resolve()), ("host", self.host[p])):
                 sums = [1e3 * sum(laps[i * n:(i + 1) * n]) for i in range(len(laps) // n)][steps]
                 per[where] = statistics.median(sums)
+            if n > 1:
+                laps = self.device[p].resolve()
+                per["device_per_micro_batch"] = [
+                    statistics.median([1e3 * laps[i * n + k] for i in range(len(laps) // n)][steps]) for k in range(n)]
             out[p] = per
         return out
 
@@ -466,6 +472,14 @@ def gc_warning(ranks: list[dict[str, Any]]) -> str | None:
             f"({worst['gc']['collections'][2]} full collections in the window): the step varies by that between runs")
 
 
+def _slowest(values: Iterable[Any]) -> Any:
+    """The largest of the ranks' values, element by element for lists (per micro-batch times)."""
+    values = list(values)
+    if isinstance(values[0], list):
+        return [max(v) for v in zip(*values)]
+    return max(values)
+
+
 def summarize(per_config: list[list[dict[str, Any]]], singles: list[dict[tuple[str, str], dict]],
               world: int) -> list[dict[str, Any]]:
     """One line per (preset, configuration) from every rank's figures: the slowest rank's times."""
@@ -487,7 +501,8 @@ def summarize(per_config: list[list[dict[str, Any]]], singles: list[dict[tuple[s
                     gc_ms_per_step_max=max(r["gc"]["ms_per_step"] for r in ranks),
                     exposed_comm_share=max(shares) if shares else None,
                     expert_max_load=r0["expert_max_load"],  # averaged over the data-parallel ranks: alike on all
-                    phases={p: {w: max(r["phases"][p][w] for r in ranks) for w in ("device", "host")} for p in PHASES})
+                    phases={p: {w: _slowest(r["phases"][p][w] for r in ranks) for w in r0["phases"][p]}
+                            for p in PHASES})
         if "inner_step_ms" in r0:
             key = (r0["preset"], parse_config(r0["config"]).optimizer)
             single = {k: [s[key][k] for s in singles if s[key][k] is not None] for k in ("step_ms", "state_mb")}
@@ -575,4 +590,11 @@ def format_tables(record: dict[str, Any], phases: bool = False) -> str:
                 for s in record["summary"]]
         text += ("\n\nStep timeline, median ms per step (device: compute-stream time; host: time issuing it)\n"
                  + table(rows, ["preset", "config", *heads]))
+        micro = [{"preset": s["preset"], "config": s["config"],
+                  **{f"{p} ms": " ".join(f"{t:.4g}" for t in s["phases"][p]["device_per_micro_batch"])
+                     for p in ("forward", "backward")}}
+                 for s in record["summary"] if "device_per_micro_batch" in s["phases"]["forward"]]
+        if micro:
+            text += ("\n\nEach micro-batch's device time, median ms\n"
+                     + table(micro, ["preset", "config", "forward ms", "backward ms"]))
     return text

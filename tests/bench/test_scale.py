@@ -100,6 +100,8 @@ def test_timeline_sums_micro_batches_per_step():
         timeline.host[phase] = [0.01] * (6 if phase == "backward" else 3)
     ms = timeline.per_step_ms(slice(1, 3), {"forward": 2, "backward": 2})
     assert ms["forward"]["device"] == pytest.approx(1e3 * (7 + 11) / 2)  # the median of steps 1 and 2: 7 s, 11 s
+    assert ms["forward"]["device_per_micro_batch"] == pytest.approx([1e3 * (3 + 5) / 2, 1e3 * (4 + 6) / 2])
+    assert "device_per_micro_batch" not in ms["step"]
     assert ms["forward"]["host"] == pytest.approx(1e3)
     assert ms["step"]["device"] == pytest.approx(1e3 * (0.2 + 0.4) / 2)
 
@@ -181,7 +183,8 @@ def test_scale_toy_phases(toy):
         assert set(line["phases"]) == {"forward", "backward", "clip", "step"}
         assert all(t["device"] > 0 and t["host"] > 0 for t in line["phases"].values()), line["config"]
         assert line["phases"]["step"]["device"] == line["opt_step_ms_max"]
-    assert "Step timeline" in stdout
+        assert len(line["phases"]["forward"]["device_per_micro_batch"]) == line["micro_batches"] > 1
+    assert "Step timeline" in stdout and "Each micro-batch's device time" in stdout
 
 
 def meta_gpt(preset: str, vocab_size: int = 50304, **overrides) -> GPT:
