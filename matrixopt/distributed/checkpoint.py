@@ -318,6 +318,16 @@ def export(path: str | os.PathLike, out: str | os.PathLike | None = None) -> dic
 Reorder = Callable[..., None]
 
 
+_OPTIMIZER_META = "optimizer_meta"
+
+
+def _optimizer_meta(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What ``optimizer.state_dict()`` holds besides its state and param groups, which ``get_state_dict`` leaves
+    out: matrixopt's optimizers' class name (checked on load) and, with compact state, the stochastic rounding's
+    step counter (so that a resumed run rounds as the uninterrupted one)."""
+    return {k: v for k, v in optimizer.state_dict().items() if k not in ("state", "param_groups")}
+
+
 def save_dtensor(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Any,
                  reorder: Reorder | None = None, blocks: Sequence[str] = (), block_mesh: DeviceMesh | None = None
                  ) -> None:
@@ -362,16 +372,6 @@ def load_dtensor(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     if "rounding_step" in meta:
         optimizer.rounding_step = meta["rounding_step"]
     return torch.load(io.BytesIO(sd["trainer"]), weights_only=True)
-
-
-_OPTIMIZER_META = "optimizer_meta"
-
-
-def _optimizer_meta(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """What ``optimizer.state_dict()`` holds besides its state and param groups, which ``get_state_dict`` leaves
-    out: matrixopt's optimizers' class name (checked on load) and, with compact state, the stochastic rounding's
-    step counter (so that a resumed run rounds as the uninterrupted one)."""
-    return {k: v for k, v in optimizer.state_dict().items() if k not in ("state", "param_groups")}
 
 
 def _blocks_whole(model_sd: dict, optim_sd: dict, blocks: Sequence[str], mesh: DeviceMesh | None) -> None:

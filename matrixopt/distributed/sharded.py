@@ -217,11 +217,9 @@ class ShardedMuon(OnLocalShards, Muon):
 
     shards = DTensorShards()
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        group = dict(param_group)
-        params = group["params"]
-        group["params"] = [params] if isinstance(params, Tensor) else list(params)
-        if self.state_dtype == "int8" and not group.get(self.matrix_flag, True):
+    def _validate_adamw_group(self, group: dict[str, Any]) -> None:
+        super()._validate_adamw_group(group)
+        if self.state_dtype == "int8":
             for i, p in enumerate(group["params"]):
                 if isinstance(p, DTensor):
                     raise NotImplementedError(
@@ -230,7 +228,6 @@ class ShardedMuon(OnLocalShards, Muon):
                         f"number of ranks; {param_label(group, i, p)} is a DTensor in an AdamW group. Use "
                         f"state_dtype='bf16', or the layer-wise optimizer (--parallel layerwise), whose owners "
                         f"take 'int8'.")
-        super().add_param_group(group)
 
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                        skip: Tensor | None = None) -> None:

@@ -196,6 +196,14 @@ class MatrixOptimizer(Optimizer):
         """Subclasses check their own hyperparameters; raise ValueError naming the value."""
         raise NotImplementedError
 
+    def _validate_adamw_group(self, group: dict[str, Any]) -> None:
+        """An AdamW group's hyperparameters and parameters (real and dense); ValueError naming what is wrong."""
+        check_adamw_group(group)
+        for i, p in enumerate(group["params"]):
+            if p.is_complex() or p.is_sparse:
+                raise ValueError(f"matrixopt's AdamW handles real dense parameters; {param_label(group, i, p)}"
+                                 " is complex or sparse")
+
     def _check_matrices(self, group: dict[str, Any]) -> None:
         """Every parameter of a matrix group is a real dense floating-point matrix (2-D or more)."""
         for i, p in enumerate(group["params"]):
@@ -230,11 +238,7 @@ class MatrixOptimizer(Optimizer):
             self._validate_matrix_group(group)
             self._check_matrices(group)
         else:
-            check_adamw_group(group)
-            for i, p in enumerate(group["params"]):
-                if p.is_complex() or p.is_sparse:
-                    raise ValueError(f"matrixopt's AdamW handles real dense parameters; {param_label(group, i, p)}"
-                                     " is complex or sparse")
+            self._validate_adamw_group(group)
         seen = {id(p) for g in self.param_groups for p in g["params"]}
         if any(id(p) in seen for p in group["params"]) or len({id(p) for p in group["params"]}) < len(
                 group["params"]):
