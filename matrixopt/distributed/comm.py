@@ -66,12 +66,22 @@ class Done:
         return True
 
 
-def reduce_to_owner(buffer: Tensor, owner: int, group: Group) -> dist.Work | Done:
-    """Sum ``buffer`` over ranks into ``owner``'s copy (asynchronous). Other ranks' copies are left undefined. On a
-    group of one rank nothing is sent."""
+def averages_in_reduce(group: Group) -> bool:
+    """Whether :func:`reduce_to_owner` can average over ``group`` inside the collective (NCCL's ``ncclAvg``: no pass
+    of its own over the result); gloo has no average."""
+    return world_size(group) > 1 and dist.get_backend(group) == "nccl"
+
+
+def reduce_to_owner(buffer: Tensor, owner: int, group: Group, *, mean: bool = False) -> dist.Work | Done:
+    """Sum ``buffer`` over ranks into ``owner``'s copy (asynchronous); with ``mean``, their average, where
+    :func:`averages_in_reduce` allows it. Other ranks' copies are left undefined. On a group of one rank nothing
+    is sent."""
     if world_size(group) == 1:
         return Done()
-    return dist.reduce(buffer, group_dst=owner, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    if mean and not averages_in_reduce(group):
+        raise ValueError(f"the {dist.get_backend(group)} backend cannot average in a reduce; sum and divide instead")
+    op = dist.ReduceOp.AVG if mean else dist.ReduceOp.SUM
+    return dist.reduce(buffer, group_dst=owner, op=op, group=group, async_op=True)
 
 
 def broadcast_from_owner(buffer: Tensor, owner: int, group: Group) -> dist.Work | Done:

@@ -12,9 +12,11 @@ to even out optimizer-state memory without raising the largest cost (:mod:`.bala
    observed order replaces the guess (as DDP rebuilds its buckets), so a parameter registered out of the order
    the model uses it in (GPT's position embedding, registered last but used first) does not hold every other
    bucket's reduction back to the end of backward, and the next forward gets its first parameters first.
-2. ``step()``: wait for the reductions; the owner divides by the world size (the mean over ranks, so equal local
-   batches give the single-process gradient of the global batch) and runs the registered optimizer on its
-   parameters in ``step_chunks`` chunks; after each chunk it broadcasts the finished buckets.
+2. ``step()``: wait for the reductions; the owner holds the mean over ranks (so equal local batches give the
+   single-process gradient of the global batch: NCCL averages inside the reduction, on gloo the owner divides the
+   sum by the world size) and runs the registered optimizer on its parameters in ``step_chunks`` chunks; after
+   each chunk it broadcasts the finished buckets. After :meth:`LayerwiseOptimizer.clip_grad_norm_` the clip's
+   per-gradient norms are the step's non-finite check; without it the check reads each owned gradient once.
 3. next forward: a pre-forward hook on each module waits for the buckets holding that module's parameters, so
    the broadcasts overlap the rest of the step and the start of the forward. With ``broadcast_dtype`` the matrix
    optimizer's parameters travel in that dtype (bf16 under autocast: half the bytes, the same forward).
@@ -95,6 +97,7 @@ class Bucket:
     param_buffer: Tensor | None = None
     seen: set[int] = field(default_factory=set)
     wire: torch.dtype | None = None  # the dtype its parameters are broadcast in (None: their own)
+    mean: bool = False  # its reduction averages over every rank (NCCL), so the owner divides nothing afterwards
 
     def segment(self, buf: Tensor, k: int) -> Tensor:
         p = self.params[k]
@@ -257,6 +260,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._stale = False
         self._syncing_grads = True
         self._clip_coef: Tensor | None = None  # clip_grad_norm_'s coefficient, applied by the next step()
+        self._clip_flags: Tensor | None = None  # and its per-gradient non-finite flags, the next step's check
         self._broadcast_buffers(model)
         self.sync_params()
 
@@ -402,8 +406,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             dtype = self._reduce_dtype or ps[0].dtype
             direct = len(ps) == 1 and dtype == ps[0].dtype
             grad = None if direct else torch.zeros(offsets[-1], dtype=dtype, device=ps[0].device)
-            buckets.append(Bucket(bi, self.owner[id(ps[0])], self._group(ps[0]), self.owns(ps[0]), ps, offsets[:-1],
-                                  offsets[-1], grad, direct, wire=self._wire.get(id(ps[0]))))
+            group = self._group(ps[0])
+            # the mean over every rank inside the reduction where the bucket is reduced over every rank and the
+            # backend averages (a block reduced among its replicas is still divided by the whole world size)
+            mean = comm.world_size(group) == self.world_size and comm.averages_in_reduce(group)
+            buckets.append(Bucket(bi, self.owner[id(ps[0])], group, self.owns(ps[0]), ps, offsets[:-1],
+                                  offsets[-1], grad, direct, wire=self._wire.get(id(ps[0])), mean=mean))
         return buckets
 
     def _make_chunks(self, groups: list[dict[str, Any]], group_of: dict[int, int], step_chunks: int,
@@ -490,7 +498,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             self._syncing_grads = prev
 
     def _on_grad(self, p: Tensor) -> None:
-        self._clip_coef = None  # a clip before this backward was for other gradients
+        self._clip_coef = self._clip_flags = None  # a clip before this backward was for other gradients
         if not self._syncing_grads:
             return
         b, k = self._bucket_of[id(p)]
@@ -522,7 +530,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             b = self.buckets[self._next_grad]
             if b.arrived < len(b.params):
                 return
-            b.grad_work = comm.reduce_to_owner(b.grad, b.owner, b.group)
+            b.grad_work = comm.reduce_to_owner(b.grad, b.owner, b.group, mean=b.mean)
             self._next_grad -= 1
 
     def _finish_grad_sync(self) -> None:
@@ -542,7 +550,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             if b.direct and not b.owned:
                 b.grad = None  # sent: this rank's local gradient is no longer needed
             if b.owned:
-                b.grad.div_(self.world_size)  # every rank's loss counts once, blocks included
+                if not b.mean and self.world_size > 1:
+                    b.grad.div_(self.world_size)  # every rank's loss counts once, blocks included
                 for k, p in enumerate(b.params):
                     seg, t = b.segment(b.grad, k), self._inner_param(p)
                     t.grad = seg if seg.dtype == t.dtype else seg.to(t.dtype)
@@ -560,10 +569,11 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         ``torch.nn.utils.clip_grad_norm_`` does in one process. Returns the total norm (before clipping), the
         same fp32 scalar on every rank. Collective: call it on every rank, after backward, before ``step()``. The
         coefficient is applied by ``step()``: each owner's Muon reads its gradients scaled (no pass of its own);
-        other optimizers have theirs multiplied just before they step."""
+        other optimizers have theirs multiplied just before they step. The per-gradient norms also serve as the
+        step's non-finite check (a non-finite norm flags its gradient), so the step reads no gradient again for it."""
         max_norm, norm_type = check_clip(max_norm, norm_type)
         self._finish_grad_sync()
-        local, _ = grad_norms(self._owned_grads(), norm_type, comm.object_device(self.group))
+        local, self._clip_flags = grad_norms(self._owned_grads(), norm_type, comm.object_device(self.group))
         if norm_type == math.inf:
             total = comm.all_reduce_max(local, self.group)
         else:
@@ -580,14 +590,15 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def _agree_finite(self) -> Tensor | None:
         """The ranks agree on finiteness before any owner steps: a flag per parameter (set by its owner where its
-        reduced gradient holds NaN/Inf), summed over ranks on the device. Without ``deferred_nonfinite`` the flags
+        reduced gradient holds NaN/Inf, or, after :meth:`clip_grad_norm_`, where the clip found its norm not finite),
+        summed over ranks on the device. Without ``deferred_nonfinite`` the flags
         are read on the host (the step's one sync) and every rank raises NonFiniteGradientError, naming every bad
         parameter, before anything is written. With it, the flags start on their way to the host for
         :meth:`raise_deferred_nonfinite`, and the returned 0-d float32 device flag (nonzero when any rank's
         gradient holds NaN/Inf) makes every owner's updates write nothing."""
         dev = comm.object_device(self.group)
-        flags = torch.zeros(len(self.params), device=dev).index_copy_(
-            0, self._owned_index, nonfinite_flags(self._owned_grads(), dev))
+        owned = self._clip_flags if self._clip_flags is not None else nonfinite_flags(self._owned_grads(), dev)
+        flags = torch.zeros(len(self.params), device=dev).index_copy_(0, self._owned_index, owned)
         flags = comm.all_reduce_sum(flags, self.group)
         if self.nonfinite.deferred:
             return self.nonfinite.defer(flags, lambda: self._labels)
@@ -614,7 +625,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def _drop_grads(self) -> None:
         """Forget all gradients: finish reductions in flight (every rank launched the same ones) and reset."""
-        self._clip_coef = None
+        self._clip_coef = self._clip_flags = None
         for b in reversed(self.buckets):
             if b.grad_work is not None:
                 b.grad_work.wait()

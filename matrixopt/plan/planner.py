@@ -57,7 +57,6 @@ from typing import Any
 from matrixopt.distributed.balance import lpt
 from matrixopt.distributed.cost import (
     ADAMW_BYTES,
-    CHECK_BYTES,
     MUON_BYTES,
     SHAMPOO_BYTES,
     SHARDED_OWNER_BYTES,
@@ -400,13 +399,11 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         sync = max(0.0, reduce - bwd) + max(0.0, bcast - fwd)
         adamw_sync = max(0.0, collective_time("all_reduce", 4 * params_el, dp, dp_link) - bwd)
         ns, opt_comm, owned = _owner_load(profile, cfg, mats, dp, 1, None)
-        # the step's passes, (with other ranks to send to) the owner's cast of its matrices into the bf16
-        # broadcast buffers, and the ranks' non-finite agreement before any owner steps
-        # (LayerwiseOptimizer._agree_finite: nonfinite_flags reads every owned gradient once; the clip's norms
-        # are not handed to it)
+        # the step's passes and (with other ranks to send to) the owner's cast of its matrices into the bf16
+        # broadcast buffers. Nothing more: NCCL averages inside the reductions, and the ranks' non-finite agreement
+        # takes the trainer's clip's per-gradient norms (LayerwiseOptimizer._agree_finite)
         wire = WIRE_CAST_BYTES if dp > 1 else 0
-        elementwise = (profile.seconds("elementwise", (ELEMENTWISE_BYTES[cfg.optimizer] + wire) * owned)
-                       + profile.seconds("elementwise", CHECK_BYTES * (owned + rest_el / dp)))
+        elementwise = profile.seconds("elementwise", (ELEMENTWISE_BYTES[cfg.optimizer] + wire) * owned)
         side = profile.seconds("elementwise", ADAMW_BYTES * rest_el / dp)  # AdamW groups on a side stream
         opt = max(ns, side) + elementwise
         adamw_opt = profile.seconds("fused_adamw", ADAMW_BYTES * params_el)  # torch fused AdamW

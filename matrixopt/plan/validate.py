@@ -475,7 +475,9 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
                  "scale_1.3b_4k_fsdp_2xh100.json", "scale_1.3b_64k_fsdp_gather_once_2xh100.json",
                  "scale_1.3b_64k_fsdp_gather_once_alt_2xh100.json"):
         rows += _scale_rows(dist / name, [("fsdp:muon", "fsdp:adamw", fsdp)])
-    for name in ("scale_1.3b_16k_layerwise_alt_2xh100.json", "scale_1.3b_64k_layerwise_alt_2xh100.json"):
+    for name in ("scale_1.3b_16k_layerwise_alt_2xh100.json", "scale_1.3b_64k_layerwise_alt_2xh100.json",
+                 # the owners' mean inside NCCL's reduction and the clip's norms as the non-finite check
+                 "layerwise_mean_ab/scale_new1.json", "layerwise_mean_ab/scale_new2.json"):
         rows += _scale_rows(dist / name, [("layerwise:muon", "ddp:adamw", lw)])
     for name in ("scale_moe-2b_ep2_16k_alt_2xh100.json", "scale_moe-2b_ep2_16k_alt3_2xh100.json",
                  "scale_moe-2b_ep2_16k_clip_new_2xh100.json"):

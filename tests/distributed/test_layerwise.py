@@ -4,6 +4,7 @@ same global batch, at 1 to 4 ranks, for every registered optimizer; LPT ownershi
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from matrixopt.train.model import GPT, PRESETS, GPTConfig
 # (~1e-7 relative) passes through a few optimizer steps. Measured differences are below 1e-6; a wrong reduction
 # (sum instead of mean, a missing rank, a stale parameter) moves parameters by > 1e-3.
 RTOL, ATOL = 1e-4, 1e-5
+layerwise_module = importlib.import_module("matrixopt.distributed.layerwise")  # the package exports a function so named
 BATCH, T, VOCAB, D = 24, 4, 16, 8  # BATCH and BATCH / 2 divide by 1, 2, 3 and 4 ranks
 LR = {"adamw": 1e-2}
 DEFAULT_LR = 2e-2
@@ -251,6 +253,33 @@ def _faults_worker(rank: int, world: int) -> None:
     assert all(c.optimizer.nonfinite.wrapped for c in opt.chunks)  # the agreed check is the only one
     _, skipping = mdist.layerwise(Net(), "muon", lr=0.01, skip_nonfinite=True)
     assert not any(c.optimizer.nonfinite.wrapped for c in skipping.chunks)  # owners skip their own bad gradients
+
+    # clipped first: the clip's per-gradient norms are the agreement's flags (no second read of the gradients),
+    # and the step still raises on every rank, naming the bad parameters, with nothing written
+    model, opt = mdist.layerwise(Net(), "muon", lr=0.01)
+    before = [p.detach().clone() for p in model.parameters()]
+    (loss_of(model, idx, tgt) * (float("nan") if rank == 1 else 1.0)).backward()
+    assert not torch.isfinite(opt.clip_grad_norm_(1.0))
+    reads = layerwise_module.nonfinite_flags
+    layerwise_module.nonfinite_flags = None  # calling it would fail the step with a TypeError
+    try:
+        with pytest.raises(NonFiniteGradientError, match=r"fc1\.weight.*no parameter or state was updated"):
+            opt.step()
+    finally:
+        layerwise_module.nonfinite_flags = reads
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+    # gloo cannot average inside a reduction: the owners divide the sums
+    assert not any(b.mean for b in opt.buckets)
+    with pytest.raises(ValueError, match="gloo backend cannot average"):
+        mdist.comm.reduce_to_owner(torch.zeros(3), 0, opt.group, mean=True)
+    # a backward after the clip makes its flags stale: the step reads the new gradients itself
+    model, opt = mdist.layerwise(Net(), "muon", lr=0.01)
+    loss_of(model, idx, tgt).backward()
+    opt.clip_grad_norm_(1.0)
+    opt.zero_grad()
+    (loss_of(model, idx, tgt) * (float("nan") if rank == 0 else 1.0)).backward()
+    with pytest.raises(NonFiniteGradientError):
+        opt.step()
 
     # a second backward without no_sync is an error that says how to accumulate
     loss_of(model, idx, tgt).backward()

@@ -1,6 +1,6 @@
-"""Layer-wise Muon over NCCL on two GPUs against one process: the buckets rebuilt to the order gradients arrive
-in, reductions and broadcasts on NCCL streams, the parameters each forward waits for. Skipped without two GPUs;
-the same logic runs on gloo in test_layerwise.py."""
+"""Layer-wise Muon over NCCL on two GPUs against one process, clipped: the buckets rebuilt to the order gradients
+arrive in, reductions (averaged by NCCL) and broadcasts on NCCL streams, the parameters each forward waits for.
+Skipped without two GPUs; the same logic runs on gloo in test_layerwise.py."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.gpu,
 # fp32 Newton–Schulz and no TF32: the two runs differ only in the order fp32 gradients are summed (measured
 # 5.5e-5 after 4 steps on an H200 pair); a missing or stale broadcast moves parameters by ~lr = 2e-2.
 ATOL = 1e-3
+CLIP = 0.5
 
 
 def _worker(rank: int, world: int) -> None:
@@ -35,13 +36,18 @@ def _worker(rank: int, world: int) -> None:
     model.load_state_dict(init.state_dict())
     model, opt = mdist.layerwise(model, "muon", bucket_cap_mb=0.5, **hp)  # several parameters share buckets
     guessed = [[id(p) for p in b.params] for b in opt.buckets]
+    assert all(b.mean for b in opt.buckets), "NCCL averages inside every reduction over all ranks"
     sl = mdist.batch_slice(8)
     for s in range(4):
         x = torch.randint(0, 256, (8, 65), generator=torch.Generator().manual_seed(s)).to(dev)
         ref_opt.zero_grad()
         ref(x[:, :-1], x[:, 1:])[1].backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
         ref_opt.step()
         model(x[sl, :-1], x[sl, 1:])[1].backward()
+        got = opt.clip_grad_norm_(CLIP)  # of the mean gradient; its norms are also the step's non-finite check
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+        assert s > 0 or want > 2 * CLIP, "the clip must bind for the test to mean anything"
         opt.step()
     opt.wait_params()
     rebuilt = [[id(p) for p in b.params] for b in opt.buckets]
