@@ -322,15 +322,17 @@ def time_owner_steps(opt: torch.optim.Optimizer, device: torch.device) -> list[S
 
 
 def owner_summary(opt: torch.optim.Optimizer, timers: list[StreamTimer], iters: int) -> dict[str, Any]:
-    """This rank's share of the layer-wise matrix cost, its number of owned parameters and the median ms per step of
-    its chunks' compute; nothing for other optimizers."""
+    """This rank's share of the layer-wise matrix cost, its number of owned parameters, the median ms per step of
+    its chunks' compute and the dtype its matrices are kept in (``param_dtype``, "None": their own); nothing for
+    other optimizers."""
     if not isinstance(opt, LayerwiseOptimizer):
         return {}
     laps = [t.resolve()[:iters] for t in timers]
     per_step = [1e3 * sum(chunk[i] for chunk in laps) for i in range(min(map(len, laps)))] if laps else [0.0]
     compute = opt.assignment.compute
     return dict(owned_cost_share=compute[opt.rank] / max(sum(compute), 1e-30),
-                owned_params=opt.assignment.owner.count(opt.rank), inner_step_ms=statistics.median(per_step))
+                owned_params=opt.assignment.owner.count(opt.rank), inner_step_ms=statistics.median(per_step),
+                param_dtype=str(opt.param_dtype))
 
 
 def run_config(par: Parallelism, config: ScaleConfig, preset: str, settings: Settings) -> dict[str, Any]:
@@ -507,7 +509,7 @@ def summarize(per_config: list[list[dict[str, Any]]], singles: list[dict[tuple[s
             key = (r0["preset"], parse_config(r0["config"]).optimizer)
             single = {k: [s[key][k] for s in singles if s[key][k] is not None] for k in ("step_ms", "state_mb")}
             single = {k: statistics.median(v) if v else None for k, v in single.items()}
-            line |= dict(inner_step_ms_max=max(r["inner_step_ms"] for r in ranks),
+            line |= dict(inner_step_ms_max=max(r["inner_step_ms"] for r in ranks), param_dtype=r0.get("param_dtype"),
                          single_gpu_step_ms=single["step_ms"],
                          opt_step_vs_single_gpu=single["step_ms"] and line["opt_step_ms_max"] / single["step_ms"],
                          state_vs_single_gpu=single["state_mb"] and line["state_mb_max"] / single["state_mb"])

@@ -218,7 +218,7 @@ def save(path: str | os.PathLike, model: nn.Module, opt: LayerwiseOptimizer, ext
         sd.update({f"buffer/{k}": t.detach() for k, t in _buffers(model, opt).items()})
     state, whole = opt.state_dict()["state"], _Whole(opt)
     for name in opt.owned_names():
-        sd[f"model/{name}"] = whole.saved(name, opt._inner_param(opt.param_by_name(name)).detach())
+        sd[f"model/{name}"] = whole.saved(name, opt.trained(opt.param_by_name(name)).detach())
         for k, v in state.get(name, {}).items():
             if (v := whole.saved(name, v)) is not None:
                 sd[f"optim/{name}/{k}"] = v if isinstance(v, torch.Tensor) else _pickled(v)

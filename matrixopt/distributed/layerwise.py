@@ -96,7 +96,9 @@ class Bucket:
     param_work: Any = None
     param_buffer: Tensor | None = None
     seen: set[int] = field(default_factory=set)
+    accumulated: set[int] = field(default_factory=set)  # params whose micro-batch gradients ``grad`` sums so far
     wire: torch.dtype | None = None  # the dtype its parameters are broadcast in (None: their own)
+    flat: Tensor | None = None  # the storage its parameters are views of (matrices kept in param_dtype), if any
     mean: bool = False  # its reduction averages over every rank (NCCL), so the owner divides nothing afterwards
 
     def segment(self, buf: Tensor, k: int) -> Tensor:
@@ -169,6 +171,16 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         step_chunks: the owner runs its step in this many chunks and broadcasts after each (1 = no overlap of
             the broadcasts with the owner's compute, only with the next forward).
         reduce_dtype: dtype of the gradient reduction (None: the parameter dtype, as DDP does).
+        param_dtype: dtype the matrix optimizer's parameters are kept in on every rank (None: as they are).
+            ``torch.bfloat16`` under bf16 autocast: each owner steps an fp32 master made here from the parameter
+            before it is converted, and broadcasts its bf16 cast; every rank sums each micro-batch's gradient of
+            those parameters into an fp32 buffer as backward makes it (not in ``p.grad``) and reduces in fp32.
+            Training is then the same as with fp32 parameters where the model uses these matrices only in bf16
+            autocast products, which round the weights to the same bf16 (a transformer's linear layers), and the
+            bf16 weight gradients those products make are summed in fp32 as autocast's casts would: the forward
+            skips autocast's cast of every such weight in every micro-batch, the other ranks take the broadcast
+            with no conversion, and they hold 2 bytes per parameter instead of 4. The trainer sets it under bf16
+            autocast.
         broadcast_dtype: dtype the matrix optimizer's parameters are broadcast in after a step (None: their own).
             ``torch.bfloat16`` halves the broadcast of fp32 matrices: the other ranks then hold the owner's value
             rounded to bf16, while the owner keeps the exact one (what it steps from, and what checkpoints save).
@@ -187,7 +199,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, name: str, *, process_group: comm.Group | None = None,
                  timeout: timedelta = timedelta(minutes=10), bucket_cap_mb: float = 25.0, step_chunks: int = 2,
-                 reduce_dtype: torch.dtype | None = None, broadcast_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = None,
+                 broadcast_dtype: torch.dtype | None = None,
                  cost: Callable[[int, int], float] | None = None,
                  adamw: Sequence[str] = (), matrix: Sequence[str] = (),
                  splits: Mapping[str, int | Sequence[int]] | None = None, experts: Sequence[str] = (),
@@ -198,10 +211,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         if not isinstance(step_chunks, int) or step_chunks < 1:
             raise ValueError(f"step_chunks must be an int >= 1, got {step_chunks!r}")
-        if broadcast_dtype is not None and not (isinstance(broadcast_dtype, torch.dtype)
-                                                and broadcast_dtype.is_floating_point):
-            raise ValueError(f"broadcast_dtype must be a floating-point torch.dtype (e.g. torch.bfloat16), got "
-                             f"{broadcast_dtype!r}")
+        for what, dtype in (("param_dtype", param_dtype), ("broadcast_dtype", broadcast_dtype)):
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise ValueError(f"{what} must be a floating-point torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
         self.group = process_group if process_group is not None else comm.new_group(timeout)
         self.rank, self.world_size = comm.rank(self.group), comm.world_size(self.group)
         self.name = name
@@ -238,6 +250,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
         group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
         is_matrix = [bool(flag is not None and groups[group_of[id(p)]][flag]) for p in self.params]
+        # the matrices kept in param_dtype (converted once their fp32 masters exist), summed and reduced in fp32
+        self.param_dtype = param_dtype
+        self._lowered = {id(p): param_dtype for p, m in zip(self.params, is_matrix)
+                         if m and param_dtype is not None and p.dtype != param_dtype}
         self._assign(is_matrix, cost or MATRIX_COSTS.get(name, muon_cost), [e["replica_rank"] for e in everyone])
         self._owned_index = torch.tensor([i for i, p in enumerate(self.params) if self.owns(p)],
                                          dtype=torch.int64, device=comm.object_device(self.group))
@@ -248,7 +264,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
         self._bucket_cap, self._reduce_dtype = int(bucket_cap_mb * 2**20), reduce_dtype
         self._wire = {id(p): broadcast_dtype for p, m in zip(self.params, is_matrix)
-                      if m and broadcast_dtype is not None and p.dtype != broadcast_dtype}
+                      if m and broadcast_dtype is not None and self._dtype(p) != broadcast_dtype}
         self._modules = [m for m in model.modules() if any(id(p) in self.owner for p in m.parameters(recurse=False))]
         self.masters: dict[int, Tensor] = {}
         self.chunks: list[Chunk] = []
@@ -265,7 +281,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.sync_params()
 
         self.masters = {id(p): copy_marks(p, p.detach().float().clone()) for p in self.params
-                        if self.owns(p) and p.dtype != torch.float32}
+                        if self.owns(p) and self._dtype(p) != torch.float32}
+        with torch.no_grad():
+            for p in self.params:
+                if id(p) in self._lowered:
+                    p.data = p.data.to(self._lowered[id(p)])
+        self._home_lowered()
         self.chunks = self._build_chunks()
         self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self._on_grad)) for p in self.params]
         self._hooks += [m.register_forward_pre_hook(_weak_hook(self._pre_forward)) for m in self._modules]
@@ -340,16 +361,20 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         owner = [0] * len(self.params)
         base: dict[str, list] = {}
         self.block_assignment: Assignment | None = None
+
+        def state_bytes(p: Tensor, is_matrix: bool) -> int:
+            return self._state_bytes(p, is_matrix, self._dtype(p))
+
         if local:
             a = assign([self.params[i] for i in local], [is_matrix[i] for i in local],
-                       comm.world_size(self.blocks.replica_group), cost, self._state_bytes)
+                       comm.world_size(self.blocks.replica_group), cost, state_bytes)
             for i, r in zip(local, a.owner):
                 owner[i] = r
             base = dict(base_compute=[a.compute[j] for j in replica_ranks],
                         base_state=[a.state_bytes[j] for j in replica_ranks])
             self.block_assignment = a
         self.assignment: Assignment = assign([self.params[i] for i in dense], [is_matrix[i] for i in dense],
-                                             self.world_size, cost, self._state_bytes, **base)
+                                             self.world_size, cost, state_bytes, **base)
         for i, r in zip(dense, self.assignment.owner):
             owner[i] = r
         self.owner = {id(p): r for p, r in zip(self.params, owner)}
@@ -362,9 +387,15 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """Whether this rank owns (steps, and holds the optimizer state of) parameter ``p``."""
         return self.owner[id(p)] == (self.replica_rank if id(p) in self.local else self.rank)
 
+    def _dtype(self, p: Tensor) -> torch.dtype:
+        """The dtype ``p`` is kept in during training (``param_dtype`` for a lowered matrix)."""
+        return self._lowered.get(id(p), p.dtype)
+
     @staticmethod
-    def _state_bytes(p: Tensor, is_matrix: bool) -> int:
-        master = 0 if p.dtype == torch.float32 else 4 * p.numel()
+    def _state_bytes(p: Tensor, is_matrix: bool, dtype: torch.dtype | None = None) -> int:
+        """Optimizer state bytes an owner holds for ``p`` (kept in ``dtype``, default its own): an fp32 master
+        unless it trains in fp32, and the optimizer's moments."""
+        master = 0 if (dtype or p.dtype) == torch.float32 else 4 * p.numel()
         return master + (4 if is_matrix else 8) * p.numel()
 
     def _arrange(self, arrival: list[int]) -> None:
@@ -375,11 +406,25 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._bucket_of = {id(p): (b, k) for b in self.buckets for k, p in enumerate(b.params)}
         self._next_grad = len(self.buckets) - 1  # gradients are reduced from the last bucket to the first
         if self.chunks:
+            self._home_lowered()
             self._rechunk()
         self._module_buckets = {
             id(m): list({id(b): b for b in (self._bucket_of[id(p)][0] for p in m.parameters(recurse=False)
                                              if id(p) in self._bucket_of)}.values())
             for m in self._modules}
+
+    @torch.no_grad()
+    def _home_lowered(self) -> None:
+        """Make the parameters of each bucket of several lowered matrices views of one flat buffer in bucket
+        order, so that the owner's cast from its masters writes what it broadcasts and the others receive into
+        their parameters: no copy on either side."""
+        for b in self.buckets:
+            if len(b.params) > 1 and id(b.params[0]) in self._lowered and b.params[0].dtype == self._dtype(b.params[0]):
+                b.flat = torch.empty(b.numel, dtype=b.params[0].dtype, device=b.params[0].device)
+                for k, p in enumerate(b.params):
+                    seg = b.segment(b.flat, k)
+                    seg.copy_(p.data)
+                    p.data = seg
 
     def _make_buckets(self, arrival: list[int]) -> list[Bucket]:
         """Walk the parameters in the order their gradients arrive, filling one open bucket per (group, owner,
@@ -390,7 +435,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         open_: dict[tuple[bool, int, torch.dtype, torch.dtype | None], list[Tensor]] = {}
         closed: list[list[Tensor]] = []
         for p in (self.params[i] for i in arrival):
-            key = (id(p) in self.local, self.owner[id(p)], p.dtype, self._wire.get(id(p)))
+            key = (id(p) in self.local, self.owner[id(p)], self._dtype(p), self._wire.get(id(p)))
             cur = open_.setdefault(key, [])
             cur.append(p)
             if sum(q.numel() for q in cur) * p.element_size() >= self._bucket_cap:
@@ -403,8 +448,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             offsets = [0]
             for p in ps:
                 offsets.append(offsets[-1] + p.numel())
-            dtype = self._reduce_dtype or ps[0].dtype
-            direct = len(ps) == 1 and dtype == ps[0].dtype
+            # a lowered matrix's micro-batch gradients are summed in an fp32 buffer and reduced from it
+            dtype = torch.float32 if id(ps[0]) in self._lowered else self._reduce_dtype or ps[0].dtype
+            direct = len(ps) == 1 and dtype == self._dtype(ps[0])
             grad = None if direct else torch.zeros(offsets[-1], dtype=dtype, device=ps[0].device)
             group = self._group(ps[0])
             # the mean over every rank inside the reduction where the bucket is reduced over every rank and the
@@ -479,8 +525,20 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if order != self._order:
             self._arrange(order)
 
-    def _inner_param(self, p: Tensor) -> Tensor:
+    def trained(self, p: Tensor) -> Tensor:
+        """The tensor this rank's optimizer steps for parameter ``p``: its fp32 master where this rank owns ``p``
+        and ``p`` is kept in lower precision, else ``p``. A change made to it in place reaches ``p`` through
+        :meth:`masters_to_params`."""
         return self.masters.get(id(p), p)
+
+    @torch.no_grad()
+    def masters_to_params(self, params: Sequence[Tensor]) -> None:
+        """Cast each of ``params`` that this rank keeps a master of from that master (after changing the masters
+        in place, as QK-clip scales weights). Not collective: the other ranks' copies change at the next
+        broadcast, or by their own equal change."""
+        for p in params:
+            if id(p) in self.masters:
+                p.copy_(self.masters[id(p)])
 
     def _inner_optimizer(self, p: Tensor) -> torch.optim.Optimizer:
         b, _ = self._bucket_of[id(p)]
@@ -489,8 +547,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------- gradients
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Inside, backward accumulates local gradients in ``p.grad`` without communicating (all micro-batches
-        but the last of a gradient-accumulation step); the backward after it reduces the accumulated sums."""
+        """Inside, backward accumulates local gradients without communicating (all micro-batches but the last of a
+        gradient-accumulation step): in ``p.grad``, and for the matrices kept in ``param_dtype`` in their fp32
+        reduce buffers; the backward after it reduces the accumulated sums."""
         prev, self._syncing_grads = self._syncing_grads, False
         try:
             yield
@@ -500,6 +559,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def _on_grad(self, p: Tensor) -> None:
         self._clip_coef = self._clip_flags = None  # a clip before this backward was for other gradients
         if not self._syncing_grads:
+            if id(p) in self._lowered:  # summed in fp32 now, not in p.grad in its own dtype
+                self._accumulate(*self._bucket_of[id(p)], p)
             return
         b, k = self._bucket_of[id(p)]
         if k in b.seen:
@@ -511,12 +572,27 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._launch_ready_grads()
 
     @staticmethod
+    def _accumulate(b: Bucket, k: int, p: Tensor) -> None:
+        """Add ``p``'s micro-batch gradient to its segment of the bucket's reduce buffer (the first one copied) and
+        drop ``p.grad``."""
+        if p.grad is None:
+            return
+        seg = b.segment(b.grad, k)
+        seg.add_(p.grad) if k in b.accumulated else seg.copy_(p.grad)
+        b.accumulated.add(k)
+        p.grad = None
+
+    @staticmethod
     def _take_grad(b: Bucket, k: int, p: Tensor) -> None:
-        """Move ``p``'s gradient (zeros if it has none) into its bucket's reduce buffer and drop ``p.grad``."""
+        """Move ``p``'s gradient (zeros if it has none) into its bucket's reduce buffer, added to what earlier
+        micro-batches summed there (:meth:`_accumulate`), and drop ``p.grad``."""
         g = p.grad
         if b.direct:
             b.grad = torch.zeros(b.numel, dtype=p.dtype, device=p.device) if g is None else \
                 g.detach().contiguous().view(-1)
+        elif k in b.accumulated:
+            if g is not None:
+                b.segment(b.grad, k).add_(g)
         elif g is None:
             b.segment(b.grad, k).zero_()
         else:
@@ -553,15 +629,15 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 if not b.mean and self.world_size > 1:
                     b.grad.div_(self.world_size)  # every rank's loss counts once, blocks included
                 for k, p in enumerate(b.params):
-                    seg, t = b.segment(b.grad, k), self._inner_param(p)
+                    seg, t = b.segment(b.grad, k), self.trained(p)
                     t.grad = seg if seg.dtype == t.dtype else seg.to(t.dtype)
-            b.arrived, b.seen = 0, set()
+            b.arrived, b.seen, b.accumulated = 0, set(), set()
         self._next_grad = -1  # reductions done; reset to the last bucket when the step consumes the gradients
 
     def _owned_grads(self) -> list[Tensor]:
         """The reduced gradients of the parameters this rank owns, in ``self.params`` order."""
-        return [self._inner_param(p).grad for p in self.params
-                if self.owns(p) and self._inner_param(p).grad is not None]
+        return [self.trained(p).grad for p in self.params
+                if self.owns(p) and self.trained(p).grad is not None]
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -632,9 +708,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 b.grad_work = None
             if b.direct:
                 b.grad = None
-            b.arrived, b.seen = 0, set()
+            b.arrived, b.seen, b.accumulated = 0, set(), set()
         for p in self.params:
-            self._inner_param(p).grad = None
+            self.trained(p).grad = None
             p.grad = None
         self._next_grad = len(self.buckets) - 1
 
@@ -689,6 +765,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------- parameters
     def _launch_param_broadcasts(self, start: int, end: int) -> int:
         for b in self.buckets[start:end]:
+            if b.flat is not None:  # the parameters are views of it
+                b.param_buffer = None
+                b.param_work = comm.broadcast_from_owner(b.flat, b.owner, b.group)
+                continue
             if len(b.params) == 1 and b.params[0].is_contiguous() and b.wire is None:
                 b.param_buffer = None
                 b.param_work = comm.broadcast_from_owner(b.params[0].data.view(-1), b.owner, b.group)
@@ -770,7 +850,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         for p in self.params:
             if not self.owns(p):
                 continue
-            st = self._inner_optimizer(p).state.get(self._inner_param(p))
+            st = self._inner_optimizer(p).state.get(self.trained(p))
             if st:
                 state[self.names[id(p)]] = dict(st)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -799,7 +879,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             p = self.param_by_name(name)
             if not self.owns(p):
                 continue
-            t = self._inner_param(p)
+            t = self.trained(p)
             self._inner_optimizer(p).state[t] = {
                 k: (v.to(device=t.device, copy=True) if isinstance(v, Tensor) else v) for k, v in st.items()}
         self._push_hyperparameters()
@@ -811,5 +891,5 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             raise ValueError(f"checkpoint value of `{name}` has shape {tuple(value.shape)}, the model's parameter "
                              f"has shape {tuple(p.shape)}: the checkpoint comes from a different model")
         with torch.no_grad():
-            self._inner_param(p).copy_(value)
+            self.trained(p).copy_(value)
             p.copy_(value)

@@ -444,9 +444,10 @@ class Layerwise(MultiProcess):
         return model
 
     def optimizer_defaults(self, model: nn.Module, name: str) -> dict[str, Any]:
-        # under bf16 autocast the matrices feed only bf16 products: broadcasting them in bf16 after the step halves
-        # that traffic and changes no result (the owner keeps the exact value)
-        return {"broadcast_dtype": torch.bfloat16} if self.bf16 else {}
+        # under bf16 autocast the matrices feed only bf16 products: kept in bf16 (fp32 masters on their owners,
+        # gradients summed and reduced in fp32) they train as fp32 weights do, while the forward skips autocast's
+        # cast of every weight in every micro-batch and the owners' broadcasts travel in bf16
+        return {"param_dtype": torch.bfloat16} if self.bf16 else {}
 
     def _build(self, model: nn.Module, name: str, splits: Splits | None, hparams: dict) -> torch.optim.Optimizer:
         blocks = Blocks(tuple(self.expert_names), self.replica_group, self.ep_group) if self.ep > 1 else None

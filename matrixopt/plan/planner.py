@@ -103,6 +103,12 @@ class PlanConfig:
     """FSDP layouts under ``grad_accum > 1`` keep the parameters gathered from the first micro-batch's forward to
     the last one's backward (2 all-gathers of each block per step instead of 2 per micro-batch), holding the whole
     model's bf16 parameters per GPU between micro-batches. Changes nothing at one micro-batch or for layer-wise."""
+    bf16_weights: bool = True
+    """Layer-wise keeps the matrices in bf16 with fp32 masters on their owners (the trainer's setting under bf16
+    autocast: ``LayerwiseOptimizer(param_dtype=torch.bfloat16)``): its forward skips the cast of every fp32 weight
+    in every micro-batch that DDP AdamW's autocast runs (6 bytes per matrix element), every rank holds the
+    matrices in 2 bytes and their micro-batch gradients go straight into the fp32 reduce buffers. False: fp32
+    weights on every rank. Changes nothing for FSDP."""
     tp: int | None = None
     """Tensor-parallel degree; None tries 1 and each power of two up to a node that divides the heads."""
     ep: int | None = None
@@ -137,8 +143,9 @@ class PlanConfig:
         check_method(self.ns_method)
         check_root_method(self.root_method)
         check_matmul_precision(self.matmul_precision)
-        if not isinstance(self.fsdp_gather_once, bool):
-            raise ValueError(f"fsdp_gather_once must be True or False, got {self.fsdp_gather_once!r}")
+        for name in ("fsdp_gather_once", "bf16_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if not 0 < self.mfu <= 1:
@@ -390,6 +397,7 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         tokens = mb * model.top_k * d * 2
         shared += 4 * moe_layers * acc * collective_time("all_to_all", tokens, ep, profile.link(ep, tp, gpn))
 
+    saved = 0.0  # compute the layout saves against AdamW's forward and backward
     dp_link = profile.link(dp, tp, gpn)
     edp_link = profile.link(edp, tp * ep, gpn)
     layer_el = params_el / model.n_layer
@@ -407,16 +415,24 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         side = profile.seconds("elementwise", ADAMW_BYTES * rest_el / dp)  # AdamW groups on a side stream
         opt = max(ns, side) + elementwise
         adamw_opt = profile.seconds("fused_adamw", ADAMW_BYTES * params_el)  # torch fused AdamW
-        state_total = _state(cfg, mats, 1) + 8 * rest_el
+        mat_el = dense_el + expert_el
+        lowered = cfg.bf16_weights
+        if lowered:  # DDP's autocast casts every fp32 matrix to bf16 in every micro-batch's forward
+            saved = acc * profile.seconds("elementwise", 6 * mat_el)
+        # the owners' fp32 masters of the bf16 matrices count as state
+        state_total = _state(cfg, mats, 1) + 8 * rest_el + (4 * mat_el if lowered else 0)
         state = max(state_total / dp, 8.0 * getattr(model, "vocab", 0) * d)  # a whole-owned embedding
         ws = _workspace(mats, dp, 1)
-        # the owners' reduce buffers (4 bytes per parameter); under accumulation the micro-batches' gradients
-        # gather in .grad until the last backward's hooks copy them over, so both are held at its start
-        grads = 4 * params_el * (2 if acc > 1 else 1)
+        # the owners' reduce buffers (4 bytes per parameter); under accumulation the micro-batches' gradients of
+        # what is not summed in those buffers (every parameter in fp32, or the rest beside bf16 matrices) gather
+        # in .grad until the last backward's hooks copy them over, so both are held at its start
+        grads = 4 * params_el + (4 * (rest_el if lowered else params_el) if acc > 1 else 0)
         # under autocast each MoE layer's forward casts its fp32 expert stacks to bf16 for the grouped GEMM, which
         # keeps the copies for backward (matrixopt.train.model.grouped_mm); with recomputation one layer's at a time
-        casts = 2 * expert_el / (model.n_layer if cfg.recompute else 1)
-        memory = Memory(params=4 * params_el, grads=grads, optimizer_state=state, buffers=ws,
+        # (none where they are kept in bf16)
+        casts = 0.0 if lowered else 2 * expert_el / (model.n_layer if cfg.recompute else 1)
+        memory = Memory(params=(2 if lowered else 4) * mat_el + 4 * rest_el, grads=grads, optimizer_state=state,
+                        buffers=ws,
                         activations=_activations(model, mb, tp, cfg.recompute) + casts, step_grads=4 * params_el)
         adamw_memory = Memory(params=4 * params_el, grads=8 * params_el, optimizer_state=8 * params_el, buffers=0.0,
                               activations=memory.activations, step_grads=8 * params_el)
@@ -470,7 +486,7 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         if once:
             notes.append("parameters gathered once per step")
     exposed = shared + sync + opt_comm
-    step = fwd_bwd + shared + sync + opt
+    step = fwd_bwd - saved + shared + sync + opt
     adamw_step = fwd_bwd + shared + adamw_sync + adamw_opt
     return Prediction(layout=layout, fwd_bwd_s=fwd_bwd, opt_step_s=opt, opt_comm_s=opt_comm, exposed_comm_s=exposed,
                       step_s=step, adamw_opt_step_s=adamw_opt, adamw_step_s=adamw_step, memory=memory,

@@ -292,6 +292,8 @@ def _scale_rows(path: Path, pairs: list[tuple[str, str, Layout]]) -> list[dict[s
             cfg = PlanConfig(model=arch, gpus=world, tokens_per_gpu=tokens, grad_accum=mu.get("micro_batches", 1),
                              ep=layout.ep if layout.ep > 1 else None, ns_method=ns_method(rec),
                              fsdp_gather_once=once, optimizer=optimizer,
+                             # layer-wise matrices in bf16 where the record says so (absent before the option)
+                             bf16_weights=mu.get("param_dtype") == "torch.bfloat16",
                              precondition_frequency=int(hp.get("precondition_frequency", 10)),
                              root_method=hp.get("root_method", "newton"),
                              matmul_precision=hp.get("matmul_precision", "fp32"))
@@ -477,7 +479,7 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
         rows += _scale_rows(dist / name, [("fsdp:muon", "fsdp:adamw", fsdp)])
     for name in ("scale_1.3b_16k_layerwise_alt_2xh100.json", "scale_1.3b_64k_layerwise_alt_2xh100.json",
                  # the owners' mean inside NCCL's reduction and the clip's norms as the non-finite check
-                 "layerwise_mean_ab/scale_new1.json", "layerwise_mean_ab/scale_new2.json"):
+                 "layerwise_mean_ab/scale_new1_2xh100.json", "layerwise_mean_ab/scale_new2_2xh100.json"):
         rows += _scale_rows(dist / name, [("layerwise:muon", "ddp:adamw", lw)])
     for name in ("scale_moe-2b_ep2_16k_alt_2xh100.json", "scale_moe-2b_ep2_16k_alt3_2xh100.json",
                  "scale_moe-2b_ep2_16k_clip_new_2xh100.json"):

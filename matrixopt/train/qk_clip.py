@@ -33,9 +33,14 @@ class GPTQKClip:
     def __init__(self, model: GPT, par: Parallelism, tau: float):
         c = model.config
         order = rank_major_qkv(c.n_embd, par.tp) if par.tp > 1 else None
-        attentions = [FusedQKV(weight=block.attn.c_attn.weight, bias=block.attn.c_attn.bias, n_head=c.n_head,
-                               row_order=order, name=f"transformer.h.{i}.attn.c_attn")
-                      for i, block in enumerate(model.transformer.h)]  # the parameters as par.wrap left them
+        # the parameters as par.wrap left them; under layer-wise, where a rank steps an fp32 master of a bf16
+        # weight, the master (step() then casts it into the weight)
+        self._weights = [block.attn.c_attn.weight for block in model.transformer.h]
+        trained = par.optimizer.trained if isinstance(par.optimizer, LayerwiseOptimizer) else (lambda t: t)
+        attentions = [FusedQKV(weight=trained(block.attn.c_attn.weight),
+                               bias=None if block.attn.c_attn.bias is None else trained(block.attn.c_attn.bias),
+                               n_head=c.n_head, row_order=order, name=f"transformer.h.{i}.attn.c_attn")
+                      for i, block in enumerate(model.transformer.h)]
         self.clip = QKClip(tau, attentions, process_group=dist.group.WORLD if par.world > 1 else None)
         # the query heads this rank computes: all, or its TP rank's n_head / tp
         local = c.n_head // par.tp
@@ -54,6 +59,8 @@ class GPTQKClip:
         logits = local.new_full((local.shape[0], self.model.config.n_head), -math.inf)
         logits[:, self._heads] = local  # -Inf: a head another TP rank holds, filled in by the MAX all-reduce
         self.stats = self.clip.step(logits)
+        if isinstance(self.optimizer, LayerwiseOptimizer):
+            self.optimizer.masters_to_params(self._weights)
         self.model.reset_max_logits()
 
     def metrics(self) -> dict[str, float | int]:

@@ -3,6 +3,7 @@ same global batch, at 1 to 4 ranks, for every registered optimizer; LPT ownershi
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import os
@@ -394,6 +395,73 @@ def test_bf16_broadcast_changes_no_result_under_autocast():
 def test_broadcast_dtype_must_be_floating():
     with pytest.raises(ValueError, match="broadcast_dtype must be a floating-point torch.dtype"):
         mdist.layerwise(Net(), "muon", broadcast_dtype=torch.int8)
+    with pytest.raises(ValueError, match="param_dtype must be a floating-point torch.dtype"):
+        mdist.layerwise(Net(), "muon", param_dtype=torch.int8)
+
+
+def _bf16_params_worker(rank: int, world: int, folder: str) -> None:
+    """Matrices kept in bf16 (fp32 masters on their owners, micro-batch gradients summed in fp32 buffers) train
+    bit for bit as fp32 matrices broadcast in bf16 under bf16 autocast: the same losses, the owners' masters equal
+    the fp32 run's parameters, every rank's bf16 copy is their rounding, and a checkpoint's values are the masters.
+    Gradients summed in bf16 ``p.grad`` over the micro-batches, or reduced in bf16, would change the losses."""
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    runs = {}
+    for lowered in (False, True):
+        torch.manual_seed(0)
+        kw = {"param_dtype": torch.bfloat16} if lowered else {"broadcast_dtype": torch.bfloat16}
+        model, opt = mdist.layerwise(GPT(cfg), "muon", lr=DEFAULT_LR, bucket_cap_mb=0.01, **kw)
+        losses = []
+        for s in range(3):
+            for micro in range(3):  # accumulation: the first two micro-batches under no_sync
+                x = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(70 + 10 * s + micro))
+                sl = mdist.batch_slice(8)
+                with opt.no_sync() if micro < 2 else contextlib.nullcontext():
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        loss = model(x[sl, :-1], x[sl, 1:])[1]
+                    loss.backward()
+                losses.append(loss.detach())
+            opt.clip_grad_norm_(0.5)
+            opt.step()
+        opt.wait_params()
+        runs[lowered] = (model, opt, losses)
+    (ref, ref_opt, ref_losses), (model, opt, losses) = runs[False], runs[True]
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses)), (ref_losses, losses)
+    lowered = [n for n, p in model.named_parameters() if p.dtype == torch.bfloat16]
+    assert lowered and all(".mlp." in n or ".attn." in n for n in lowered), lowered
+    assert any(b.flat is not None for b in opt.buckets), "no bucket of several bf16 matrices: the views untested"
+    compared = 0
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if p.dtype != torch.bfloat16:
+            assert torch.equal(p, q), name
+            continue
+        # q is the fp32 run's exact value where that run's owner is this rank, else its bf16 rounding
+        assert torch.equal(p, q.bfloat16()), f"{name}: not the fp32 run's value rounded to bf16"
+        if opt.owns(p) and ref_opt.owns(q):
+            assert torch.equal(opt.masters[id(p)], q), f"{name}: the owner's master is not the fp32 run's value"
+            compared += 1
+    assert sum(mdist.comm.all_gather_object(compared, None)) > 0
+    # a checkpoint holds the exact masters, and loading one sets each master and its bf16 copy
+    path = f"{folder}/ckpt"
+    mdist.checkpoint.save(path, model, opt)
+    dist.barrier()
+    saved = mdist.checkpoint.export(path)["model"]
+    for name, p in model.named_parameters():
+        assert saved[name].dtype == torch.float32, name
+        if id(p) in opt.masters:
+            assert torch.equal(saved[name], opt.masters[id(p)]), name
+        assert torch.equal(saved[name].to(p.dtype), p), name
+    torch.manual_seed(1)
+    fresh, fresh_opt = mdist.layerwise(GPT(cfg), "muon", lr=DEFAULT_LR, bucket_cap_mb=0.01,
+                                       param_dtype=torch.bfloat16)
+    mdist.checkpoint.load(path, fresh, fresh_opt)
+    for (name, p), q in zip(fresh.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
+        if id(p) in fresh_opt.masters:
+            assert torch.equal(fresh_opt.masters[id(p)], saved[name]), name
+
+
+def test_bf16_params_train_as_fp32_params_under_autocast(tmp_path):
+    run(_bf16_params_worker, 2, str(tmp_path))
 
 
 def _arrival_order_worker(rank: int, world: int) -> None:

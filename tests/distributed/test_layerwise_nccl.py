@@ -4,6 +4,8 @@ Skipped without two GPUs; the same logic runs on gloo in test_layerwise.py."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -93,3 +95,40 @@ def _bf16_wire_worker(rank: int, world: int) -> None:
 
 def test_layerwise_bf16_broadcast_on_nccl_sends_the_owners_rounded_values():
     run(_bf16_wire_worker, 2, backend="nccl", timeout=300)
+
+
+def _bf16_params_worker(rank: int, world: int) -> None:
+    """Matrices kept in bf16 (fp32 masters on their owners, views of one flat buffer per bucket, micro-batch
+    gradients summed in fp32) train bit for bit as fp32 matrices broadcast in bf16 under CUDA autocast."""
+    dev = torch.device("cuda", rank)
+    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128)
+    torch.manual_seed(0)
+    init = GPT(cfg).state_dict()
+    sl = mdist.batch_slice(8)
+    runs = []
+    for kw in ({"broadcast_dtype": torch.bfloat16}, {"param_dtype": torch.bfloat16}):
+        model = GPT(cfg).to(dev)
+        model.load_state_dict(init)
+        model, opt = mdist.layerwise(model, "muon", lr=2e-2, bucket_cap_mb=0.5, **kw)
+        losses = []
+        for s in range(3):
+            for micro in range(2):
+                x = torch.randint(0, 256, (8, 65), generator=torch.Generator().manual_seed(10 * s + micro)).to(dev)
+                with opt.no_sync() if micro == 0 else contextlib.nullcontext():
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        loss = model(x[sl, :-1], x[sl, 1:])[1]
+                    loss.backward()
+                losses.append(loss.detach())
+            opt.clip_grad_norm_(CLIP)
+            opt.step()
+        opt.wait_params()
+        runs.append((model, torch.stack(losses)))
+    (ref, ref_losses), (model, losses) = runs
+    assert torch.equal(ref_losses, losses), (ref_losses, losses)
+    assert any(b.flat is not None for b in opt.buckets)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q.to(p.dtype)), n
+
+
+def test_bf16_params_train_as_fp32_params_on_nccl():
+    run(_bf16_params_worker, 2, backend="nccl", timeout=300)

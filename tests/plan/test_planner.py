@@ -230,15 +230,27 @@ def test_fsdp_accumulation_keeps_fp32_unsharded_gradients_and_reduces_once():
 
 def test_layerwise_accumulation_holds_the_gradients_beside_the_reduce_buffers():
     """Layer-wise: the owners' reduce buffers take 4 bytes per parameter; under accumulation the micro-batches'
-    gradients gather in .grad until the last backward's hooks copy them into those buffers, so 8 at its start."""
+    gradients of fp32 weights gather in .grad until the last backward's hooks copy them into those buffers, so 8
+    at its start; bf16 matrices' gradients go into the buffers as backward makes them, so only the rest's
+    gather in .grad. bf16 matrices take 2 bytes on every rank, their fp32 masters 4 on their owners."""
     model = gpt("gpt2-small")
-    base = dict(model=model, gpus=2, gpus_per_node=8)
+    base = dict(model=model, gpus=2, gpus_per_node=8, bf16_weights=False)
     one = planner.predict(planner.Layout(kind="layerwise"), planner.PlanConfig(tokens_per_gpu=2048, **base), H100)
     four = planner.predict(planner.Layout(kind="layerwise"),
                            planner.PlanConfig(tokens_per_gpu=8192, grad_accum=4, **base), H100)
     params = model.total_params()
     assert one.memory.grads == pytest.approx(4 * params) and four.memory.grads == pytest.approx(8 * params)
     assert four.memory.activations == pytest.approx(one.memory.activations)  # the same micro-batch
+    lowered = planner.predict(planner.Layout(kind="layerwise"),
+                              planner.PlanConfig(tokens_per_gpu=8192, grad_accum=4, **base | {"bf16_weights": True}),
+                              H100)
+    mats = sum(m.numel for m in model.matrices())
+    rest = params - mats
+    assert lowered.memory.grads == pytest.approx(4 * params + 4 * rest)
+    assert lowered.memory.params == pytest.approx(2 * mats + 4 * rest)
+    assert lowered.memory.optimizer_state == pytest.approx(four.memory.optimizer_state + 4 * mats / 2)
+    # the forward skips autocast's cast of every fp32 matrix in each of the 4 micro-batches (6 bytes an element)
+    assert four.step_s - lowered.step_s == pytest.approx(4 * H100.seconds("elementwise", 6 * mats))
 
 
 def test_validation_prices_records_before_the_gram_form_in_the_standard_form():
@@ -427,11 +439,15 @@ def test_peak_memory_is_backwards_start_or_the_step_whichever_is_larger():
 
 
 def test_moe_layerwise_keeps_bf16_casts_of_its_experts_for_backward():
-    """Layer-wise (fp32 parameters, bf16 autocast) keeps each MoE layer's bf16 cast of its expert stacks for the
-    grouped GEMM's backward: 2 bytes per expert parameter on the rank; FSDP2 computes on its gathered bf16 copy."""
+    """Layer-wise with fp32 weights under bf16 autocast keeps each MoE layer's bf16 cast of its expert stacks for
+    the grouped GEMM's backward: 2 bytes per expert parameter on the rank; FSDP2 computes on its gathered bf16
+    copy, and so does layer-wise with its matrices kept in bf16 (no cast)."""
     model = gpt("moe-2b")
-    cfg = planner.PlanConfig(model=model, gpus=2, ep=2)
+    cfg = planner.PlanConfig(model=model, gpus=2, ep=2, bf16_weights=False)
     lw = planner.predict(planner.Layout(kind="layerwise", ep=2), cfg, H100)
     fsdp = planner.predict(planner.Layout(kind="fsdp", ep=2), cfg, H100)
     experts = sum(m.numel for m in model.matrices() if m.expert) / 2
     assert lw.memory.activations - fsdp.memory.activations == pytest.approx(2 * experts)
+    lowered = planner.predict(planner.Layout(kind="layerwise", ep=2), dataclasses.replace(cfg, bf16_weights=True),
+                              H100)
+    assert lowered.memory.activations == pytest.approx(fsdp.memory.activations)

@@ -241,6 +241,24 @@ def test_two_ranks_clip_as_one_process(tmp_path, single_clipped, parallel):
         assert g["max_logit"] == pytest.approx(w["max_logit"], rel=RTOL)
 
 
+def test_layerwise_bf16_weights_clip_their_masters(tmp_path):
+    """Under bf16 autocast the layer-wise optimizer keeps the matrices in bf16 and steps fp32 masters: QK-clip
+    scales the masters on their owners (and casts them into the weights), so the run clips as DDP's fp32 weights
+    under the same autocast do. Scaling only the bf16 weights would be undone by the next step."""
+    runs = {}
+    for parallel in ("ddp", "layerwise"):
+        out = tmp_path / parallel
+        proc = torchrun(2, ["train", "--out", str(out), "--qk-clip", "0.01", "--parallel", parallel,
+                            "--dtype", "bf16", *TINY])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[parallel] = read_metrics(out)
+    fields = ("step", "loss", "val_loss")
+    got, want = ([{k: m[k] for k in fields if k in m} for m in runs[p]] for p in ("layerwise", "ddp"))
+    assert_same_losses(got, want, rtol=1e-3)  # bf16 products: the same values, fp32 sums in another order
+    assert [m.get("qk_clipped_heads") for m in runs["layerwise"]] == [m.get("qk_clipped_heads") for m in runs["ddp"]]
+    assert sum(m.get("qk_clipped_heads", 0) for m in runs["ddp"]) > 0
+
+
 @pytest.mark.parametrize("tau", [0, -1, math.nan, math.inf])
 def test_bad_threshold_is_refused(tau):
     with pytest.raises(ValueError, match=r"qk_clip \(--qk-clip\) must be a finite number > 0, the largest "
