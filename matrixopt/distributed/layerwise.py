@@ -741,8 +741,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 chunk.optimizer.nonfinite.agreed = skip
             self._apply_clip(chunk.optimizer)
             chunk.optimizer.step()
-            for p, master in chunk.masters:
-                p.copy_(master if skip is None else torch.where(skip > 0, p, master))
+            if chunk.masters:  # each parameter is its master's cast, so a skipped step (masters as they were)
+                # leaves it as it was: no select on the skip flag
+                torch._foreach_copy_([p for p, _ in chunk.masters], [m for _, m in chunk.masters])
             launched = self._launch_param_broadcasts(launched, chunk.bucket_end)
         self._launch_param_broadcasts(launched, len(self.buckets))
         self._drop_grads()

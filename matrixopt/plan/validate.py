@@ -479,7 +479,9 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
         rows += _scale_rows(dist / name, [("fsdp:muon", "fsdp:adamw", fsdp)])
     for name in ("scale_1.3b_16k_layerwise_alt_2xh100.json", "scale_1.3b_64k_layerwise_alt_2xh100.json",
                  # the owners' mean inside NCCL's reduction and the clip's norms as the non-finite check
-                 "layerwise_mean_ab/scale_new1_2xh100.json", "layerwise_mean_ab/scale_new2_2xh100.json"):
+                 "layerwise_mean_ab/scale_new1_2xh100.json", "layerwise_mean_ab/scale_new2_2xh100.json",
+                 # the matrices kept in bf16 (fp32 masters on their owners)
+                 *(f"layerwise_bf16_weights/scale_{t}_2xh100.json" for t in ("new16a", "new16b", "new4k", "new64k"))):
         rows += _scale_rows(dist / name, [("layerwise:muon", "ddp:adamw", lw)])
     for name in ("scale_moe-2b_ep2_16k_alt_2xh100.json", "scale_moe-2b_ep2_16k_alt3_2xh100.json",
                  "scale_moe-2b_ep2_16k_clip_new_2xh100.json"):

@@ -458,6 +458,21 @@ def _bf16_params_worker(rank: int, world: int, folder: str) -> None:
         assert torch.equal(p, q), name
         if id(p) in fresh_opt.masters:
             assert torch.equal(fresh_opt.masters[id(p)], saved[name]), name
+    # a step skipped on the device (deferred check, NaN on one rank) leaves every weight and master as it was
+    model, opt = mdist.layerwise(GPT(cfg), "muon", lr=DEFAULT_LR, bucket_cap_mb=0.01, param_dtype=torch.bfloat16,
+                                 deferred_nonfinite=True)
+    x = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(99))
+    sl = mdist.batch_slice(8)
+    for bad in (False, True):
+        opt.wait_params()  # the last step's broadcasts have landed
+        before = [t.clone() for t in [*model.parameters(), *opt.masters.values()]]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x[sl, :-1], x[sl, 1:])[1] * (float("nan") if bad and rank == 1 else 1.0)
+        loss.backward()
+        opt.step()
+        opt.wait_params()
+        after = [*model.parameters(), *opt.masters.values()]
+        assert all(torch.equal(a, b) for a, b in zip(before, after)) == bad, bad
 
 
 def test_bf16_params_train_as_fp32_params_under_autocast(tmp_path):
