@@ -66,6 +66,12 @@ STALE = (
      "its Shampoo time rows were measured before Shampoo's Adam graft and its graft-and-select pass ran as fused "
      "kernels and before its eigenbasis roots' products moved to TF32 (scale_1.3b_16k_shampoo_alt_2xh100.json "
      "measures the current step)"),
+    # made by the commit that kept the layer-wise matrices in bf16, before the next one changed the masters' cast
+    (("scale_new16a_2xh100.json", "scale_new16b_2xh100.json", "scale_new4k_2xh100.json", "scale_new64k_2xh100.json"),
+     ("layerwise", ": Muon"),
+     "its layer-wise Muon time rows were measured before the owners' cast from their fp32 masters into the bf16 "
+     "weights dropped its select on the skip flag (a select and a copy of every owned weight, 3-4 ms more per "
+     "step at 1.3B; scale_new16c_2xh100.json measures the current step)"),
     # no git commit recorded; made 2026-11-22 05:12, before 717ddc4 and ea0b86b changed both steps
     (("shampoo_step_gpt2-small.json",), (),
      "measured before the current Shampoo and SOAP steps (the record names no commit): since then a factor "
@@ -481,7 +487,8 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
                  # the owners' mean inside NCCL's reduction and the clip's norms as the non-finite check
                  "layerwise_mean_ab/scale_new1_2xh100.json", "layerwise_mean_ab/scale_new2_2xh100.json",
                  # the matrices kept in bf16 (fp32 masters on their owners)
-                 *(f"layerwise_bf16_weights/scale_{t}_2xh100.json" for t in ("new16a", "new16b", "new4k", "new64k"))):
+                 *(f"layerwise_bf16_weights/scale_{t}_2xh100.json"
+                   for t in ("new16a", "new16b", "new16c", "new4k", "new64k"))):
         rows += _scale_rows(dist / name, [("layerwise:muon", "ddp:adamw", lw)])
     for name in ("scale_moe-2b_ep2_16k_alt_2xh100.json", "scale_moe-2b_ep2_16k_alt3_2xh100.json",
                  "scale_moe-2b_ep2_16k_clip_new_2xh100.json"):
@@ -491,6 +498,8 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
                          for opt in ("soap", "shampoo") for kind, layout in (("layerwise", lw), ("fsdp", fsdp))])
     for name in ("scale_1.3b_16k_shampoo_alt_2xh100.json", "scale_1.3b_16k_shampoo_alt2_2xh100.json"):
         rows += _scale_rows(dist / name, [("layerwise:shampoo", "ddp:adamw", lw), ("fsdp:shampoo", "fsdp:adamw", fsdp)])
+    rows += _scale_rows(dist / "layerwise_bf16_weights/scale_precond16_2xh100.json",
+                        [("layerwise:soap", "ddp:adamw", lw), ("layerwise:shampoo", "ddp:adamw", lw)])
     return rows
 
 
