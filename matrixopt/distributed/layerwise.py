@@ -214,6 +214,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         for what, dtype in (("param_dtype", param_dtype), ("broadcast_dtype", broadcast_dtype)):
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise ValueError(f"{what} must be a floating-point torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+        # what decides the buckets and their collectives: the same on every rank (checked below)
+        self._settings = dict(bucket_cap_mb=bucket_cap_mb, step_chunks=step_chunks, reduce_dtype=reduce_dtype,
+                              param_dtype=param_dtype, broadcast_dtype=broadcast_dtype)
         self.group = process_group if process_group is not None else comm.new_group(timeout)
         self.rank, self.world_size = comm.rank(self.group), comm.world_size(self.group)
         self.name = name
@@ -303,6 +306,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                             next(gi for gi, g in enumerate(groups) if any(q is p for q in g["params"])))
                            for p in self.params],
                 "optimizer": (name, repr(sorted(hparams.items()))),
+                "settings": repr(self._settings),
                 "blocks": None if blocks is None else (tuple(blocks.names), comm.world_size(blocks.replica_group),
                                                        comm.world_size(blocks.block_group)),
                 "replica_rank": self.replica_rank,
@@ -319,6 +323,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                                 f"ranks {[everyone[q]['replica_rank'] for q in theirs['block_ranks']]}; its ranks "
                                 f"must share their rank in their replica groups")
         for r, theirs in enumerate(everyone[1:], start=1):
+            if theirs["settings"] != ref["settings"]:
+                problems.append(f"rank 0 is built with {ref['settings']}, rank {r} with {theirs['settings']}")
             if theirs["optimizer"] != ref["optimizer"]:
                 problems.append(f"rank 0 builds {ref['optimizer'][0]!r} with {ref['optimizer'][1]}, rank {r} builds "
                                 f"{theirs['optimizer'][0]!r} with {theirs['optimizer'][1]}")

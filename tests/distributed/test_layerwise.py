@@ -233,6 +233,9 @@ def _faults_worker(rank: int, world: int) -> None:
         model.fc2 = nn.Linear(12, D + 1, bias=False)
     with pytest.raises(ValueError, match=r"`fc2.weight` has shape \(8, 12\) on rank 0 but \(9, 12\) on rank 1"):
         mdist.layerwise(model, "muon", lr=0.01)
+    with pytest.raises(ValueError, match=r"rank 0 is built with .*'param_dtype': None.*, rank 1 with "
+                                         r".*'param_dtype': torch.bfloat16"):
+        mdist.layerwise(Net(), "muon", lr=0.01, param_dtype=torch.bfloat16 if rank else None)
     with pytest.raises(ValueError, match=r"rank 0 builds 'muon' .* rank 1 builds 'muon'"):
         mdist.layerwise(Net(), "muon", lr=0.01 * (rank + 1))
     with pytest.raises(ValueError, match="exists on rank 1 but not on rank 0"):
