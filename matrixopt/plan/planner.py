@@ -105,10 +105,10 @@ class PlanConfig:
     model's bf16 parameters per GPU between micro-batches. Changes nothing at one micro-batch or for layer-wise."""
     bf16_weights: bool = True
     """Layer-wise keeps the matrices in bf16 with fp32 masters on their owners (the trainer's setting under bf16
-    autocast: ``LayerwiseOptimizer(param_dtype=torch.bfloat16)``): its forward skips the cast of every fp32 weight
-    in every micro-batch that DDP AdamW's autocast runs (6 bytes per matrix element), every rank holds the
-    matrices in 2 bytes and their micro-batch gradients go straight into the fp32 reduce buffers. False: fp32
-    weights on every rank. Changes nothing for FSDP."""
+    autocast: ``LayerwiseOptimizer(param_dtype=torch.bfloat16)``): it skips autocast's casts of every fp32 weight
+    and of its gradient in every micro-batch that DDP AdamW runs, and sums the micro-batch gradients straight into
+    the fp32 reduce buffers (14 bytes per matrix element and micro-batch less, :func:`predict`); every rank holds
+    the matrices in 2 bytes. False: fp32 weights on every rank. Changes nothing for FSDP."""
     tp: int | None = None
     """Tensor-parallel degree; None tries 1 and each power of two up to a node that divides the heads."""
     ep: int | None = None
@@ -417,8 +417,12 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         adamw_opt = profile.seconds("fused_adamw", ADAMW_BYTES * params_el)  # torch fused AdamW
         mat_el = dense_el + expert_el
         lowered = cfg.bf16_weights
-        if lowered:  # DDP's autocast casts every fp32 matrix to bf16 in every micro-batch's forward
-            saved = acc * profile.seconds("elementwise", 6 * mat_el)
+        if lowered:  # per matrix element, against fp32 weights (DDP AdamW's): each micro-batch's forward casts the
+            # weight to bf16 (6 bytes) and its backward casts the bf16 gradient back (6) and, after the first
+            # micro-batch, adds it to .grad (12), the last one's hook copying .grad into the reduce buffer (8);
+            # bf16 weights instead add each micro-batch's bf16 gradient to the fp32 buffer (10, the first a copy of
+            # 6): 14 bytes per micro-batch less
+            saved = acc * profile.seconds("elementwise", 14 * mat_el)
         # the owners' fp32 masters of the bf16 matrices count as state
         state_total = _state(cfg, mats, 1) + 8 * rest_el + (4 * mat_el if lowered else 0)
         state = max(state_total / dp, 8.0 * getattr(model, "vocab", 0) * d)  # a whole-owned embedding
