@@ -71,7 +71,7 @@ STALE = (
      ("layerwise", ": Muon"),
      "its layer-wise Muon time rows were measured before the owners' cast from their fp32 masters into the bf16 "
      "weights dropped its select on the skip flag (a select and a copy of every owned weight, 3-4 ms more per "
-     "step at 1.3B; scale_new16c_2xh100.json measures the current step)"),
+     "step at 1.3B; the records ending in c measure the current step)"),
     # no git commit recorded; made 2026-11-22 05:12, before 717ddc4 and ea0b86b changed both steps
     (("shampoo_step_gpt2-small.json",), (),
      "measured before the current Shampoo and SOAP steps (the record names no commit): since then a factor "
@@ -488,7 +488,7 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
                  "layerwise_mean_ab/scale_new1_2xh100.json", "layerwise_mean_ab/scale_new2_2xh100.json",
                  # the matrices kept in bf16 (fp32 masters on their owners)
                  *(f"layerwise_bf16_weights/scale_{t}_2xh100.json"
-                   for t in ("new16a", "new16b", "new16c", "new4k", "new64k"))):
+                   for t in ("new16a", "new16b", "new16c", "new4k", "new4kc", "new64k", "new64kc"))):
         rows += _scale_rows(dist / name, [("layerwise:muon", "ddp:adamw", lw)])
     for name in ("scale_moe-2b_ep2_16k_alt_2xh100.json", "scale_moe-2b_ep2_16k_alt3_2xh100.json",
                  "scale_moe-2b_ep2_16k_clip_new_2xh100.json"):
