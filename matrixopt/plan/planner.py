@@ -550,6 +550,8 @@ def assumptions(cfg: PlanConfig, profile: DeviceProfile) -> tuple[str, ...]:
         + (f" ({cfg.root_method})" if cfg.optimizer == "shampoo" else "")
         + (f", {cfg.matmul_precision} products" if cfg.optimizer != "muon" else ""),
         "AdamW in the same layout (layer-wise against DDP); fp32 master weights, gradients and state; bf16 compute",
+        "layer-wise keeps its matrices in bf16 (fp32 masters on their owners), DDP AdamW in fp32" if cfg.bf16_weights
+        else "layer-wise keeps its matrices in fp32, as DDP AdamW",
         *(("FSDP: parameters gathered once per step, the whole model's bf16 copy held between micro-batches",)
           if cfg.fsdp_gather_once and cfg.grad_accum > 1 else ()),
         f"a layout fits in {cfg.memory_fraction:g} of {profile.memory_bytes / 1e9:.0f} GB per GPU",
