@@ -18,8 +18,10 @@ to even out optimizer-state memory without raising the largest cost (:mod:`.bala
    each chunk it broadcasts the finished buckets. After :meth:`LayerwiseOptimizer.clip_grad_norm_` the clip's
    per-gradient norms are the step's non-finite check; without it the check reads each owned gradient once.
 3. next forward: a pre-forward hook on each module waits for the buckets holding that module's parameters, so
-   the broadcasts overlap the rest of the step and the start of the forward. With ``broadcast_dtype`` the matrix
-   optimizer's parameters travel in that dtype (bf16 under autocast: half the bytes, the same forward).
+   the broadcasts overlap the rest of the step and the start of the forward. With ``param_dtype`` (bf16 under
+   autocast, the trainer's setting) the matrix optimizer's parameters are kept in that dtype on every rank, each
+   bucket's as views of one flat buffer that its owner casts its fp32 masters into and broadcasts as it is; with
+   ``broadcast_dtype`` fp32 parameters travel in that dtype (half the bytes, the same forward).
 
 AdamW-routed parameters are owned whole too (not ZeRO-1 slices): one rank runs AdamW on them and holds their
 moments. Low-precision parameters (bf16) get an fp32 master copy on their owner only; the optimizer updates the
