@@ -210,15 +210,21 @@ def test_every_module_holding_parameters_runs():
 
 
 def _bf16_worker(rank: int, world: int, tmp: Path) -> None:
+    keep_checkpoints_at(4)
     for parallel in ("ddp", "layerwise"):
-        cfg = from_dict(TrainConfig, config("muon", parallel=parallel, ep=2, seed=SEED, dtype="bf16"))
+        cfg = from_dict(TrainConfig, config("muon", parallel=parallel, ep=2, seed=SEED, dtype="bf16", ckpt_every=2))
         trainer.train(cfg, tmp / parallel, progress=False)
+    if rank == 0:
+        resume_from(tmp / "layerwise", "ckpt4", tmp / "resumed")
+    trainer.train(cfg, tmp / "resumed", resume=True, progress=False)
 
 
-def test_bf16_expert_stacks_train_as_ddp(tmp_path):
+def test_bf16_expert_stacks_train_as_ddp_and_resume_exactly(tmp_path):
     """Under bf16 autocast the layer-wise optimizer keeps the matrices, the expert blocks included, in bf16 with fp32
     masters on their owners, and sums their micro-batch gradients in fp32: the run follows DDP's fp32 weights under
     the same autocast (the same bf16 products; fp32 sums in another order, which bf16 activations round up to
-    ~2e-4 in the load-balancing loss by step 8; the losses agree to ~1e-5)."""
+    ~2e-4 in the load-balancing loss by step 8; the losses agree to ~1e-5). Its checkpoints hold the masters: a run
+    resumed from step 4 is the uninterrupted one, bit for bit."""
     run(_bf16_worker, 2, tmp_path, timeout=600)
     assert_same(metrics(tmp_path / "layerwise"), metrics(tmp_path / "ddp"), rtol=1e-3)
+    assert metrics(tmp_path / "resumed") == metrics(tmp_path / "layerwise")
