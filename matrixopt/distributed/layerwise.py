@@ -115,7 +115,7 @@ class Chunk:
 
     optimizer: torch.optim.Optimizer
     outer_group: list[int]  # inner group index -> outer group index
-    masters: list[tuple[Tensor, Tensor]]  # (model param, fp32 master) pairs to copy back after the step
+    params: list[Tensor]  # its model parameters (those with a master take its cast after the step)
     bucket_end: int
 
 
@@ -257,7 +257,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         is_matrix = [bool(flag is not None and groups[group_of[id(p)]][flag]) for p in self.params]
         # the matrices kept in param_dtype (converted once their fp32 masters exist), summed and reduced in fp32
         self.param_dtype = param_dtype
-        self._lowered = {id(p): param_dtype for p, m in zip(self.params, is_matrix)
+        self._lowered = {id(p) for p, m in zip(self.params, is_matrix)
                          if m and param_dtype is not None and p.dtype != param_dtype}
         self._assign(is_matrix, cost or MATRIX_COSTS.get(name, muon_cost), [e["replica_rank"] for e in everyone])
         self._owned_index = torch.tensor([i for i, p in enumerate(self.params) if self.owns(p)],
@@ -290,7 +290,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for p in self.params:
                 if id(p) in self._lowered:
-                    p.data = p.data.to(self._lowered[id(p)])
+                    p.data = p.data.to(param_dtype)
         self._home_lowered()
         self.chunks = self._build_chunks()
         self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self._on_grad)) for p in self.params]
@@ -397,7 +397,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def _dtype(self, p: Tensor) -> torch.dtype:
         """The dtype ``p`` is kept in during training (``param_dtype`` for a lowered matrix)."""
-        return self._lowered.get(id(p), p.dtype)
+        return self.param_dtype if id(p) in self._lowered else p.dtype
 
     @staticmethod
     def _state_bytes(p: Tensor, is_matrix: bool, dtype: torch.dtype | None = None) -> int:
@@ -427,7 +427,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         order, so that the owner's cast from its masters writes what it broadcasts and the others receive into
         their parameters: no copy on either side."""
         for b in self.buckets:
-            if len(b.params) > 1 and id(b.params[0]) in self._lowered and b.params[0].dtype == self._dtype(b.params[0]):
+            if len(b.params) > 1 and id(b.params[0]) in self._lowered:
                 b.flat = torch.empty(b.numel, dtype=b.params[0].dtype, device=b.params[0].device)
                 for k, p in enumerate(b.params):
                     seg = b.segment(b.flat, k)
@@ -500,11 +500,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                     ig["names"] = [self.names[id(p)] for p in members]
                 inner_groups.append(ig)
                 outer_index.append(gi)
-            masters = [(p, self.masters[id(p)]) for p in ps if id(p) in self.masters]
             inner = factory(inner_groups, **hparams)
             if self.nonfinite is not None:  # step() agrees on finiteness across ranks first: no second check
                 inner.nonfinite.wrapped = True
-            chunks.append(Chunk(inner, outer_index, masters, run[-1].index + 1))
+            chunks.append(Chunk(inner, outer_index, ps, run[-1].index + 1))
         return chunks
 
     def _rechunk(self) -> None:
@@ -541,12 +540,12 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def masters_to_params(self, params: Sequence[Tensor]) -> None:
-        """Cast each of ``params`` that this rank keeps a master of from that master (after changing the masters
-        in place, as QK-clip scales weights). Not collective: the other ranks' copies change at the next
-        broadcast, or by their own equal change."""
-        for p in params:
-            if id(p) in self.masters:
-                p.copy_(self.masters[id(p)])
+        """Cast each of ``params`` that this rank keeps a master of from that master (after a step, a load, or a
+        change made to the masters in place, as QK-clip scales weights), in one foreach copy. Not collective: the
+        other ranks' copies change at the next broadcast, or by their own equal change."""
+        held = [p for p in params if id(p) in self.masters]
+        if held:
+            torch._foreach_copy_(held, [self.masters[id(p)] for p in held])
 
     def _inner_optimizer(self, p: Tensor) -> torch.optim.Optimizer:
         b, _ = self._bucket_of[id(p)]
@@ -749,9 +748,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 chunk.optimizer.nonfinite.agreed = skip
             self._apply_clip(chunk.optimizer)
             chunk.optimizer.step()
-            if chunk.masters:  # each parameter is its master's cast, so a skipped step (masters as they were)
-                # leaves it as it was: no select on the skip flag
-                torch._foreach_copy_([p for p, _ in chunk.masters], [m for _, m in chunk.masters])
+            # each parameter is its master's cast, so a skipped step (masters as they were) leaves it as it was: no
+            # select on the skip flag
+            self.masters_to_params(chunk.params)
             launched = self._launch_param_broadcasts(launched, chunk.bucket_end)
         self._launch_param_broadcasts(launched, len(self.buckets))
         self._drop_grads()
@@ -817,9 +816,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """Make every rank's parameters equal to their owners' (fp32 masters cast on the owner), blocking; marks
         the parameters current again after a checkpoint load. Collective."""
         self.wait_params()
-        for p in self.params:
-            if id(p) in self.masters:
-                p.copy_(self.masters[id(p)])
+        self.masters_to_params(self.params)
         self._launch_param_broadcasts(0, len(self.buckets))
         self.wait_params()
         self._stale = False
