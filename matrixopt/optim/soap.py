@@ -62,6 +62,7 @@ batch at a time; with ``side_stream`` every factor's new basis is held from one 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -290,13 +291,15 @@ class SOAP(KroneckerOptimizer):
     # ----------------------------------------------------------------------------------- eigenbases
     def _factor_jobs(self, items: list[tuple[Tensor, list[Block], dict[str, Any]]]) -> dict[int, list[tuple]]:
         """``{d: [(state, k, side, exp_avg block, exp_avg_sq block)]}``: every factor of ``items``
-        (``(param, plan, state)``), bucketed by size."""
+        (``(param, plan, state)``), bucketed by size, each size's jobs ordered by side and moment block shape."""
         jobs: dict[int, list[tuple]] = defaultdict(list)
         for p, plan, st in items:
             mviews, vviews = block_views(p, plan, st["exp_avg"]), block_views(p, plan, st["exp_avg_sq"])
             for k, b in enumerate(plan):
                 for side in self._sides(b):
                     jobs[st[f"{side}{k}"].shape[0]].append((st, k, side, mviews[k], vviews[k]))
+        for same in jobs.values():  # each side's blocks of one shape together: the install rotates them in a batch
+            same.sort(key=lambda job: (job[2], tuple(job[3].shape)))
         return jobs
 
     def _factor_runs(self, items: list[tuple[Tensor, list[Block], dict[str, Any]]]) -> list[list[tuple]]:
@@ -344,10 +347,23 @@ class SOAP(KroneckerOptimizer):
             if eig is not None:
                 eig = torch.where(ok[:, None], eig, self._stack(jobs, "_eig"))
         R = Q_new.mT @ old  # (b, d, d): old eigen-coordinates -> new
-        for (_, _, side, m, v), r, o, k in zip(jobs, R.unbind(0), order.unbind(0), ok.unbind(0)):
-            rotated = r @ m if side == "left" else m @ r.mT
-            m.copy_(rotated if live is None else torch.where(k, rotated, m))
-            v.copy_(v[o] if side == "left" else v[:, o])
+        # one batch per side and moment block shape (consecutive: _factor_jobs), a block with both factors rotated
+        # by its left batch and by its right batch (the two rotations commute)
+        start = 0
+        for (side, (rows, cols)), same in itertools.groupby((job[2], tuple(job[3].shape)) for job in jobs):
+            at = slice(start, start + len(list(same)))
+            start = at.stop
+            r, o = R[at], order[at]
+            ms, vs = [job[3] for job in jobs[at]], [job[4] for job in jobs[at]]
+            M, V = torch.stack(ms), torch.stack(vs)  # (b', rows, cols)
+            if side == "left":
+                rotated, V = r @ M, V.take_along_dim(o[:, :, None].expand(-1, -1, cols), dim=1)
+            else:
+                rotated, V = M @ r.mT, V.take_along_dim(o[:, None, :].expand(-1, rows, -1), dim=2)
+            if live is not None:
+                rotated = torch.where(ok[at, None, None], rotated, M)
+            torch._foreach_copy_(ms, list(rotated.unbind(0)))
+            torch._foreach_copy_(vs, list(V.unbind(0)))
         self._write(jobs, "_basis", Q_new)
         if eig is not None:
             self._write(jobs, "_eig", eig)
