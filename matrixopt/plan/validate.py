@@ -500,6 +500,8 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
         rows += _scale_rows(dist / name, [("layerwise:shampoo", "ddp:adamw", lw), ("fsdp:shampoo", "fsdp:adamw", fsdp)])
     rows += _scale_rows(dist / "layerwise_bf16_weights/scale_precond16_2xh100.json",
                         [("layerwise:soap", "ddp:adamw", lw), ("layerwise:shampoo", "ddp:adamw", lw)])
+    for name in ("precond_fsdp/scale_soap_new_a_2xh100.json", "precond_fsdp/scale_soap_new_b_2xh100.json"):
+        rows += _scale_rows(dist / name, [("fsdp:soap", "fsdp:adamw", fsdp)])  # SOAP's install in batches
     return rows
 
 
