@@ -101,9 +101,11 @@ CHECK_BYTES = 4  # the non-finite check reads each fp32 gradient once (nonfinite
 # Sharded Muon's owner (matrixopt.distributed.sharded, FSDP2), per 16-bit element of the whole matrices it gathers,
 # besides Newton-Schulz and MUON_BYTES: the received rows concatenated into matrices (comm.gather_to_owners: read
 # and write, 4), the Frobenius norm read in a pass of its own (a gathered stack comes without the momentum pass's
-# partial sums: 2), the update scale multiplied into the result (read and write, 4) and the result copied into the
-# all-to-all's send buffer by destination (comm.scatter_from_owners: 4)
-SHARDED_OWNER_BYTES = 14
+# partial sums: 2) and the result copied into the all-to-all's send buffer by destination
+# (comm.scatter_from_owners: 4); the pieces of a split weight (Q, K and V) are also multiplied by their own update
+# scales (read and write, SHARDED_SPLIT_BYTES), where an unsplit matrix's scale is applied by the update kernel
+SHARDED_OWNER_BYTES = 10
+SHARDED_SPLIT_BYTES = 4
 
 
 def block_pass_bytes(optimizer: str, m: int, n: int) -> float:

@@ -65,6 +65,7 @@ from matrixopt.distributed.sharded import ShardedAdaMuon, ShardedMuon, ShardedNo
 from matrixopt.distributed.sharded_precond import ShardedShampoo, ShardedSOAP
 from matrixopt.distributed.tp import MODES as TP_MODES
 from matrixopt.optim.base import MatrixOptimizer
+from matrixopt.optim.nonfinite import clip_coefficient
 from matrixopt.optim.registry import OPTIMIZERS, accepted, build_optimizer
 from matrixopt.optim.routing import param_groups
 
@@ -579,6 +580,11 @@ class FSDP(MultiProcess):
             norms.append(sq.sqrt())
             meshes.append(stacks)
         total = torch.linalg.vector_norm(torch.stack(norms))
+        if isinstance(self.optimizer, MatrixOptimizer) and not stacks:
+            # held for the step where it reads the gradients (sharded Muon: its momentum pass and AdamW's kernel),
+            # which saves a pass over every gradient; scaled here otherwise
+            self.optimizer.scale_grads_(clip_coefficient(total, max_norm))
+            return total
         for ps in meshes:
             nn.utils.clip_grads_with_norm_(ps, max_norm, total)
         return total

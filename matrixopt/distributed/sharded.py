@@ -192,7 +192,8 @@ class ShardedMuon(OnLocalShards, Muon):
     by Muon, so a model can mix sharded and unsharded matrices. DTensor matrices must be 2-D. The non-finite check
     reads the local shards' flags, agreed over all ranks; with ``deferred_nonfinite`` no rank waits for them on the
     host (the fused kernels skip the step on the agreed device flag; updates off them read it on the host).
-    Where any gradient is a DTensor, ``clip_grad_norm_`` scales the gradients at once.
+    A clip coefficient given by :meth:`scale_grads_` (the trainer's FSDP2 clip) is applied as the gradients are
+    read, on DTensor gradients laid out as their parameters too.
 
     ``state_dtype`` and ``offload`` work as in :class:`~matrixopt.optim.muon.Muon`, on each rank's local shards:
     the momentum (and NorMuon's and AdaMuon's second moments, and the AdamW groups' moments) stay DTensors laid out
@@ -228,6 +229,16 @@ class ShardedMuon(OnLocalShards, Muon):
                         f"number of ranks; {param_label(group, i, p)} is a DTensor in an AdamW group. Use "
                         f"state_dtype='bf16', or the layer-wise optimizer (--parallel layerwise), whose owners "
                         f"take 'int8'.")
+
+    def _holds_clip(self, grads: list[Tensor]) -> bool:
+        """A clip coefficient is applied as the gradients are read, DTensors too (their local shards, in the
+        momentum pass and in AdamW's kernel), where every gradient is on one device and each DTensor gradient is
+        laid out as its parameter."""
+        device = grads[0].device
+        pairs = [(p, p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return all(g.device == device and (type(g) is Tensor or (
+            isinstance(g, DTensor) and isinstance(p, DTensor) and g.device_mesh == p.device_mesh
+            and g.placements == p.placements)) for p, g in pairs)
 
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                        skip: Tensor | None = None) -> None:
@@ -290,8 +301,9 @@ class ShardedMuon(OnLocalShards, Muon):
             Y, row_scale = self._shard_update(group, f, Y, skip)  # collective for NorMuon and AdaMuon
             if staged is not None and not self.streams_state:
                 staged.unstage(f.dtensors)
-            if f.params:  # Y (times row_scale) carries each matrix's full update scale already
-                apply_update(f.params, Y, lambda m, n: 1.0, lr, group["weight_decay"], f.bucket.transposed,
+            if f.params:  # Y (times row_scale) and the unsplit matrices' scale: each matrix's full update scale
+                scale = self._owner_scale(group, *f.bucket.sharding.shape) if f.bucket.sharding.split is None else 1.0
+                apply_update(f.params, Y, lambda m, n, s=scale: s, lr, group["weight_decay"], f.bucket.transposed,
                              skip=skip, decay_mode=group["weight_decay_mode"], row_scale=row_scale)
 
     def _plan(self, params: list[Tensor]) -> _Plan:
@@ -360,7 +372,8 @@ class ShardedMuon(OnLocalShards, Muon):
         params = local_ps if rows * cols else []  # an empty shard only serves the collectives
         if params:
             momentum_pack(local_gs, [self.state[p]["momentum_buffer"].to_local() for p in ps], X,
-                          group["momentum"], group["nesterov"], b.transposed, skip=skip, sign=self._pack_sign(group))
+                          group["momentum"], group["nesterov"], b.transposed, skip=skip,
+                          grad_scale=self._step_grad_scale, sign=self._pack_sign(group))
         if staged is not None and self.streams_state:
             staged.unstage(ps)
         exchange = gather_to_owners(X, b.counts, b.sharding.fsdp_rows, 2 if b.transposed else 1,
@@ -382,11 +395,11 @@ class ShardedMuon(OnLocalShards, Muon):
 
     def _orthogonalize_stack(self, group: dict[str, Any], S: Tensor, sh: Sharding, transposed: bool) -> Tensor:
         """S: ``(k, m_p, n_q)``, or ``(k, n_q, m_p)`` when ``transposed``: whole matrices except for the TP split.
-        Returns each split piece's polar factor times the update scale of its full shape, laid out as S. Pieces of
-        one shape are orthogonalized in one batch."""
+        Returns each split piece's polar factor times the update scale of its full shape, laid out as S (pieces of
+        one shape orthogonalized in one batch); an unsplit matrix's polar factor alone, whose scale the update
+        kernel applies where the rows land (one pass fewer over the owned matrices)."""
         if sh.split is None:
-            return self._orthogonalize_piece(group, S, sh, self._owner_scale(group, *sh.shape), sh.tp_sizes,
-                                             transposed)
+            return self._orthogonalize_piece(group, S, sh, 1.0, sh.tp_sizes, transposed)
         dim, sizes = sh.split
         stack_dim = 2 - dim if transposed else 1 + dim
         tp = len(sh.tp_sizes)
@@ -405,17 +418,20 @@ class ShardedMuon(OnLocalShards, Muon):
     def _orthogonalize_piece(self, group: dict[str, Any], Y: Tensor, sh: Sharding, scale: float,
                              tp_sizes: tuple[int, ...], transposed: bool) -> Tensor:
         """``(k, m', n')`` pieces, or ``(k, n', m')`` when ``transposed`` (column- or row-sharded over TP if any,
-        ``tp_sizes`` along the TP dim) -> ``scale * polar``, same layout."""
+        ``tp_sizes`` along the TP dim) -> ``scale * polar``, same layout (no multiply for a scale of 1)."""
         if sh.tp_group is not None:
             M = Y.mT if transposed else Y
-            M = scale * tp_newton_schulz(M, sh.tp_dim, sh.tp_group, config=ns_config(group), mode=self.tp_mode,
-                                         chunks=self.tp_chunks, sizes=tp_sizes, cost_model=self.tp_cost_model)
+            M = tp_newton_schulz(M, sh.tp_dim, sh.tp_group, config=ns_config(group), mode=self.tp_mode,
+                                 chunks=self.tp_chunks, sizes=tp_sizes, cost_model=self.tp_cost_model)
+            M = M if scale == 1.0 else scale * M
             return M.mT if transposed else M
         # polar(A^T) = polar(A)^T, so the layout does not matter; Newton–Schulz takes the short side first,
         # row-major (the Triton SYRK path takes row-major stacks; a transposed view would be copied every iteration)
         if Y.size(-2) > Y.size(-1):
-            return self._orthogonalize(group, Y.mT.contiguous()).mT * scale
-        return self._orthogonalize(group, Y.contiguous()) * scale
+            O = self._orthogonalize(group, Y.mT.contiguous()).mT
+        else:
+            O = self._orthogonalize(group, Y.contiguous())
+        return O if scale == 1.0 else O * scale
 
     def _layout(self, p: DTensor) -> Sharding:
         """Check a DTensor matrix's placements and describe them; raise ValueError naming what is unsupported."""

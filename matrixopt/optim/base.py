@@ -333,7 +333,14 @@ class MatrixOptimizer(Optimizer):
         optional ``(n,)`` flags, one per gradient in ``param_groups`` order, 1 where it is not finite, which the
         step then takes as its non-finite check. A wrapper that clips over several optimizers (the layer-wise
         optimizer) calls this with the global coefficient."""
-        self.nonfinite.scale(current_grads(self), coef, nonfinite)
+        grads = current_grads(self)
+        plain = type(coef) is Tensor and (nonfinite is None or type(nonfinite) is Tensor)  # not DTensor norms
+        self.nonfinite.scale(grads, coef, nonfinite, held=bool(grads) and plain and self._holds_clip(grads))
+
+    def _holds_clip(self, grads: list[Tensor]) -> bool:
+        """Whether this optimizer's updates can apply a clip coefficient to ``grads`` (its current gradients) as
+        they read them: plain tensors on one device."""
+        return plain_on(grads, grads[0].device)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.nonfinite.drop_clip()

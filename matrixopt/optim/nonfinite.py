@@ -319,13 +319,15 @@ class NonFinitePolicy:
         return False
 
     # ----------------------------------------------------------------------------------- clipping
-    def scale(self, grads: list[Tensor], coef: Tensor, flags: Tensor | None = None) -> None:
+    def scale(self, grads: list[Tensor], coef: Tensor, flags: Tensor | None = None, held: bool | None = None) -> None:
         """Multiply ``grads`` (the optimizer's, in ``param_groups`` order) by ``coef`` (0-d): held for the next
-        step where its updates apply it as they read the gradients (``clip_in_step``, plain tensors on one
-        device), else in place now. ``flags``: the gradients' non-finite flags, which a held clip hands to the
-        step as its check."""
+        step where its updates apply it as they read the gradients (``clip_in_step``, and ``held``: by default
+        plain tensors on one device), else in place now. ``flags``: the gradients' non-finite flags, which a held
+        clip hands to the step as its check."""
         self._clip = None
-        if self.clip_in_step and grads and plain_on(grads, grads[0].device):
+        if held is None:
+            held = bool(grads) and plain_on(grads, grads[0].device)
+        if self.clip_in_step and grads and held:
             self._clip = Pending(flags, coef=coef.to(grads[0].device), grads=_versions(grads))
         else:
             multiply(grads, coef)

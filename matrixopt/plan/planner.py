@@ -60,6 +60,7 @@ from matrixopt.distributed.cost import (
     MUON_BYTES,
     SHAMPOO_BYTES,
     SHARDED_OWNER_BYTES,
+    SHARDED_SPLIT_BYTES,
     SOAP_BYTES,
     DeviceProfile,
     Memory,
@@ -84,6 +85,7 @@ WIRE_CAST_BYTES = 6  # a layer-wise owner copies its fp32 matrices into their bf
 GPU_COUNTS = tuple(2**k for k in range(3, 13))  # 8 .. 4096, the curve's x axis
 # Column-parallel matrices split their rows (output features) over TP ranks; the rest split their columns.
 COLUMN_PARALLEL = ("attn.q", "attn.k", "attn.v", "attn.qkv", "mlp.in", "moe.shared.in")
+SPLIT_PIECES = ("attn.q", "attn.k", "attn.v")  # the pieces of the trainer's QKV weight (mark_split)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -466,7 +468,9 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         local_rest = rest_el / dp
         # the step's passes on the local shards and, for ShardedMuon, the owner's on the matrices it gathers
         gathered_el = (owned_d if dp > 1 else 0) + (owned_e if edp > 1 else 0)
-        owner_bytes = SHARDED_OWNER_BYTES * gathered_el if cfg.optimizer == "muon" else 0.0
+        split = sum(m.numel for m in dense if m.name in SPLIT_PIECES) / max(1, sum(m.numel for m in dense))
+        owner_bytes = (SHARDED_OWNER_BYTES * gathered_el + SHARDED_SPLIT_BYTES * split * (owned_d if dp > 1 else 0)
+                       if cfg.optimizer == "muon" else 0.0)
         elementwise = profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * local_mat + owner_bytes)
         side = profile.seconds("elementwise", ADAMW_BYTES * local_rest)  # AdamW groups on a side stream
         opt = max(ns, side) + max(0.0, a2a - ns) + a2a / buckets + elementwise  # ns holds the TP traffic

@@ -171,8 +171,47 @@ def _owner_gather_sends_whole_matrices_to_owners_only(rank: int, world: int) -> 
         gather_to_owners(local, [3] * world, sizes, 2, None)
 
 
+def _held_clip_matches_clipped_gradients(rank: int, world: int) -> None:
+    """A clip coefficient held for the step (the trainer's FSDP2 clip) moves the weights as gradients multiplied by
+    it before the step: the Muon matrices through the momentum pass (bit for bit), the AdamW biases through AdamW's
+    kernel (which divides by the reciprocal: within an ulp or two). A wrong or missing coefficient moves a weight by
+    about lr * 0.2 = 4e-3."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    per_rank = 8 // world
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    coef = torch.tensor(0.3)
+    runs = []
+    for held in (True, False):
+        torch.manual_seed(0)
+        model = apply_fsdp(Net(), mesh).mark_qkv()
+        opt = ShardedMuon(param_groups(model), **HPARAMS)
+        weights = []
+        for step in range(2):
+            x, y = _data(step)
+            nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+            grads = [p.grad.to_local().clone() for p in model.parameters()]
+            if held:
+                opt.scale_grads_(coef)
+                assert opt.nonfinite._clip is not None  # held: the gradients are as backward left them
+                assert all(torch.equal(p.grad.to_local(), g) for p, g in zip(model.parameters(), grads))
+            else:
+                torch._foreach_mul_([p.grad for p in model.parameters()], coef)
+            opt.step()
+            opt.zero_grad()
+            weights.append({name: p.to_local().clone() for name, p in model.named_parameters()})
+        runs.append(weights)
+    (first, second), (first_ref, second_ref) = runs
+    for name, w in first.items():  # one step: the same gradients
+        if name.endswith("weight"):
+            assert torch.equal(w, first_ref[name]), name
+        torch.testing.assert_close(w, first_ref[name], rtol=0, atol=1e-7, msg=name)  # an ulp or two
+    for name, w in second.items():  # a second step from biases a rounding apart
+        torch.testing.assert_close(w, second_ref[name], rtol=0, atol=2e-6, msg=name)
+
+
 def _fsdp_checks(rank: int, world: int) -> None:
     _owner_gather_sends_whole_matrices_to_owners_only(rank, world)
+    _held_clip_matches_clipped_gradients(rank, world)
     _fsdp_matches_single_process(rank, world)
     for cls, sharded in ((NorMuon, ShardedNorMuon), (AdaMuon, ShardedAdaMuon)):
         _fsdp_matches_single_process(rank, world, cls, sharded)

@@ -416,15 +416,21 @@ def test_leftover_peaks_are_those_after_a_layerwise_configuration():
 
 
 def test_fsdp_muon_owner_pays_its_passes_on_the_gathered_matrices(monkeypatch):
-    """ShardedMuon's owner concatenates the gathered rows, reads the norm apart, scales the result and packs the
-    send buffer (:data:`~matrixopt.distributed.cost.SHARDED_OWNER_BYTES` per gathered element): the FSDP Muon
-    step counts them, Shampoo's (another sharded step) does not."""
+    """ShardedMuon's owner concatenates the gathered rows, reads the norm apart and packs the send buffer
+    (:data:`~matrixopt.distributed.cost.SHARDED_OWNER_BYTES` per gathered element), and scales the pieces of the
+    split QKV weight (:data:`~matrixopt.distributed.cost.SHARDED_SPLIT_BYTES` per element of those, a quarter of
+    GPT-2-medium's matrices): the FSDP Muon step counts them, Shampoo's (another sharded step) does not."""
     cfg = planner.PlanConfig(model=gpt("gpt2-medium"), gpus=2)
     fsdp = planner.Layout(kind="fsdp")
     with_passes = planner.predict(fsdp, cfg, H100).opt_step_s
     shampoo = planner.predict(fsdp, dataclasses.replace(cfg, optimizer="shampoo"), H100).opt_step_s
+    monkeypatch.setattr(planner, "SHARDED_SPLIT_BYTES", 0)
+    without_split = planner.predict(fsdp, cfg, H100).opt_step_s
     monkeypatch.setattr(planner, "SHARDED_OWNER_BYTES", 0)
-    assert with_passes > planner.predict(fsdp, cfg, H100).opt_step_s
+    without_passes = planner.predict(fsdp, cfg, H100).opt_step_s
+    # GPT-2-medium's layers: Q, K and V are 3 of its 12 d x d blocks
+    assert with_passes - without_split == pytest.approx(0.25 * 4 / 10 * (without_split - without_passes), rel=0.02)
+    assert without_passes < without_split < with_passes
     assert shampoo == planner.predict(fsdp, dataclasses.replace(cfg, optimizer="shampoo"), H100).opt_step_s
 
 
