@@ -502,7 +502,8 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
                         [("layerwise:soap", "ddp:adamw", lw), ("layerwise:shampoo", "ddp:adamw", lw)])
     for name in ("precond_fsdp/scale_soap_new_a_2xh100.json", "precond_fsdp/scale_soap_new_b_2xh100.json"):
         rows += _scale_rows(dist / name, [("fsdp:soap", "fsdp:adamw", fsdp)])  # SOAP's install in batches
-    for name in ("fsdp_clip_ab/scale_fsdp64k_new_a_2xh100.json", "fsdp_clip_ab/scale_fsdp64k_new_b_2xh100.json"):
+    for name in ("fsdp_clip_ab/scale_fsdp64k_new_a_2xh100.json", "fsdp_clip_ab/scale_fsdp64k_new_b_2xh100.json",
+                 "fsdp_clip_ab/scale_fsdp16k_new_2xh100.json"):
         rows += _scale_rows(dist / name, [("fsdp:muon", "fsdp:adamw", fsdp)])  # the clip held for the step
     return rows
 
