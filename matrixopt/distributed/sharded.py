@@ -230,10 +230,12 @@ class ShardedMuon(OnLocalShards, Muon):
                         f"state_dtype='bf16', or the layer-wise optimizer (--parallel layerwise), whose owners "
                         f"take 'int8'.")
 
-    def _holds_clip(self, grads: list[Tensor]) -> bool:
+    def _holds_clip(self, grads: list[Tensor], coef: Tensor, flags: Tensor | None) -> bool | None:
         """A clip coefficient is applied as the gradients are read, DTensors too (their local shards, in the
-        momentum pass and in AdamW's kernel), where every gradient is on one device and each DTensor gradient is
-        laid out as its parameter."""
+        momentum pass and in AdamW's kernel), where every gradient is on one device, each DTensor gradient is laid
+        out as its parameter, and the coefficient and flags are plain tensors (not a DTensor norm's)."""
+        if not grads or type(coef) is not Tensor or (flags is not None and type(flags) is not Tensor):
+            return None
         device = grads[0].device
         pairs = [(p, p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
         return all(g.device == device and (type(g) is Tensor or (

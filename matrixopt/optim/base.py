@@ -334,13 +334,13 @@ class MatrixOptimizer(Optimizer):
         step then takes as its non-finite check. A wrapper that clips over several optimizers (the layer-wise
         optimizer) calls this with the global coefficient."""
         grads = current_grads(self)
-        plain = type(coef) is Tensor and (nonfinite is None or type(nonfinite) is Tensor)  # not DTensor norms
-        self.nonfinite.scale(grads, coef, nonfinite, held=bool(grads) and plain and self._holds_clip(grads))
+        self.nonfinite.scale(grads, coef, nonfinite, held=self._holds_clip(grads, coef, nonfinite))
 
-    def _holds_clip(self, grads: list[Tensor]) -> bool:
-        """Whether this optimizer's updates can apply a clip coefficient to ``grads`` (its current gradients) as
-        they read them: plain tensors on one device."""
-        return plain_on(grads, grads[0].device)
+    def _holds_clip(self, grads: list[Tensor], coef: Tensor, flags: Tensor | None) -> bool | None:
+        """Whether this optimizer's updates can apply the clip coefficient ``coef`` (and take ``flags`` as their
+        check) to ``grads``, its current gradients, as they read them; None: the policy's rule, plain tensors on
+        one device (:meth:`~matrixopt.optim.nonfinite.NonFinitePolicy.scale`)."""
+        return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.nonfinite.drop_clip()
