@@ -543,8 +543,15 @@ def scaling_4xh100(root: Path) -> list[dict[str, Any]]:
     line = next(s for s in rec["summary"] if s["config"] == "layerwise:muon" and s["preset"] == first[0]["preset"])
     rows = layerwise_owners(path, rec, first[0]["preset"], [r["inner_step_ms"] for r in first],
                             line["state_vs_single_gpu"])
-    return rows + _single_rows(path) + _scale_rows(path, [("layerwise:muon", "ddp:adamw", lw),
-                                                          ("fsdp:muon", "fsdp:adamw", fsdp)])
+    rows += _single_rows(path) + _scale_rows(path, [("layerwise:muon", "ddp:adamw", lw),
+                                                    ("fsdp:muon", "fsdp:adamw", fsdp)])
+    four = root / "distributed" / "four_gpus"  # 1.3B at 16k tokens per GPU, repeats alternated in one call
+    rows += _scale_rows(four / "scale_muon16k_4xh100.json", [("layerwise:muon", "ddp:adamw", lw),
+                                                             ("fsdp:muon", "fsdp:adamw", fsdp)])
+    rows += _scale_rows(four / "scale_muon16k_rep_4xh100.json", [("fsdp:muon", "fsdp:adamw", fsdp)])
+    for name in ("scale_precond16k_4xh100.json", "scale_precond16k_rep_4xh100.json"):
+        rows += _scale_rows(four / name, [("fsdp:soap", "fsdp:adamw", fsdp), ("fsdp:shampoo", "fsdp:adamw", fsdp)])
+    return rows
 
 
 def _tp_times(prof: DeviceProfile, world: int, steps: int, method: str, r: int, c: int,
