@@ -529,6 +529,18 @@ def scaling_h200(root: Path) -> list[dict[str, Any]]:
     rows += _scale_rows(dist / "scale_1.3b_16k_precond_refresh_2xh200.json",
                         [(f"{kind}:{opt}", f"{'ddp' if kind == 'layerwise' else kind}:adamw", layout)
                          for opt in ("soap", "shampoo") for kind, layout in (("layerwise", lw), ("fsdp", fsdp))])
+    # the current code (matrices in bf16 under layer-wise, the clip held under FSDP2), repeats alternated
+    two = dist / "two_h200"
+    muon = [("layerwise:muon", "ddp:adamw", lw), ("fsdp:muon", "fsdp:adamw", fsdp)]
+    for name in ("scale_16k_2xh200.json", "scale_4k_2xh200.json", "scale_4k_rep_2xh200.json",
+                 "scale_64k_2xh200.json", "scale_64k_rep_2xh200.json"):
+        rows += _scale_rows(two / name, muon)
+    rows += _scale_rows(two / "scale_fsdp16k_rep_2xh200.json", muon[1:])
+    rows += _scale_rows(two / "scale_precond16k_2xh200.json",
+                        [(f"{kind}:{opt}", f"{'ddp' if kind == 'layerwise' else kind}:adamw", layout)
+                         for opt in ("soap", "shampoo") for kind, layout in (("layerwise", lw), ("fsdp", fsdp))])
+    rows += _scale_rows(two / "scale_precond16k_rep_2xh200.json",
+                        [("fsdp:soap", "fsdp:adamw", fsdp), ("fsdp:shampoo", "fsdp:adamw", fsdp)])
     return rows
 
 
