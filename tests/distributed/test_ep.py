@@ -25,6 +25,12 @@ from matrixopt.train.model import GPT, PRESETS, GPTConfig
 RTOL = {"adamw": 1e-5, "muon": 1e-4}
 LR = {"adamw": 3e-3, "muon": 1e-2}
 FIELDS = ("step", "loss", "val_loss", "aux_loss")
+# The load-balancing loss counts each sequence's expert copies: one copy that moves between two nearly tied experts
+# (a difference at the round-off level decides it) moves the logged aux_loss by the two experts' probability gap
+# times E / (T k B L), at most that. Muon's steps carry such differences far enough for this to happen within 8 steps on
+# some CPUs (a 8e-4 move measured), so under Muon the aux_loss is held to one such flip; the losses keep RTOL.
+_MOE = PRESETS["moe-tiny"]
+ONE_FLIP = _MOE["n_expert"] / (_MOE["block_size"] * _MOE["topk"] * 4 * _MOE["n_layer"])  # config's 4 rows: 1/64
 
 
 def config(optimizer: str, **kw) -> dict:
@@ -39,13 +45,15 @@ def metrics(out: Path) -> list[dict]:
     return [{k: m[k] for k in FIELDS if k in m} for m in lines]
 
 
-def assert_same(got: list[dict], want: list[dict], rtol: float) -> None:
+def assert_same(got: list[dict], want: list[dict], rtol: float, aux_atol: float = 0.0) -> None:
+    """The logged losses equal within ``rtol``; the aux_loss also within ``aux_atol`` (routing flips)."""
     assert [m["step"] for m in got] == [m["step"] for m in want] == list(range(9))
     for g, w in zip(got, want):
         assert g.keys() == w.keys(), (g, w)
         for k in FIELDS[1:]:
             if w.get(k) is not None:
-                assert g[k] == pytest.approx(w[k], rel=rtol), (k, g, w)
+                atol = aux_atol if k == "aux_loss" else 0.0
+                assert g[k] == pytest.approx(w[k], rel=rtol, abs=atol), (k, g, w)
 
 
 def keep_checkpoints_at(*steps: int) -> None:
@@ -148,14 +156,15 @@ def test_ep_matches_single_process(ep_runs, tmp_path, world):
     out = ep_runs(world)
     for name, rtol in RTOL.items():
         trainer.train(from_dict(TrainConfig, config(name)), tmp_path / name, progress=False)
-        assert_same(metrics(out / f"{name}-ep2-w{world}"), metrics(tmp_path / name), rtol)
+        assert_same(metrics(out / f"{name}-ep2-w{world}"), metrics(tmp_path / name), rtol,
+                    ONE_FLIP if name == "muon" else 0.0)
 
 
 def test_resume_across_ep_degrees(ep_runs):
     out = ep_runs(2)
     want = metrics(out / "ep2")
-    assert_same(metrics(out / "ep1"), want, RTOL["muon"])
-    assert_same(metrics(out / "ep2-again"), want, RTOL["muon"])
+    assert_same(metrics(out / "ep1"), want, RTOL["muon"], ONE_FLIP)
+    assert_same(metrics(out / "ep2-again"), want, RTOL["muon"], ONE_FLIP)
 
 
 def assert_idle_experts_decay_only(idle: list[dict], busy: list[dict]) -> None:
