@@ -560,7 +560,10 @@ class FSDP(MultiProcess):
         return OPTIMIZERS["adamw"](groups, **hparams)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
-        return _fsdp_no_sync(self.module, keep_unsharded=self.gather_once)
+        # after the first forward (FSDP2's lazy initialization) every gather of a step is issued up front
+        gather_ahead = self.gather_once and getattr(self, "_forwarded", False)
+        self._forwarded = True
+        return _fsdp_no_sync(self.module, keep_unsharded=self.gather_once, gather_ahead=gather_ahead)
 
     def sync_grads(self) -> None:
         if self.expert_params:
@@ -649,15 +652,22 @@ def any_rank(flag: bool, host_group: dist.ProcessGroup) -> bool:
 
 
 @contextlib.contextmanager
-def _fsdp_no_sync(module: nn.Module, keep_unsharded: bool = False):
+def _fsdp_no_sync(module: nn.Module, keep_unsharded: bool = False, gather_ahead: bool = False):
     """FSDP2 without gradient reduction; with ``keep_unsharded``, also without resharding: parameters gathered by
     the first micro-batch stay gathered until the last, which runs outside (every block as :func:`apply_fsdp`
-    shards it, resharding after forward and backward). Left by an exception, the parameters are resharded, so no
-    stale gathered copy outlives an optimizer step."""
+    shards it, resharding after forward and backward). With ``gather_ahead`` (needs ``keep_unsharded``) every
+    block's all-gather is issued on entry, in forward order, behind the work already queued (the optimizer step):
+    they run back to back while the forward computes, each block's forward waiting for its own (FSDP2 waits on a
+    pending unshard in its pre-forward), instead of each gather being issued by the host as the forward reaches its
+    block. Already gathered blocks (a later micro-batch) are left as they are. Left by an exception, the parameters
+    are resharded, so no stale gathered copy outlives an optimizer step."""
     blocks = [m for m in module.modules() if isinstance(m, FSDPModule) and m is not module] if keep_unsharded else []
     module.set_requires_gradient_sync(False)
     if keep_unsharded:
         _set_resharding(module, blocks, False)
+        if gather_ahead:
+            for m in (module, *blocks):
+                m.unshard(async_op=True)
     try:
         yield
     except BaseException:

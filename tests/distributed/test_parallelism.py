@@ -167,20 +167,30 @@ def _gather_once(rank: int, world: int) -> None:
         module = par.wrap(net)
         opt = par.build_optimizer(net, "adamw", lr=1e-2)
         gathers["n"] = 0
+        ahead = []  # gathers issued on entering no_sync, before the forward
         for step in range(2):
             for i in range(3):
                 torch.manual_seed(10 * step + i + rank)
                 idx = torch.randint(0, 16, (2, 3))
+                before = gathers["n"]
                 with par.no_sync() if i < 2 else contextlib.nullcontext():
+                    ahead.append(gathers["n"] - before)
                     module(idx).square().mean().backward()
             opt.step()
             opt.zero_grad()
         results[once] = ([p.detach().full_tensor() for p in net.parameters()], gathers["n"])
+        # gathering once, the second step's first micro-batch issues every module's gather (root and 2 blocks) up
+        # front; the first step's (FSDP2 initializes lazily in its first forward) and the later micro-batches' none
+        assert ahead == ([0, 0, 0, 3, 0, 0] if once else [0] * 6), ahead
         if once:
-            with pytest.raises(RuntimeError, match="stopped"), par.no_sync():
-                module(idx).square().mean().backward()
-                raise RuntimeError("stopped")
-            assert all(isinstance(p, DTensor) for p in net.parameters())  # none left gathered
+            for with_forward in (False, True):  # stopped before the forward takes its pending gathers, and after
+                with pytest.raises(RuntimeError, match="stopped"), par.no_sync():
+                    if with_forward:
+                        module(idx).square().mean().backward()
+                    raise RuntimeError("stopped")
+                assert all(isinstance(p, DTensor) for p in net.parameters())  # none left gathered
+            module(idx).square().mean().backward()  # and the next step runs
+            opt.step()
     dist.all_gather_single = real
     (per_micro, n_per_micro), (once, n_once) = results[False], results[True]
     for a, b in zip(per_micro, once):
