@@ -505,6 +505,9 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
     for name in ("fsdp_clip_ab/scale_fsdp64k_new_a_2xh100.json", "fsdp_clip_ab/scale_fsdp64k_new_b_2xh100.json",
                  "fsdp_clip_ab/scale_fsdp16k_new_2xh100.json"):
         rows += _scale_rows(dist / name, [("fsdp:muon", "fsdp:adamw", fsdp)])  # the clip held for the step
+    for name in ("scale_base_a_2xh100.json", "scale_base_b_2xh100.json", "scale_new_a_2xh100.json",
+                 "scale_new_b_2xh100.json"):  # gathered as the forward reaches each block, and all up front
+        rows += _scale_rows(dist / "fsdp_gather_ahead" / name, [("fsdp:muon", "fsdp:adamw", fsdp)])
     return rows
 
 
