@@ -508,6 +508,8 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
     for name in ("scale_base_a_2xh100.json", "scale_base_b_2xh100.json", "scale_new_a_2xh100.json",
                  "scale_new_b_2xh100.json"):  # gathered as the forward reaches each block, and all up front
         rows += _scale_rows(dist / "fsdp_gather_ahead" / name, [("fsdp:muon", "fsdp:adamw", fsdp)])
+    rows += _scale_rows(dist / "fsdp_gather_ahead" / "scale_precond_ahead_2xh100.json",
+                        [("fsdp:soap", "fsdp:adamw", fsdp), ("fsdp:shampoo", "fsdp:adamw", fsdp)])
     return rows
 
 
