@@ -488,8 +488,9 @@ class FSDP(MultiProcess):
 
     ``gather_once``: under gradient accumulation, gather the parameters once per step: the micro-batches before
     the last (inside :meth:`no_sync`) neither reduce gradients nor reshard parameters, so only the first forward
-    and the last backward all-gather (2 gathers of each block per step instead of 2 per micro-batch). Costs the
-    whole model's gathered parameters (bf16 under ``bf16``) in memory between micro-batches; the same result."""
+    and the last backward all-gather (2 gathers of each block per step instead of 2 per micro-batch), the first
+    forward's all issued as it starts (from the second step on). Costs the whole model's gathered parameters (bf16
+    under ``bf16``) in memory between micro-batches; the same result."""
 
     name = "fsdp"
     checkpoint_name = "ckpt"
