@@ -503,6 +503,7 @@ class FSDP(MultiProcess):
                  tp_mode: str = "auto", tp_plan: TPPlan | None = None, ep: int = 1, gather_once: bool = False) -> None:
         self.check(tp=tp, tp_mode=tp_mode, ep=ep)
         self.gather_once = gather_once
+        self._forwarded = False  # whether a step's first forward ran (FSDP2 initializes lazily in it)
         if tp > 1 and tp_plan is None:
             raise ValueError(f"tp={tp} needs a tp_plan (how to shard the model over the TP ranks), e.g. "
                              f"matrixopt.train.parallelize.GPT_TP")
@@ -562,7 +563,7 @@ class FSDP(MultiProcess):
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         # after the first forward (FSDP2's lazy initialization) every gather of a step is issued up front
-        gather_ahead = self.gather_once and getattr(self, "_forwarded", False)
+        gather_ahead = self.gather_once and self._forwarded
         self._forwarded = True
         return _fsdp_no_sync(self.module, keep_unsharded=self.gather_once, gather_ahead=gather_ahead)
 

@@ -275,6 +275,13 @@ def _summaries(rec: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
 NAMES = {"muon": "Muon", "soap": "SOAP", "shampoo": "Shampoo"}
 
 
+def _vs_adamw(*configs: str) -> list[tuple[str, str, Layout]]:
+    """Each ``parallel:optimizer`` configuration with the AdamW run it is compared with (DDP AdamW for layer-wise,
+    FSDP2 AdamW for FSDP2) and its planner layout: the ``pairs`` of :func:`_scale_rows`."""
+    baseline = {"layerwise": "ddp:adamw", "fsdp": "fsdp:adamw"}
+    return [(c, baseline[c.split(":")[0]], Layout(kind=c.split(":")[0])) for c in configs]
+
+
 def _scale_rows(path: Path, pairs: list[tuple[str, str, Layout]]) -> list[dict[str, Any]]:
     """Rows for ``(matrix optimizer's config, its AdamW config, layout)`` of one ``bench scale`` record: the
     planner given the record's GPUs, tokens per GPU, micro-batches per step, expert-parallel degree, FSDP2
@@ -494,8 +501,7 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
                  "scale_moe-2b_ep2_16k_clip_new_2xh100.json"):
         rows += _ddp_rows(dist / name)
     rows += _scale_rows(dist / "scale_1.3b_16k_precond_refresh_2xh100.json",
-                        [(f"{kind}:{opt}", f"{'ddp' if kind == 'layerwise' else kind}:adamw", layout)
-                         for opt in ("soap", "shampoo") for kind, layout in (("layerwise", lw), ("fsdp", fsdp))])
+                        _vs_adamw("layerwise:soap", "fsdp:soap", "layerwise:shampoo", "fsdp:shampoo"))
     for name in ("scale_1.3b_16k_shampoo_alt_2xh100.json", "scale_1.3b_16k_shampoo_alt2_2xh100.json"):
         rows += _scale_rows(dist / name, [("layerwise:shampoo", "ddp:adamw", lw), ("fsdp:shampoo", "fsdp:adamw", fsdp)])
     rows += _scale_rows(dist / "layerwise_bf16_weights/scale_precond16_2xh100.json",
@@ -509,7 +515,7 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
                  "scale_new_b_2xh100.json"):  # gathered as the forward reaches each block, and all up front
         rows += _scale_rows(dist / "fsdp_gather_ahead" / name, [("fsdp:muon", "fsdp:adamw", fsdp)])
     rows += _scale_rows(dist / "fsdp_gather_ahead" / "scale_precond_ahead_2xh100.json",
-                        [("fsdp:soap", "fsdp:adamw", fsdp), ("fsdp:shampoo", "fsdp:adamw", fsdp)])
+                        _vs_adamw("fsdp:soap", "fsdp:shampoo"))
     return rows
 
 
@@ -532,8 +538,7 @@ def scaling_h200(root: Path) -> list[dict[str, Any]]:
     for name in ("scale_moe-2b_ep2_16k_clocks_2xh200.json", "scale_moe-2b_ep2_16k_clocks2_2xh200.json"):
         rows += _ddp_rows(dist / name)
     rows += _scale_rows(dist / "scale_1.3b_16k_precond_refresh_2xh200.json",
-                        [(f"{kind}:{opt}", f"{'ddp' if kind == 'layerwise' else kind}:adamw", layout)
-                         for opt in ("soap", "shampoo") for kind, layout in (("layerwise", lw), ("fsdp", fsdp))])
+                        _vs_adamw("layerwise:soap", "fsdp:soap", "layerwise:shampoo", "fsdp:shampoo"))
     # the current code (matrices in bf16 under layer-wise, the clip held under FSDP2), repeats alternated
     two = dist / "two_h200"
     muon = [("layerwise:muon", "ddp:adamw", lw), ("fsdp:muon", "fsdp:adamw", fsdp)]
@@ -542,10 +547,9 @@ def scaling_h200(root: Path) -> list[dict[str, Any]]:
         rows += _scale_rows(two / name, muon)
     rows += _scale_rows(two / "scale_fsdp16k_rep_2xh200.json", muon[1:])
     rows += _scale_rows(two / "scale_precond16k_2xh200.json",
-                        [(f"{kind}:{opt}", f"{'ddp' if kind == 'layerwise' else kind}:adamw", layout)
-                         for opt in ("soap", "shampoo") for kind, layout in (("layerwise", lw), ("fsdp", fsdp))])
+                        _vs_adamw("layerwise:soap", "fsdp:soap", "layerwise:shampoo", "fsdp:shampoo"))
     rows += _scale_rows(two / "scale_precond16k_rep_2xh200.json",
-                        [("fsdp:soap", "fsdp:adamw", fsdp), ("fsdp:shampoo", "fsdp:adamw", fsdp)])
+                        _vs_adamw("fsdp:soap", "fsdp:shampoo"))
     return rows
 
 
@@ -567,7 +571,7 @@ def scaling_4xh100(root: Path) -> list[dict[str, Any]]:
                                                              ("fsdp:muon", "fsdp:adamw", fsdp)])
     rows += _scale_rows(four / "scale_muon16k_rep_4xh100.json", [("fsdp:muon", "fsdp:adamw", fsdp)])
     for name in ("scale_precond16k_4xh100.json", "scale_precond16k_rep_4xh100.json"):
-        rows += _scale_rows(four / name, [("fsdp:soap", "fsdp:adamw", fsdp), ("fsdp:shampoo", "fsdp:adamw", fsdp)])
+        rows += _scale_rows(four / name, _vs_adamw("fsdp:soap", "fsdp:shampoo"))
     return rows
 
 
