@@ -37,14 +37,13 @@ parameter list always gives the same assignment (stable across runs and restarts
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from matrixopt.distributed.cost import NS_STEPS, matrix_step_flops
-from matrixopt.optim.layout import matrix_pieces
+from matrixopt.optim.layout import lpt, matrix_pieces
 
 COST_TOLERANCE = 0.02  # rebalancing the state may raise the largest per-rank cost this much above LPT's (relative)
 
@@ -121,23 +120,6 @@ class Assignment:
 def _imbalance(loads: Sequence[float]) -> float:
     mean = sum(loads) / len(loads)
     return max(loads) / mean if mean > 0 else 1.0
-
-
-def lpt(costs: Sequence[float], world_size: int, loads: Sequence[float] | None = None) -> tuple[list[int], list[float]]:
-    """Greedy LPT: items in decreasing cost (ties: lower index first) each go to the least-loaded rank (ties:
-    lower rank). ``loads``: starting load per rank. Returns (owner per item, final loads)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    load = list(loads) if loads is not None else [0.0] * world_size
-    heap = [(load[r], r) for r in range(world_size)]
-    heapq.heapify(heap)
-    owner = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        l, r = heapq.heappop(heap)
-        owner[i] = r
-        load[r] = l + costs[i]
-        heapq.heappush(heap, (load[r], r))
-    return owner, load
 
 
 def assign(params: Sequence[Tensor], is_matrix: Sequence[bool], world_size: int,

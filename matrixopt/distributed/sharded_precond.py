@@ -15,7 +15,10 @@ group, per process group::
 The update is the single-process one (up to the order of FSDP's fp32 gradient reduction). The factors, the roots
 or eigenbases and the moments of a matrix live on its owner only, so the state is spread over the ranks, and so
 is the work of each refresh (every ``precondition_frequency`` steps each owner refreshes the matrices it owns,
-about ``1 / world`` of the single-process refresh). AdamW groups run AdamW on the DTensors.
+about ``1 / world`` of the single-process refresh). With ``stagger_refresh`` the refreshes are spread over the steps
+as well (:mod:`matrixopt.optim.shampoo`), and the owners are packed one refresh phase after another, so that each
+step refreshes about ``1 / (world * precondition_frequency)`` of the matrices on every rank and no rank's refresh
+holds up the others at the next exchange. AdamW groups run AdamW on the DTensors.
 
 State. The owner of a matrix holds the single-process state of the whole matrix as plain tensors (``step``,
 momentum or moments, factors, roots or eigenbases); every other rank holds its ``step`` only. ``state_dict()`` is
@@ -101,15 +104,22 @@ class _OwnerSharded(OnLocalShards):
                                  f"supported: train {base} with --tp 1, or layer-wise (--parallel layerwise).")
 
     def _assign(self, group: dict[str, Any]) -> None:
-        """Owners of the group's matrices, per FSDP group: LPT on their cost, from the load earlier groups left."""
+        """Owners of the group's matrices, per FSDP group: LPT on their cost, from the load earlier groups left;
+        with ``stagger_refresh`` one refresh phase after another (:meth:`_phase`), so that each step's refreshes
+        are spread over the ranks as well as the whole step's work."""
         by_group: dict[ProcessGroup, list[DTensor]] = {}
         for p in group["params"]:
             by_group.setdefault(p.device_mesh.get_group(0), []).append(p)
         for pg, ps in by_group.items():
             costs = [sum(self.cost(b.r1 - b.r0, b.c1 - b.c0) for b in self._block_plan(group, p)) for p in ps]
-            owners, self._loads[pg] = lpt(costs, comm.world_size(pg), self._loads.get(pg))
-            for p, r in zip(ps, owners):
-                self._owners[id(p)] = (pg, r)
+            phases = [self._phase(group, p) for p in ps]
+            loads = self._loads.get(pg)
+            for phase in sorted(set(phases)):
+                idx = [i for i, f in enumerate(phases) if f == phase]
+                owners, loads = lpt([costs[i] for i in idx], comm.world_size(pg), loads)
+                for i, r in zip(idx, owners):
+                    self._owners[id(ps[i])] = (pg, r)
+            self._loads[pg] = loads
 
     def owner(self, p: DTensor) -> int:
         """The rank (in ``p``'s FSDP group) that owns the matrix parameter ``p`` and holds its state."""

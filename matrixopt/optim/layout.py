@@ -12,6 +12,7 @@ batched call.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -276,3 +277,21 @@ def orthogonalized_update(bk: Bucket, X: Tensor, parts: Tensor | None, *, fn: Ca
     if adapt is not None:
         Y, row_scale = adapt(bk, Y, skip)
     apply_update(bk.params, Y, scale, lr, weight_decay, skip=skip, decay_mode=decay_mode, row_scale=row_scale)
+
+
+def lpt(costs: Sequence[float], world_size: int, loads: Sequence[float] | None = None) -> tuple[list[int], list[float]]:
+    """Greedy longest-processing-time packing into ``world_size`` bins (ranks that own parameters, steps that
+    refresh them): items in decreasing cost (ties: lower index first) each go to the least-loaded bin (ties: lower
+    bin). ``loads``: starting load per bin. Returns (bin per item, final loads)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    load = list(loads) if loads is not None else [0.0] * world_size
+    heap = [(load[r], r) for r in range(world_size)]
+    heapq.heapify(heap)
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        l, r = heapq.heappop(heap)
+        owner[i] = r
+        load[r] = l + costs[i]
+        heapq.heappush(heap, (load[r], r))
+    return owner, load

@@ -78,6 +78,16 @@ the Adam update, so no NaN reaches the weights or the state.
 overlaps the following forward/backward passes, and installs the results at the next refresh (one refresh
 late); the first refresh, and the first after a ``load_state_dict``, is synchronous. Results still in flight are
 not part of ``state_dict()``. On CPU the option is accepted and every refresh is synchronous.
+
+``stagger_refresh=True``: every root is computed at ``start_preconditioning_step`` (SOAP: every eigenbasis at the
+first step), and after that each parameter's roots are recomputed every ``precondition_frequency`` steps from its
+own phase, the group's parameters packed into the ``precondition_frequency`` phases by the cost of their
+refreshes (:meth:`KroneckerOptimizer._phase`). Each step then refreshes about ``1 / precondition_frequency`` of
+the roots instead of one step in ``precondition_frequency`` refreshing all of them: the same work, no step that
+stalls for it, and under data parallelism (each matrix's state on one owner rank) no rank that waits for another's
+refresh. The phases depend on the group's parameter list only, so the sharded optimizers
+(:mod:`matrixopt.distributed.sharded_precond`) step exactly as this one does, and spread each step's refreshes
+over their owners.
 """
 
 from __future__ import annotations
@@ -115,7 +125,7 @@ from matrixopt.optim.base import (
     check_decay,
     check_lr,
 )
-from matrixopt.optim.layout import capped_runs, matrix_pieces
+from matrixopt.optim.layout import capped_runs, lpt, matrix_pieces
 from matrixopt.optim.nonfinite import sanitized
 from matrixopt.optim.offload import Offload
 
@@ -293,6 +303,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         self.root_fallbacks = 0  # roots or eigenbases that needed the float64 fallback
         self.root_failures = 0  # roots or eigenbases that could not be computed (the previous one was kept)
         self._plans: dict[int, list[Block]] = {}
+        self._phases: dict[int, int] = {}  # id(param) -> its refresh phase (stagger_refresh)
         self._layouts: dict[tuple[int, ...], Layout] = {}
         self._pending: dict[int, Any] = {}  # group index -> side-stream refresh in flight
         self._side_streams: dict[torch.device, Any] = {}
@@ -344,13 +355,14 @@ class KroneckerOptimizer(MatrixOptimizer):
         super().__setstate__(state)
         if failures is not None or "_root_failures" not in self.__dict__:
             self.root_failures = failures or 0
-        self._plans, self._layouts, self._pending, self._side_streams = {}, {}, {}, {}
-        for group in self.param_groups:  # pickled before matmul_precision existed
+        self._plans, self._phases, self._layouts, self._pending, self._side_streams = {}, {}, {}, {}, {}
+        for group in self.param_groups:  # pickled before these options existed
             if group[self.matrix_flag]:
                 group.setdefault("matmul_precision", "fp32")
+                group.setdefault("stagger_refresh", False)
 
     # group options newer than some saved state dicts: loading one without them keeps this optimizer's values
-    _added_options = ("weight_decay_mode", "matmul_precision")
+    _added_options = ("weight_decay_mode", "matmul_precision", "stagger_refresh")
 
     # ----------------------------------------------------------------------------------- validation
     def _validate_matrix_group(self, group: dict[str, Any]) -> None:
@@ -380,8 +392,13 @@ class KroneckerOptimizer(MatrixOptimizer):
         if group["factor_dtype"] not in FACTOR_DTYPES:
             raise ValueError(f"Invalid factor_dtype: {group['factor_dtype']!r} (use torch.float32 or torch.bfloat16, "
                              f"or 'fp32' or 'bf16')")
-        if not isinstance(group["side_stream"], bool):
-            raise ValueError(f"Invalid side_stream: {group['side_stream']!r} (must be True or False)")
+        for name in ("side_stream", "stagger_refresh"):
+            if not isinstance(group[name], bool):
+                raise ValueError(f"Invalid {name}: {group[name]!r} (must be True or False)")
+        if group["side_stream"] and group["stagger_refresh"]:
+            raise ValueError("side_stream and stagger_refresh both keep the refreshes from stalling a step (one "
+                             "overlaps each refresh with the next steps, the other spreads the refreshes over the "
+                             "steps between two refreshes); set one of them")
         if group["matmul_precision"] not in MATMUL_PRECISIONS:
             raise ValueError(f"Invalid matmul_precision: {group['matmul_precision']!r} (use one of "
                              f"{MATMUL_PRECISIONS}: the precision of the optimizer's float32 matrix products on CUDA)")
@@ -542,7 +559,8 @@ class KroneckerOptimizer(MatrixOptimizer):
         for p in params:
             st = self.state[p]
             step = st.get("step", 0) + 1
-            if self._computes_bases(group, step) and (late or self._refresh_reads_host(group, st, step)):
+            due = self._computes_bases(group, step, self._phase(group, p))
+            if due and (late or self._refresh_reads_host(group, st, step)):
                 return False if self.nonfinite.on_host(skip) else None
         return skip
 
@@ -551,9 +569,28 @@ class KroneckerOptimizer(MatrixOptimizer):
         the Newton iteration's check): it can't then run under a device flag."""
         raise NotImplementedError
 
-    def _computes_bases(self, group: dict[str, Any], step: int) -> bool:
-        """Whether a parameter's ``step``-th step (counted from 1) computes its roots or eigenbases."""
+    def _computes_bases(self, group: dict[str, Any], step: int, phase: int = 0) -> bool:
+        """Whether the ``step``-th step (counted from 1) of a parameter whose refresh phase is ``phase``
+        (:meth:`_phase`) computes its roots or eigenbases."""
         raise NotImplementedError
+
+    def _phase(self, group: dict[str, Any], p: Tensor) -> int:
+        """The refresh phase of the matrix parameter ``p`` of ``group``: 0 unless the group staggers its refreshes;
+        then the bins of :func:`~matrixopt.optim.layout.lpt` packing the group's parameters, by the cost of their
+        refreshes (``d^3`` per factor), into ``precondition_frequency`` steps, so that each step refreshes about
+        as much as any other. A function of the group's parameter list (shapes, order, block plans) only: an
+        optimizer over a subset, such as a sharded optimizer's owner, reads the phases of the whole group."""
+        if not group["stagger_refresh"]:
+            return 0
+        phase = self._phases.get(id(p))
+        if phase is None:
+            ps = group["params"]
+            costs = [sum((b.r1 - b.r0) ** 3 * b.left + (b.c1 - b.c0) ** 3 * b.right for b in self._plan(group, q))
+                     for q in ps]
+            bins, _ = lpt(costs, group["precondition_frequency"])
+            self._phases.update((id(q), b) for q, b in zip(ps, bins))
+            phase = self._phases[id(p)]
+        return phase
 
     def _advance(self, states: list[dict[str, Any]], skip: Tensor | None) -> None:
         """Count a step in each state (``step``: a Python int, read by the schedule and the bias correction);
@@ -640,6 +677,8 @@ class Shampoo(KroneckerOptimizer):
         root_method: "newton" (default: the coupled Newton iteration, converged to ``root_config``'s tolerance at
             every refresh) or "eigenbasis" (a tracked eigenbasis, one power step per refresh; module docstring).
         side_stream: on CUDA, compute roots on a side stream, used one refresh later (default False).
+        stagger_refresh: spread the refreshes after the first over the steps between two refreshes instead of
+            refreshing every root on the same step (default False; module docstring). Not with ``side_stream``.
         matmul_precision: "fp32" (default) or "tf32": the precision of the factor products and the preconditioning
             on CUDA, and of the eigenbasis roots' product (their power step and Rayleigh quotients keep fp32
             accuracy through three TF32 products each); Newton roots stay fp32 (module docstring).
@@ -668,8 +707,9 @@ class Shampoo(KroneckerOptimizer):
                  max_preconditioner_dim: int = 1024, one_sided_ratio: float | None = None,
                  factor_dtype: torch.dtype = torch.float32, root_config: InverseRootConfig | None = None,
                  side_stream: bool = False, *, root_method: str = "newton", matmul_precision: str = "fp32",
-                 adamw_lr: float | None = None, adamw_betas: tuple[float, float] = (0.9, 0.999),
-                 adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None, skip_nonfinite: bool = False,
+                 stagger_refresh: bool = False, adamw_lr: float | None = None,
+                 adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
+                 adamw_weight_decay: float | None = None, skip_nonfinite: bool = False,
                  deferred_nonfinite: bool = False, weight_decay_mode: str = "decoupled", state_dtype: Any = None,
                  offload: str | Offload | None = None) -> None:
         matrix_defaults = dict(
@@ -680,7 +720,7 @@ class Shampoo(KroneckerOptimizer):
             inverse_root=inverse_root, damping=damping, grafting=grafting,
             max_preconditioner_dim=max_preconditioner_dim, one_sided_ratio=one_sided_ratio,
             factor_dtype=resolve_factor_dtype(factor_dtype), side_stream=side_stream, root_method=root_method,
-            matmul_precision=matmul_precision)
+            matmul_precision=matmul_precision, stagger_refresh=stagger_refresh)
         if root_config is not None and not isinstance(root_config, InverseRootConfig):
             raise ValueError(f"Invalid root_config: {root_config!r} (must be an InverseRootConfig)")
         root_config = root_config or InverseRootConfig()  # stored as plain numbers: torch.load(weights_only=True)
@@ -725,9 +765,9 @@ class Shampoo(KroneckerOptimizer):
             if group["root_method"] == "eigenbasis":
                 st[f"{side}_basis{k}"] = st[f"{side}_root{k}"].clone()  # the identity until the first eigh
 
-    def _computes_bases(self, group: dict[str, Any], step: int) -> bool:
-        start = group["start_preconditioning_step"]
-        return step >= start and (step - start) % group["precondition_frequency"] == 0
+    def _computes_bases(self, group: dict[str, Any], step: int, phase: int = 0) -> bool:
+        start = group["start_preconditioning_step"]  # every root at once there, then by phase
+        return step == start or (step > start and (step - start - phase) % group["precondition_frequency"] == 0)
 
     def _refresh_reads_host(self, group: dict[str, Any], st: dict[str, Any], step: int) -> bool:
         return group["root_method"] == "newton" or self._first_basis(group, st, step)
@@ -751,7 +791,8 @@ class Shampoo(KroneckerOptimizer):
         self._update_factors(group, layout, states, gviews, live)
 
         start = group["start_preconditioning_step"]
-        due = [i for i, st in enumerate(states) if self._computes_bases(group, st["step"])]
+        due = [i for i, (p, st) in enumerate(zip(params, states))
+               if self._computes_bases(group, st["step"], self._phase(group, p))]
         if due:  # with skip only where the refresh runs on the device (_device_skip)
             gi = next(j for j, g in enumerate(self.param_groups) if g is group)
             items = [(self._plan(group, params[i]), states[i]) for i in due]

@@ -38,8 +38,9 @@ taken as the identity.
 
 A one-sided block (``one_sided_ratio``) has a basis on its short side only. ``side_stream=True`` on CUDA runs
 each QR refresh on a side stream and installs it at the next refresh (the eigh at step 1 is synchronous); on CPU
-it is accepted and synchronous. Eigenbases that cannot be computed (non-finite factors) keep the previous basis
-and are counted in ``root_failures``.
+it is accepted and synchronous. ``stagger_refresh=True`` spreads the QR refreshes over the steps between two refreshes,
+each parameter from its own phase (as Shampoo's roots, :mod:`matrixopt.optim.shampoo`). Eigenbases that cannot
+be computed (non-finite factors) keep the previous basis and are counted in ``root_failures``.
 
 Matrix products on CUDA (``matmul_precision``, as in :mod:`matrixopt.optim.shampoo`): ``"fp32"`` (default, IEEE)
 or ``"tf32"`` for all of SOAP's products: the factor updates, the rotations :math:`Q_L^\top G Q_R` and
@@ -106,6 +107,8 @@ class SOAP(KroneckerOptimizer):
         factor_dtype: storage of factors and eigenbases, torch.float32 (default) or torch.bfloat16 (or "fp32",
             "bf16"; what it costs is in the module docstring).
         side_stream: on CUDA, refresh eigenbases on a side stream, used one refresh later (default False).
+        stagger_refresh: spread the QR refreshes over the steps between two refreshes instead of refreshing every
+            eigenbasis on the same step (default False; module docstring). Not with ``side_stream``.
         matmul_precision: "fp32" (default) or "tf32": the precision of every matrix product on CUDA (module
             docstring).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, skip_nonfinite, deferred_nonfinite, state_dtype,
@@ -128,7 +131,7 @@ class SOAP(KroneckerOptimizer):
                  precondition_frequency: int = 10, factor_update: str = "shampoo", damping: float = 1e-6,
                  max_preconditioner_dim: int = 1024, one_sided_ratio: float | None = None,
                  factor_dtype: torch.dtype = torch.float32, side_stream: bool = False, *,
-                 matmul_precision: str = "fp32", adamw_lr: float | None = None,
+                 matmul_precision: str = "fp32", stagger_refresh: bool = False, adamw_lr: float | None = None,
                  adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None,
                  skip_nonfinite: bool = False, deferred_nonfinite: bool = False,
@@ -140,7 +143,7 @@ class SOAP(KroneckerOptimizer):
             factor_update=factor_update, damping=damping,
             max_preconditioner_dim=max_preconditioner_dim, one_sided_ratio=one_sided_ratio,
             factor_dtype=resolve_factor_dtype(factor_dtype), side_stream=side_stream,
-            matmul_precision=matmul_precision)
+            matmul_precision=matmul_precision, stagger_refresh=stagger_refresh)
         adamw_defaults = adamw_group_defaults(lr, weight_decay, weight_decay_mode, adamw_lr, adamw_betas, adamw_eps,
                                               adamw_weight_decay)
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
@@ -164,8 +167,9 @@ class SOAP(KroneckerOptimizer):
 
     first_step_moves = False  # the first step builds the factors and their eigenbases only
 
-    def _computes_bases(self, group: dict[str, Any], step: int) -> bool:
-        return (step - 1) % group["precondition_frequency"] == 0  # the first step's eigh, then every freq Adam steps
+    def _computes_bases(self, group: dict[str, Any], step: int, phase: int = 0) -> bool:
+        # the first step's eigh, then every precondition_frequency Adam steps, from the parameter's phase on
+        return step == 1 or (step > 1 and (step - 1 - phase) % group["precondition_frequency"] == 0)
 
     def _refresh_reads_host(self, group: dict[str, Any], st: dict[str, Any], step: int) -> bool:
         return step == 1  # the eigh; the QR refreshes run on the device
@@ -224,7 +228,8 @@ class SOAP(KroneckerOptimizer):
             U = self._rotate(bases, X, to_eigen=False)  # Q_L N Q_R^T
             torch._foreach_copy_([uviews[i][k] for i, k, _ in ents], list(U.unbind(0)))
             del X, U, bases
-        due = [i for i, st in enumerate(states) if self._computes_bases(group, st["step"])]
+        due = [i for i, (p, st) in enumerate(zip(params, states))
+               if self._computes_bases(group, st["step"], self._phase(group, p))]
         if due:  # with skip only where the refresh runs on the device (_device_skip)
             gi = next(j for j, g in enumerate(self.param_groups) if g is group)
             items = [(params[i], plans[i], states[i]) for i in due]

@@ -45,6 +45,9 @@ OPTIMIZERS = {
     "shampoo": (Shampoo, ShardedShampoo, dict(lr=1e-2, precondition_frequency=3, max_preconditioner_dim=6)),
     "soap": (SOAP, ShardedSOAP, dict(lr=1e-2, precondition_frequency=3, max_preconditioner_dim=6,
                                      one_sided_ratio=1.5)),
+    # the refreshes spread over the steps: the owners refresh one phase's matrices at each step
+    "soap_staggered": (SOAP, ShardedSOAP, dict(lr=1e-2, precondition_frequency=3, max_preconditioner_dim=6,
+                                               one_sided_ratio=1.5, stagger_refresh=True)),
 }
 
 
@@ -212,8 +215,21 @@ def _four_ranks(rank: int, world: int, two: str, four: str) -> None:
         ShardedShampoo([w])
 
 
+def _staggered_owners(rank: int, world: int) -> None:
+    """With stagger_refresh each refresh phase's matrices are spread over the ranks: four equal matrices in two
+    phases (0, 1, 0, 1) go to ranks 0, 0, 1, 1, where packing them by cost alone (0, 1, 0, 1) would leave all of
+    one phase's refreshes to one rank."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    ws = [nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])) for _ in range(4)]
+    for stagger, owners in ((True, [0, 0, 1, 1]), (False, [0, 1, 0, 1])):
+        opt = ShardedShampoo(ws, precondition_frequency=2, stagger_refresh=stagger)
+        assert [opt._phase(opt.param_groups[0], w) for w in ws] == ([0, 1, 0, 1] if stagger else [0] * 4)
+        assert [opt.owner(w) for w in ws] == owners, (stagger, [opt.owner(w) for w in ws])
+
+
 def _two_ranks(rank: int, world: int, d: str) -> None:
     _equivalence_and_save(rank, world, d)
+    _staggered_owners(rank, world)
     _state_dict_round_trip(rank, world)
     _layerwise_save(rank, world, d)
 

@@ -16,10 +16,11 @@ from matrixopt.optim.shampoo import split_dim
 ATOL = 2e-5
 
 
-def ref_soap(W, grads, Q0, *, lr, betas, eps, wd, freq, kl=False, damping=1e-2, sides=("left", "right")):
+def ref_soap(W, grads, Q0, *, lr, betas, eps, wd, freq, kl=False, damping=1e-2, sides=("left", "right"), phase=0):
     """SOAP on one matrix in float64: the first call builds the factors, whose eigenbases ``Q0`` (``{"left": (m, m),
     "right": (n, n)}``, as the optimizer took them) are checked; Adam in the eigenbasis; factors after the step;
-    every ``freq`` Adam steps one QR power step, V' permuted, M' rotated."""
+    every ``freq`` Adam steps (from Adam step ``phase``, 0 meaning ``freq``) one QR power step, V' permuted, M'
+    rotated."""
     W = W.double().clone()
     b1, b2 = betas
     m, n = W.shape
@@ -53,7 +54,7 @@ def ref_soap(W, grads, Q0, *, lr, betas, eps, wd, freq, kl=False, damping=1e-2, 
                  "right": b2 * d.get("right", 0) + (1 - b2) / m * (Gp**2 * inv["left"][:, None]).sum(0)}
         else:
             F = {"left": b2 * F["left"] + (1 - b2) * G @ G.T, "right": b2 * F["right"] + (1 - b2) * G.T @ G}
-        if t % freq == 0:
+        if (t - phase) % freq == 0:
             old = dict(Q)
             for s in sides:
                 est = torch.diag(Q[s].T @ F[s] @ Q[s])
@@ -149,6 +150,32 @@ def test_bases_refresh_schedule_and_first_moment_rotation():
         back = st["left_basis0"].double() @ st["exp_avg"].double() @ st["right_basis0"].double().T
         torch.testing.assert_close(back, ema, atol=1e-5, rtol=0)
     assert changed == [1, 5, 9]  # Adam steps 0 (eigh), 4 and 8
+
+
+def test_staggered_refreshes_match_float64_reference():
+    """stagger_refresh: each matrix's bases refreshed every ``freq`` Adam steps from its own phase, the phases
+    packed by refresh cost (m^3 + n^3: 793, 468, 432 -> phases 0, 1, 2), so every step refreshes one matrix."""
+    shapes, phases = [(4, 9), (7, 5), (6, 6)], [0, 1, 2]
+    runs = [data(shape, seed=i) for i, shape in enumerate(shapes)]
+    Ws = [nn.Parameter(W0.clone()) for W0, _ in runs]
+    opt = SOAP(Ws, **kwargs(HP), stagger_refresh=True)
+    assert [opt._phase(opt.param_groups[0], W) for W in Ws] == phases
+    changed = {i: [] for i in range(len(Ws))}
+    for call in range(1, len(runs[0][1]) + 1):
+        before = [opt.state[W]["left_basis0"].clone() if opt.state else None for W in Ws]
+        for W, (_, grads) in zip(Ws, runs):
+            W.grad = grads[call - 1].clone()
+        opt.step()
+        if call == 1:
+            Q0 = [{s: opt.state[W][f"{s}_basis0"].clone() for s in ("left", "right")} for W in Ws]
+        for i, W in enumerate(Ws):
+            if before[i] is not None and not torch.equal(before[i], opt.state[W]["left_basis0"]):
+                changed[i].append(call)
+    assert changed == {0: [4, 7, 10], 1: [2, 5, 8], 2: [3, 6, 9]}  # Adam step t = call - 1
+    for W, (W0, grads), q0, phase in zip(Ws, runs, Q0, phases):
+        assert (W.detach().double() - ref_soap(W0, grads, q0, **HP, phase=phase)).abs().max() < ATOL
+    with pytest.raises(ValueError, match="set one of them"):
+        SOAP(Ws, stagger_refresh=True, side_stream=True)
 
 
 def test_state_dict_round_trip_is_bit_identical():
