@@ -85,9 +85,10 @@ own phase, the group's parameters packed into the ``precondition_frequency`` pha
 refreshes (:meth:`KroneckerOptimizer._phase`). Each step then refreshes about ``1 / precondition_frequency`` of
 the roots instead of one step in ``precondition_frequency`` refreshing all of them: the same work, no step that
 stalls for it, and under data parallelism (each matrix's state on one owner rank) no rank that waits for another's
-refresh. The phases depend on the group's parameter list only, so the sharded optimizers
+refresh. The phases depend on the group's parameter list only, so the FSDP2 optimizers
 (:mod:`matrixopt.distributed.sharded_precond`) step exactly as this one does, and spread each step's refreshes
-over their owners.
+over their owners; under layer-wise training each owner packs the phases of the matrices it owns (the same work
+per step, on a schedule of its own).
 """
 
 from __future__ import annotations
@@ -578,8 +579,9 @@ class KroneckerOptimizer(MatrixOptimizer):
         """The refresh phase of the matrix parameter ``p`` of ``group``: 0 unless the group staggers its refreshes;
         then the bins of :func:`~matrixopt.optim.layout.lpt` packing the group's parameters, by the cost of their
         refreshes (``d^3`` per factor), into ``precondition_frequency`` steps, so that each step refreshes about
-        as much as any other. A function of the group's parameter list (shapes, order, block plans) only: an
-        optimizer over a subset, such as a sharded optimizer's owner, reads the phases of the whole group."""
+        as much as any other. A function of the group's parameter list (shapes, order, block plans) only: the
+        FSDP2 optimizers, whose groups hold every matrix, take the single-process phases; a layer-wise owner's
+        optimizer, whose groups hold the matrices it owns, packs those."""
         if not group["stagger_refresh"]:
             return 0
         phase = self._phases.get(id(p))
