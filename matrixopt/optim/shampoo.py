@@ -111,6 +111,7 @@ from matrixopt.linalg.roots import (
     InverseRootConfig,
     eigenbasis,
     fall_back,
+    finite_matrices,
     inverse_root,
     newton_inverse_root,
     rayleigh_quotients,
@@ -265,10 +266,9 @@ class Layout:
 
 
 def finite_blocks(X: Tensor) -> Tensor:
-    """``(b, 1, 1)`` bool: whether each block of ``(b, m, n)`` float32 ``X`` is finite, judged by its sum (one
-    pass over X): a NaN or Inf entry makes the sum non-finite, and so do finite entries whose sum overflows fp32,
-    which no usable block has."""
-    return torch.isfinite(X.sum(dim=(-2, -1), keepdim=True))
+    """``(b, 1, 1)`` bool: whether each block of ``(b, m, n)`` float32 ``X`` is finite, judged by its sum
+    (:func:`~matrixopt.linalg.roots.finite_matrices`)."""
+    return finite_matrices(X)[:, None, None]
 
 
 def accumulate(factors: list[Tensor], GG: Tensor, beta: float, live: Tensor | None = None) -> None:
@@ -908,7 +908,7 @@ class Shampoo(KroneckerOptimizer):
         dmax = d.amax(dim=-1, keepdim=True)
         scale = torch.where(dmax > 0, (d + group["damping"] * dmax).pow(-1.0 / p), 1.0)  # 0 -> the identity
         roots = (Q * scale[:, None, :]) @ Q.mT
-        return jobs, roots, Q, ok & torch.isfinite(roots).all(dim=(-2, -1))
+        return jobs, roots, Q, ok & finite_matrices(roots)
 
     def _install_roots(self, group: dict[str, Any], result: tuple) -> None:
         """Write one batch's roots (:meth:`_roots`); a failed root keeps the previous one."""

@@ -362,9 +362,9 @@ class SOAP(KroneckerOptimizer):
             ms, vs = [job[3] for job in jobs[at]], [job[4] for job in jobs[at]]
             M, V = torch.stack(ms), torch.stack(vs)  # (b', rows, cols)
             if side == "left":
-                rotated, V = r @ M, V.take_along_dim(o[:, :, None].expand(-1, -1, cols), dim=1)
+                rotated, V = r @ M, V.gather(1, o[:, :, None].expand(-1, -1, cols))
             else:
-                rotated, V = M @ r.mT, V.take_along_dim(o[:, None, :].expand(-1, rows, -1), dim=2)
+                rotated, V = M @ r.mT, V.gather(2, o[:, None, :].expand(-1, rows, -1))
             if live is not None:
                 rotated = torch.where(ok[at, None, None], rotated, M)
             torch._foreach_copy_(ms, list(rotated.unbind(0)))
