@@ -681,6 +681,8 @@ class Shampoo(KroneckerOptimizer):
         side_stream: on CUDA, compute roots on a side stream, used one refresh later (default False).
         stagger_refresh: spread the refreshes after the first over the steps between two refreshes instead of
             refreshing every root on the same step (default False; module docstring). Not with ``side_stream``.
+            Newton roots read their convergence on the host, so with ``deferred_nonfinite`` every step then reads
+            the device flag once (eigenbasis roots run on the device).
         matmul_precision: "fp32" (default) or "tf32": the precision of the factor products and the preconditioning
             on CUDA, and of the eigenbasis roots' product (their power step and Rayleigh quotients keep fp32
             accuracy through three TF32 products each); Newton roots stay fp32 (module docstring).
