@@ -304,7 +304,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         self.root_fallbacks = 0  # roots or eigenbases that needed the float64 fallback
         self.root_failures = 0  # roots or eigenbases that could not be computed (the previous one was kept)
         self._plans: dict[int, list[Block]] = {}
-        self._phases: dict[int, int] = {}  # id(param) -> its refresh phase (stagger_refresh)
+        self._phases: dict[int, tuple[int, int]] = {}  # id(param) -> (precondition_frequency, its refresh phase)
         self._layouts: dict[tuple[int, ...], Layout] = {}
         self._pending: dict[int, Any] = {}  # group index -> side-stream refresh in flight
         self._side_streams: dict[torch.device, Any] = {}
@@ -584,15 +584,16 @@ class KroneckerOptimizer(MatrixOptimizer):
         optimizer, whose groups hold the matrices it owns, packs those."""
         if not group["stagger_refresh"]:
             return 0
-        phase = self._phases.get(id(p))
-        if phase is None:
+        freq = group["precondition_frequency"]
+        known = self._phases.get(id(p))
+        if known is None or known[0] != freq:  # packed anew for a new frequency (a loaded state dict's)
             ps = group["params"]
             costs = [sum((b.r1 - b.r0) ** 3 * b.left + (b.c1 - b.c0) ** 3 * b.right for b in self._plan(group, q))
                      for q in ps]
-            bins, _ = lpt(costs, group["precondition_frequency"])
-            self._phases.update((id(q), b) for q, b in zip(ps, bins))
-            phase = self._phases[id(p)]
-        return phase
+            bins, _ = lpt(costs, freq)
+            self._phases.update((id(q), (freq, b)) for q, b in zip(ps, bins))
+            known = self._phases[id(p)]
+        return known[1]
 
     def _advance(self, states: list[dict[str, Any]], skip: Tensor | None) -> None:
         """Count a step in each state (``step``: a Python int, read by the schedule and the bias correction);
