@@ -235,12 +235,27 @@ def scatter_from_owners(owned: Tensor, counts: Sequence[int], sizes: Sequence[in
 #
 # Sharded Shampoo and SOAP precondition each matrix whole on one owner rank. The rows of b matrices of any shapes,
 # each split over the ranks as ``fully_shard`` splits dim 0 (``sizes[i]``: every rank's rows of matrix i, uneven
-# and empty allowed), go to their owners in one all-to-all, and the owners' results come back in another:
+# and empty allowed), go to their owners in one grouped set of point-to-point transfers, and the owners' results
+# come back in another:
 #
 #     whole = gather_rows(rows, owners, sizes, group)           # [(sizes[i][rank], n_i)] -> [(m_i, n_i)] owned here
 #     rows = scatter_rows(whole, owners, sizes, widths, group)  # the inverse
 #
-# Each rank's send buffer holds its rows of rank 0's matrices, then of rank 1's, ... (matrix order within each).
+# One transfer per (matrix, rank) pair with rows, each straight between a rank's rows and their row range in the
+# owner's matrix, listed in matrix order on every rank. An all-to-all would need each rank's rows packed into one
+# send buffer and the owner's received buffer unpacked into matrices: two more copies of the gradients each way.
+
+
+def _exchange(ops: list[tuple[Callable[..., Any], Tensor, int]], group: Group | None) -> None:
+    """Run point-to-point ``(dist.isend or dist.irecv, tensor, group rank)`` operations as one group and wait (on
+    CUDA the current stream waits, not the host). The ranks list their operations in one agreed order, so each
+    pair's sends and receives match in order."""
+    if not ops:
+        return
+    p2p = [dist.P2POp(op, t, dist.get_global_rank(group, peer) if group is not None else peer, group)
+           for op, t, peer in ops]
+    for work in dist.batch_isend_irecv(p2p):
+        work.wait()
 
 
 def gather_rows(rows: Sequence[Tensor], owners: Sequence[int], sizes: Sequence[Sequence[int]],
@@ -249,50 +264,58 @@ def gather_rows(rows: Sequence[Tensor], owners: Sequence[int], sizes: Sequence[S
 
     rows[i]: this rank's rows of matrix i, ``(sizes[i][rank], n_i)``, all of one dtype and device. owners[i]: the
     group rank that owns matrix i. Returns the matrices this rank owns, in matrix order, each
-    ``(sum(sizes[i]), n_i)`` and contiguous."""
+    ``(sum(sizes[i]), n_i)`` and contiguous. Every rank's rows travel by one grouped set of point-to-point
+    transfers straight into their place in the owner's matrix (a row range of a row-major matrix is contiguous):
+    nothing is packed or unpacked; the owner copies its own rows in."""
     world, me = world_size(group), rank(group)
     if (len(owners) != len(rows) or len(sizes) != len(rows) or any(len(s) != world for s in sizes)
             or any(r.ndim != 2 or r.size(0) != s[me] for r, s in zip(rows, sizes))):
         raise ValueError(f"gather_rows: row blocks {[tuple(r.shape) for r in rows]} do not match owners "
                          f"{list(owners)} and row sizes {[list(s) for s in sizes]} on rank {me}")
-    mine = [i for i, o in enumerate(owners) if o == me]
-    widths = [r.size(1) for r in rows]
-    send = torch.cat([rows[i].reshape(-1) for r in range(world) for i in range(len(rows)) if owners[i] == r])
-    send_splits = [sum(rows[i].numel() for i in range(len(rows)) if owners[i] == r) for r in range(world)]
-    recv_splits = [sum(sizes[i][s] * widths[i] for i in mine) for s in range(world)]
-    recv, work = all_to_all_async(send, send_splits, recv_splits, group)
-    work.wait()
-    pieces: list[list[Tensor]] = [[] for _ in mine]
-    for s, chunk in enumerate(recv.split(recv_splits)):  # rank s's rows of each matrix owned here
-        for j, (i, part) in enumerate(zip(mine, chunk.split([sizes[i][s] * widths[i] for i in mine]))):
-            pieces[j].append(part.view(sizes[i][s], widths[i]))
-    return [torch.cat(p) for p in pieces]
+    out, ops = [], []
+    for i, (r, o) in enumerate(zip(rows, owners)):
+        if o != me:
+            if r.numel():
+                ops.append((dist.isend, r.contiguous(), o))
+            continue
+        whole = r.new_empty((sum(sizes[i]), r.size(1)))
+        for s, part in enumerate(whole.split(list(sizes[i]))):
+            if s == me:
+                part.copy_(r)
+            elif part.numel():
+                ops.append((dist.irecv, part, s))
+        out.append(whole)
+    _exchange(ops, group)
+    return out
 
 
 def scatter_rows(whole: Sequence[Tensor], owners: Sequence[int], sizes: Sequence[Sequence[int]],
                  widths: Sequence[int], group: Group | None, dtype: torch.dtype = torch.float32) -> list[Tensor]:
     """The inverse of :func:`gather_rows` (blocking): whole ``(sum(sizes[i]), n_i)`` in ``dtype`` for the matrices
     this rank owns, in matrix order -> this rank's rows ``(sizes[i][rank], n_i)`` of every matrix i,
-    ``n_i = widths[i]``."""
-    world, me = world_size(group), rank(group)
+    ``n_i = widths[i]``: for the matrices owned here, views of ``whole``; the others received, each into a
+    buffer of its own."""
+    me = rank(group)
     mine = [i for i, o in enumerate(owners) if o == me]
     if (len(whole) != len(mine) or len(sizes) != len(owners) or len(widths) != len(owners)
             or any(w.shape != (sum(sizes[i]), widths[i]) or w.dtype != dtype for w, i in zip(whole, mine))):
         raise ValueError(f"scatter_rows: owned matrices {[(tuple(w.shape), w.dtype) for w in whole]} do not match "
                          f"owners {list(owners)}, row sizes {[list(s) for s in sizes]}, widths {list(widths)} and "
                          f"dtype {dtype} on rank {me}")
-    blocks = [w.split(list(sizes[i])) for w, i in zip(whole, mine)]  # [matrix][rank]
-    send = torch.cat([b[r].reshape(-1) for r in range(world) for b in blocks]) if whole else \
-        torch.zeros(0, dtype=dtype, device=object_device(group))  # owns nothing: receives only
-    send_splits = [sum(b[r].numel() for b in blocks) for r in range(world)]
-    recv_splits = [sum(sizes[i][me] * widths[i] for i in range(len(owners)) if owners[i] == s) for s in range(world)]
-    recv, work = all_to_all_async(send, send_splits, recv_splits, group)
-    work.wait()
-    out: list[Tensor | None] = [None] * len(owners)
-    for s, chunk in enumerate(recv.split(recv_splits)):  # this rank's rows of each matrix rank s owns
-        theirs = [i for i in range(len(owners)) if owners[i] == s]
-        for i, part in zip(theirs, chunk.split([sizes[i][me] * widths[i] for i in theirs])):
-            out[i] = part.view(sizes[i][me], widths[i])
+    owned = dict(zip(mine, whole))
+    out: list[Tensor] = []
+    ops = []
+    device = whole[0].device if whole else object_device(group)
+    for i, o in enumerate(owners):
+        if o == me:
+            parts = owned[i].split(list(sizes[i]))
+            out.append(parts[me])
+            ops += [(dist.isend, part, s) for s, part in enumerate(parts) if s != me and part.numel()]
+        else:
+            out.append(torch.empty((sizes[i][me], widths[i]), dtype=dtype, device=device))
+            if out[-1].numel():
+                ops.append((dist.irecv, out[-1], o))
+    _exchange(ops, group)
     return out
 
 

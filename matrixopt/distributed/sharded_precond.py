@@ -7,9 +7,9 @@ matrix parameter has one owner rank, chosen by LPT on the optimizer's cost of it
 the whole matrix (:meth:`matrixopt.optim.shampoo.KroneckerOptimizer._matrix_updates`). One step of a param
 group, per process group::
 
-    G = gather_rows(local gradient rows, owners)    # each matrix's whole gradient on its owner: one all-to-all
+    G = gather_rows(local gradient rows, owners)    # each matrix's whole gradient on its owner
     U = _matrix_updates(group, owned, G)            # Shampoo's or SOAP's update of each matrix owned here
-    u = scatter_rows(U, owners)                     # this rank's rows of every update: one all-to-all
+    u = scatter_rows(U, owners)                     # this rank's rows of every update
     w = (1 - lr wd) w - lr u                        # on the local shards, as the single-process optimizer applies U
 
 The update is the single-process one (up to the order of FSDP's fp32 gradient reduction). The factors, the roots
