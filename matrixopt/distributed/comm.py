@@ -252,8 +252,8 @@ def _exchange(ops: list[tuple[Callable[..., Any], Tensor, int]], group: Group | 
     pair's sends and receives match in order."""
     if not ops:
         return
-    p2p = [dist.P2POp(op, t, dist.get_global_rank(group, peer) if group is not None else peer, group)
-           for op, t, peer in ops]
+    ranks = group_ranks(group)
+    p2p = [dist.P2POp(op, t, ranks[peer], group) for op, t, peer in ops]
     for work in dist.batch_isend_irecv(p2p):
         work.wait()
 

@@ -7,7 +7,8 @@
   piece is its own matrix.
 
 Pieces of the same shape, from any parameters and in either orientation, are stacked and orthogonalized in one
-batched call.
+batched call. How work is packed: :func:`capped_runs` cuts batches to a bounded workspace, :func:`lpt` packs
+costs into bins (ranks that own parameters, steps that refresh preconditioners).
 """
 
 from __future__ import annotations
