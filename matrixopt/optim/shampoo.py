@@ -109,6 +109,7 @@ from matrixopt.kernels import muon_elementwise
 from matrixopt.kernels.decay import decay_
 from matrixopt.linalg.roots import (
     InverseRootConfig,
+    bf16_bmm,
     eigenbasis,
     fall_back,
     finite_matrices,
@@ -135,13 +136,14 @@ GRAFTINGS = ("adam", "none")
 ROOT_METHODS = ("newton", "eigenbasis")
 FACTOR_DTYPES = (torch.float32, torch.bfloat16)
 FACTOR_DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # what a command line passes
-MATMUL_PRECISIONS = ("fp32", "tf32")
+MATMUL_PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 @contextlib.contextmanager
 def cuda_matmul_precision(precision: str) -> Iterator[None]:
     """Run the block's float32 CUDA matrix products in ``precision``: ``"fp32"`` (IEEE) or ``"tf32"`` (TF32 tensor
-    cores), then restore torch's setting as it was, also on an exception. The setting is torch's process-wide one
+    cores; also for ``"bf16"``, whose bfloat16 products are explicit, :func:`step_product`), then restore torch's
+    setting as it was, also on an exception. The setting is torch's process-wide one
     (it has no per-thread setting), so it holds for any thread's CUDA products while the block runs; CPU products
     are unaffected. Uses ``torch.backends.cuda.matmul.fp32_precision`` where torch has it (2.9 and later; setting
     the legacy ``allow_tf32`` there would make torch refuse to read a state mixed from the two), else
@@ -150,15 +152,31 @@ def cuda_matmul_precision(precision: str) -> Iterator[None]:
         raise ValueError(f"Invalid matmul_precision: {precision!r} (use one of {MATMUL_PRECISIONS})")
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):
-        name, value = "fp32_precision", "tf32" if precision == "tf32" else "ieee"
+        name, value = "fp32_precision", "ieee" if precision == "fp32" else "tf32"
     else:
-        name, value = "allow_tf32", precision == "tf32"
+        name, value = "allow_tf32", precision != "fp32"
     saved = getattr(matmul, name)
     setattr(matmul, name, value)
     try:
         yield
     finally:
         setattr(matmul, name, saved)
+
+
+def step_product(A: Tensor, B: Tensor, precision: str, out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """``A @ B`` of a step's stacks (``(b, m, k)`` and ``(b, k, n)``: factor products, preconditioning, rotations)
+    in the group's ``matmul_precision``: for ``"bf16"`` bfloat16 operands summed in float32
+    (:func:`~matrixopt.linalg.roots.bf16_bmm`, also on CPU), the result in ``out_dtype``; else a float32 product
+    under the scoped setting (:func:`cuda_matmul_precision`), the result float32."""
+    if precision == "bf16":
+        return bf16_bmm(A, B, out_dtype)
+    return A.float() @ B.float()
+
+
+def step_operands(stack: Tensor, precision: str) -> Tensor:
+    """A stack as the step's products take it: bfloat16 for ``matmul_precision="bf16"`` (rounded once for all of
+    its products), else float32."""
+    return stack.to(torch.bfloat16 if precision == "bf16" else torch.float32)
 
 
 def resolve_factor_dtype(value: Any) -> Any:
@@ -454,20 +472,22 @@ class KroneckerOptimizer(MatrixOptimizer):
     def _update_factors(self, group: dict[str, Any], layout: Layout, states: list[dict[str, Any]],
                         gviews: list[list[Tensor]], live: Tensor | None = None) -> None:
         """``L = EMA(G G^T)``, ``R = EMA(G^T G)`` for every block, batched by shape (:meth:`Layout.runs`)."""
-        beta = self._shampoo_beta(group)
+        beta, precision = self._shampoo_beta(group), group["matmul_precision"]
         for key, ents in layout.runs():
-            self._accumulate_factors(states, ents, torch.stack([gviews[i][k] for i, k, _ in ents]), key, beta, live)
+            G = step_operands(torch.stack([gviews[i][k] for i, k, _ in ents]), precision)
+            self._accumulate_factors(states, ents, G, key, beta, precision, live)
 
     @staticmethod
     def _accumulate_factors(states: list[dict[str, Any]], ents: list[tuple[int, int, Block]], G: Tensor,
-                            key: tuple[int, int, bool, bool], beta: float, live: Tensor | None = None) -> None:
-        """``L = EMA(G G^T)``, ``R = EMA(G^T G)`` for one run's stack ``G (b, m, n)`` of blocks sharing ``key``
-        (``live``: see :func:`accumulate`)."""
+                            key: tuple[int, int, bool, bool], beta: float, precision: str,
+                            live: Tensor | None = None) -> None:
+        """``L = EMA(G G^T)``, ``R = EMA(G^T G)`` for one run's stack ``G (b, m, n)`` of blocks sharing ``key``,
+        the products in ``precision`` (:func:`step_product`; ``live``: see :func:`accumulate`)."""
         _, _, left, right = key
         if left:
-            accumulate([states[i][f"left{k}"] for i, k, _ in ents], G @ G.mT, beta, live)
+            accumulate([states[i][f"left{k}"] for i, k, _ in ents], step_product(G, G.mT, precision), beta, live)
         if right:
-            accumulate([states[i][f"right{k}"] for i, k, _ in ents], G.mT @ G, beta, live)
+            accumulate([states[i][f"right{k}"] for i, k, _ in ents], step_product(G.mT, G, precision), beta, live)
 
     # ----------------------------------------------------------------------------------- refresh schedule
     def _refresh(self, gi: int, group: dict[str, Any], runs: list[Callable[[bool], Any]],
@@ -812,12 +832,18 @@ class Shampoo(KroneckerOptimizer):
             dviews = [block_views(p, self._plan(group, p), d) for p, d in zip(params, D)]
             fviews = [block_views(p, self._plan(group, p), f) for p, f in zip(params, fallback)]
             uviews = [block_views(p, self._plan(group, p), u) for p, u in zip(params, updates)]
+            precision = group["matmul_precision"]
+            inner = torch.bfloat16 if precision == "bf16" else torch.float32  # a product feeding another
+
+            def roots(side: str, ents: list[tuple[int, int, Block]]) -> Tensor:
+                return step_operands(torch.stack([states[i][f"{side}_root{k}"] for i, k, _ in ents]), precision)
+
             for (_, _, left, right), ents in layout.runs(active):
-                S = torch.stack([dviews[i][k] for i, k, _ in ents])  # (b, m, n)
+                S = step_operands(torch.stack([dviews[i][k] for i, k, _ in ents]), precision)  # (b, m, n)
                 if left:
-                    S = torch.stack([states[i][f"left_root{k}"] for i, k, _ in ents]).float() @ S
+                    S = step_product(roots("left", ents), S, precision, inner if right else torch.float32)
                 if right:
-                    S = S @ torch.stack([states[i][f"right_root{k}"] for i, k, _ in ents]).float()
+                    S = step_product(S, roots("right", ents), precision)
                 Fs, Us = [fviews[i][k] for i, k, _ in ents], [uviews[i][k] for i, k, _ in ents]
                 fused = muon_elementwise.fused_for(Fs, Us, list(S.unbind(0)))
                 if fused is not None:  # the graft and the select in two passes (graft_select_triton)
@@ -902,7 +928,7 @@ class Shampoo(KroneckerOptimizer):
         Returns ``(jobs, roots, bases, ok)``; no host sync unless ``first``."""
         A = torch.stack([st[f"{side}{k}"] for st, k, side in jobs]).float()  # (b, d, d) snapshot
         # A Q to float32 accuracy: one IEEE product, or under TF32 on CUDA three TF32 ones (module docstring)
-        bmm = split_tf32_bmm if group["matmul_precision"] == "tf32" and A.is_cuda else torch.bmm
+        bmm = split_tf32_bmm if group["matmul_precision"] != "fp32" and A.is_cuda else torch.bmm
         if first:
             Q, ok = eigenbasis(A)
         else:

@@ -77,7 +77,15 @@ from matrixopt.optim.base import adamw_group_defaults
 from matrixopt.optim.layout import capped_runs
 from matrixopt.optim.nonfinite import sanitized
 from matrixopt.optim.offload import Offload
-from matrixopt.optim.shampoo import Block, KroneckerOptimizer, accumulate, block_views, resolve_factor_dtype
+from matrixopt.optim.shampoo import (
+    Block,
+    KroneckerOptimizer,
+    accumulate,
+    block_views,
+    resolve_factor_dtype,
+    step_operands,
+    step_product,
+)
 
 FACTOR_UPDATES = ("shampoo", "kl")
 
@@ -213,19 +221,19 @@ class SOAP(KroneckerOptimizer):
         uviews = [block_views(p, plan, t) for p, plan, t in zip(params, plans, updates)]
         mviews = [block_views(p, plan, st["exp_avg"]) for p, plan, st in zip(params, plans, states)]
         vviews = [block_views(p, plan, st["exp_avg_sq"]) for p, plan, st in zip(params, plans, states)]
-        beta = self._shampoo_beta(group)
+        beta, precision = self._shampoo_beta(group), group["matmul_precision"]
         for key, ents in layout.runs():
-            G = torch.stack([gviews[i][k] for i, k, _ in ents])  # (b, m, n)
-            bases = self._bases(states, ents, key)
-            X = self._rotate(bases, G, to_eigen=True)  # G' = Q_L^T G Q_R
+            G = step_operands(torch.stack([gviews[i][k] for i, k, _ in ents]), precision)  # (b, m, n)
+            bases = self._bases(states, ents, key, precision)
+            X = self._rotate(bases, G, True, precision)  # G' = Q_L^T G Q_R
             if kl:  # KL's factors read this step's projection
                 self._kl_factors(group, states, ents, key, G, X, bases, live)
             else:  # this run's factors, from the stack at hand: the projections read the bases, not the factors
-                self._accumulate_factors(states, ents, G, key, beta, live)
+                self._accumulate_factors(states, ents, G, key, beta, precision, live)
             del G
             adam_step([mviews[i][k] for i, k, _ in ents], [vviews[i][k] for i, k, _ in ents], list(X.unbind(0)),
                       [steps[i] for i, _, _ in ents], group["betas"], group["eps"], skip, into_grads=True)
-            U = self._rotate(bases, X, to_eigen=False)  # Q_L N Q_R^T
+            U = self._rotate(bases, X, False, precision)  # Q_L N Q_R^T
             torch._foreach_copy_([uviews[i][k] for i, k, _ in ents], list(U.unbind(0)))
             del X, U, bases
         due = [i for i, (p, st) in enumerate(zip(params, states))
@@ -243,21 +251,24 @@ class SOAP(KroneckerOptimizer):
     # ----------------------------------------------------------------------------------- rotations
     @staticmethod
     def _bases(states: list[dict[str, Any]], ents: list[tuple[int, int, Block]],
-               key: tuple[int, int, bool, bool]) -> tuple[Tensor | None, Tensor | None]:
-        """``(Q_L, Q_R)`` of a run of blocks sharing ``key``, stacked ``(b, d, d)`` float32 (None for a side
-        without a basis): stacked once for both rotations of a step."""
+               key: tuple[int, int, bool, bool], precision: str) -> tuple[Tensor | None, Tensor | None]:
+        """``(Q_L, Q_R)`` of a run of blocks sharing ``key``, stacked ``(b, d, d)`` as the products in ``precision``
+        take them (:func:`~matrixopt.optim.shampoo.step_operands`; None for a side without a basis): stacked once
+        for both rotations of a step."""
         _, _, left, right = key
-        return tuple(torch.stack([states[i][f"{side}_basis{k}"] for i, k, _ in ents]).float() if has else None
-                     for side, has in (("left", left), ("right", right)))
+        return tuple(step_operands(torch.stack([states[i][f"{side}_basis{k}"] for i, k, _ in ents]), precision)
+                     if has else None for side, has in (("left", left), ("right", right)))
 
     @staticmethod
-    def _rotate(bases: tuple[Tensor | None, Tensor | None], X: Tensor, to_eigen: bool) -> Tensor:
-        """``Q_L^T X Q_R`` (``to_eigen``) or ``Q_L X Q_R^T`` for a stack ``(b, m, n)`` and its :meth:`_bases`."""
+    def _rotate(bases: tuple[Tensor | None, Tensor | None], X: Tensor, to_eigen: bool, precision: str) -> Tensor:
+        """``Q_L^T X Q_R`` (``to_eigen``) or ``Q_L X Q_R^T`` for a stack ``(b, m, n)`` and its :meth:`_bases`, in
+        ``precision`` (:func:`~matrixopt.optim.shampoo.step_product`); float32."""
         QL, QR = bases
         if QL is not None:
-            X = (QL.mT if to_eigen else QL) @ X
+            inner = torch.bfloat16 if precision == "bf16" and QR is not None else torch.float32
+            X = step_product(QL.mT if to_eigen else QL, X, precision, inner)
         if QR is not None:
-            X = X @ (QR if to_eigen else QR.mT)
+            X = step_product(X, QR if to_eigen else QR.mT, precision)
         return X
 
     # ----------------------------------------------------------------------------------- factors (KL)
@@ -276,14 +287,15 @@ class SOAP(KroneckerOptimizer):
             torch.stack([states[i][f"left_eig{k}"] for i, k, _ in ents]), group["damping"])  # (b, m)
         inv_r = ones_n if init or not right else _inverse(
             torch.stack([states[i][f"right_eig{k}"] for i, k, _ in ents]), group["damping"])  # (b, n)
+        precision = group["matmul_precision"]
         if left:  # L += (1 - beta)/n G R^-1 G^T, R^-1 = Q_R diag(inv_r) Q_R^T
-            H = G if init or not right else G @ bases[1]
+            H = G.float() if init or not right else step_product(G, bases[1], precision)
             H = H * inv_r.sqrt()[:, None, :]
-            accumulate([states[i][f"left{k}"] for i, k, _ in ents], H @ H.mT / n, beta, live)
+            accumulate([states[i][f"left{k}"] for i, k, _ in ents], step_product(H, H.mT, precision) / n, beta, live)
         if right:  # R += (1 - beta)/m G^T L^-1 G
-            H = G if init or not left else bases[0].mT @ G
+            H = G.float() if init or not left else step_product(bases[0].mT, G, precision)
             H = H * inv_l.sqrt()[:, :, None]
-            accumulate([states[i][f"right{k}"] for i, k, _ in ents], H.mT @ H / m, beta, live)
+            accumulate([states[i][f"right{k}"] for i, k, _ in ents], step_product(H.mT, H, precision) / m, beta, live)
         if not init:  # eigenvalue estimates, from this step's G' = Q_L^T G Q_R
             P2 = P.square()  # (b, m, n)
             if left:

@@ -230,3 +230,23 @@ def test_split_tf32_product_keeps_float32_accuracy():
         return (torch.linalg.matrix_norm(x.double() - want) / torch.linalg.matrix_norm(want)).max().item()
 
     assert err(split_tf32_bmm(A, B)) < 1e-6 < 1e-4 < err(hi.double() @ b_hi.double())
+
+
+def test_bf16_product_rounds_the_operands_and_sums_in_float32():
+    """bf16_bmm: the product of the operands rounded to bfloat16 (float64 of the rounded operands to float32
+    accuracy), about 2^-9 from the exact product; a bfloat16 result on request."""
+    from matrixopt.linalg.roots import bf16_bmm
+
+    g = torch.Generator().manual_seed(0)
+    A, B = torch.randn(3, 64, 48, generator=g), torch.randn(3, 48, 32, generator=g)
+    exact = A.double() @ B.double()
+    rounded = A.bfloat16().double() @ B.bfloat16().double()
+
+    def err(x: torch.Tensor, want: torch.Tensor) -> float:
+        return (torch.linalg.matrix_norm(x.double() - want) / torch.linalg.matrix_norm(want)).max().item()
+
+    out = bf16_bmm(A, B)
+    assert out.dtype == torch.float32 and err(out, rounded) < 1e-6 < 1e-3 < err(out, exact) < 1e-2
+    assert err(bf16_bmm(A, B.mT.contiguous().mT), rounded) < 1e-6  # a transposed operand as it is
+    half = bf16_bmm(A, B, torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and err(half, rounded) < 1e-2

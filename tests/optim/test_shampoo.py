@@ -18,10 +18,11 @@ ATOL = 5e-5
 
 
 def ref_shampoo(W, grads, *, lr, betas, eps, wd, nesterov, freq, start, r, damping, graft, sides=("left", "right"),
-                shampoo_beta=None, root_method="newton", phase=0):
+                shampoo_beta=None, root_method="newton", phase=0, rnd=lambda x: x):
     """Shampoo on one matrix (one block) in float64, roots by eigh with damping relative to lambda_max; with
     ``root_method="eigenbasis"`` from a basis taken by eigh at the first root and then by one shifted QR power step
-    per refresh."""
+    per refresh. ``rnd``: applied to the operands of the step's products (factor products, preconditioning) and to
+    the preconditioning's inner product."""
     W = W.double().clone()
     b1, b2 = betas
     bs = b2 if shampoo_beta is None else shampoo_beta
@@ -37,8 +38,8 @@ def ref_shampoo(W, grads, *, lr, betas, eps, wd, nesterov, freq, start, r, dampi
         D = (1 - b1) * G + b1 * B if nesterov else B
         V = b2 * V + (1 - b2) * G**2
         A = (D / (1 - b1**t)) / ((V / (1 - b2**t)).sqrt() + eps)
-        F["left"] = bs * F["left"] + (1 - bs) * G @ G.T
-        F["right"] = bs * F["right"] + (1 - bs) * G.T @ G
+        F["left"] = bs * F["left"] + (1 - bs) * rnd(G) @ rnd(G).T
+        F["right"] = bs * F["right"] + (1 - bs) * rnd(G).T @ rnd(G)
         if t == start or (t > start and (t - start - phase) % freq == 0):
             for s in sides:
                 if root_method == "newton":
@@ -60,11 +61,11 @@ def ref_shampoo(W, grads, *, lr, betas, eps, wd, nesterov, freq, start, r, dampi
         if t < start:
             U = A if graft else D
         else:
-            U = D
+            U = rnd(D)
             if "left" in sides:
-                U = root["left"] @ U
+                U = rnd(root["left"]) @ U
             if "right" in sides:
-                U = U @ root["right"]
+                U = rnd(U) @ rnd(root["right"])
             if graft:
                 U = U * A.norm() / U.norm()
         W = (1 - lr * wd) * W - lr * U
@@ -104,6 +105,23 @@ def test_matches_float64_reference(shape, variant):
     W, opt = run(W0, grads, **kwargs(hp))
     ref = ref_shampoo(W0, grads, **hp)
     assert (W.double() - ref).abs().max() < ATOL
+    assert opt.root_fallbacks == 0 and opt.root_failures == 0
+
+
+@pytest.mark.parametrize("shape", [(12, 8), (6, 6), (5, 11)])
+@pytest.mark.parametrize("variant", [{}, dict(graft=False, lr=0.01), dict(root_method="eigenbasis")])
+def test_bf16_products_match_float64_reference_of_rounded_operands(shape, variant):
+    """matmul_precision="bf16": the reference with the operands of the factor products and of the preconditioning
+    (its inner product too) rounded to bfloat16 and float64 sums; the CPU emulates what the GPU's bf16 products
+    compute. The roots keep their own precision. The result is not the fp32 one (the rounding took place)."""
+    hp = HP | variant
+    W0, grads = data(shape)
+    kw = kwargs(hp) | dict(root_method=hp.get("root_method", "newton"))
+    W, opt = run(W0, grads, **kw, matmul_precision="bf16")
+    bf16 = lambda x: x.to(torch.bfloat16).double()  # noqa: E731
+    assert (W.double() - ref_shampoo(W0, grads, **hp, rnd=bf16)).abs().max() < ATOL
+    W32 = run(W0, grads, **kw)[0]
+    assert (W - W32).abs().max() > 20 * (W32.double() - ref_shampoo(W0, grads, **hp)).abs().max()
     assert opt.root_fallbacks == 0 and opt.root_failures == 0
 
 
@@ -443,8 +461,8 @@ def _cuda_matmul_setting():
 
 @pytest.mark.parametrize("cls", [Shampoo, matrixopt.SOAP])
 def test_bad_matmul_precision_names_the_choices(cls):
-    with pytest.raises(ValueError, match=r"matmul_precision: 'bf16' \(use one of \('fp32', 'tf32'\)"):
-        cls([nn.Parameter(torch.zeros(3, 3))], matmul_precision="bf16")
+    with pytest.raises(ValueError, match=r"matmul_precision: 'fp16' \(use one of \('fp32', 'tf32', 'bf16'\)"):
+        cls([nn.Parameter(torch.zeros(3, 3))], matmul_precision="fp16")
 
 
 def test_cuda_matmul_precision_restores_torch_setting_on_exception():
@@ -465,10 +483,11 @@ def test_cuda_matmul_precision_restores_torch_setting_on_exception():
     assert _cuda_matmul_setting() == before
 
 
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
 @pytest.mark.parametrize("name", ["shampoo", "soap"])
-def test_matmul_precision_is_scoped_to_the_step(monkeypatch, name):
-    """The factor products see TF32, Shampoo's roots fp32; torch's setting is back after the step, also after an
-    exception inside it."""
+def test_matmul_precision_is_scoped_to_the_step(monkeypatch, name, precision):
+    """The factor products see TF32 (under "bf16" the float32 products beside the explicit bf16 ones), Shampoo's
+    roots fp32; torch's setting is back after the step, also after an exception inside it."""
     from matrixopt.optim import shampoo, soap
 
     seen = {}
@@ -488,7 +507,7 @@ def test_matmul_precision_is_scoped_to_the_step(monkeypatch, name):
     monkeypatch.setattr(soap, "refresh_eigenbasis", recorded("bases", soap.refresh_eigenbasis))
     before = _cuda_matmul_setting()
     W = nn.Parameter(torch.randn(6, 5))
-    opt = matrixopt.OPTIMIZERS[name]([W], lr=0.01, precondition_frequency=1, matmul_precision="tf32",
+    opt = matrixopt.OPTIMIZERS[name]([W], lr=0.01, precondition_frequency=1, matmul_precision=precision,
                                     **({"start_preconditioning_step": 1} if name == "shampoo" else {}))
     for _ in range(3):
         W.grad = torch.randn_like(W)

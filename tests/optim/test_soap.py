@@ -16,11 +16,13 @@ from matrixopt.optim.shampoo import split_dim
 ATOL = 2e-5
 
 
-def ref_soap(W, grads, Q0, *, lr, betas, eps, wd, freq, kl=False, damping=1e-2, sides=("left", "right"), phase=0):
+def ref_soap(W, grads, Q0, *, lr, betas, eps, wd, freq, kl=False, damping=1e-2, sides=("left", "right"), phase=0,
+             rnd=lambda x: x):
     """SOAP on one matrix in float64: the first call builds the factors, whose eigenbases ``Q0`` (``{"left": (m, m),
     "right": (n, n)}``, as the optimizer took them) are checked; Adam in the eigenbasis; factors after the step;
     every ``freq`` Adam steps (from Adam step ``phase``, 0 meaning ``freq``) one QR power step, V' permuted, M'
-    rotated."""
+    rotated. ``rnd``: applied to the operands of the step's products (rotations, factor products; not KL's) and to
+    the rotations' inner products."""
     W = W.double().clone()
     b1, b2 = betas
     m, n = W.shape
@@ -29,9 +31,10 @@ def ref_soap(W, grads, Q0, *, lr, betas, eps, wd, freq, kl=False, damping=1e-2, 
     M, V = torch.zeros_like(W), torch.zeros_like(W)
     for t, G in enumerate(grads):
         G = G.double()
-        Gp = Q["left"].T @ G @ Q["right"]
+        Gp = rnd(rnd(Q["left"]).T @ rnd(G)) @ rnd(Q["right"])
         if t == 0:
-            F = {"left": (1 - b2) * G @ G.T / (n if kl else 1), "right": (1 - b2) * G.T @ G / (m if kl else 1)}
+            F = {"left": (1 - b2) * rnd(G) @ rnd(G).T / (n if kl else 1),
+                 "right": (1 - b2) * rnd(G).T @ rnd(G) / (m if kl else 1)}
             for s in sides:  # the eigenbasis Q0 chose (eigh picks any basis of a factor's null space): check it
                 Q[s] = Q0[s].double()
                 D = Q[s].T @ F[s] @ Q[s]
@@ -42,7 +45,7 @@ def ref_soap(W, grads, Q0, *, lr, betas, eps, wd, freq, kl=False, damping=1e-2, 
         M = b1 * M + (1 - b1) * Gp
         V = b2 * V + (1 - b2) * Gp**2
         N = (M / (1 - b1**t)) / ((V / (1 - b2**t)).sqrt() + eps)
-        W = (1 - lr * wd) * W - lr * Q["left"] @ N @ Q["right"].T
+        W = (1 - lr * wd) * W - lr * rnd(rnd(Q["left"]) @ rnd(N)) @ rnd(Q["right"]).T
         if kl:
             inv = {s: (1 / (d[s] + damping * d[s].max()) if s in sides else torch.ones(len(eye[s]), dtype=W.dtype))
                    for s in ("left", "right")}
@@ -53,7 +56,8 @@ def ref_soap(W, grads, Q0, *, lr, betas, eps, wd, freq, kl=False, damping=1e-2, 
             d = {"left": b2 * d.get("left", 0) + (1 - b2) / n * (Gp**2 * inv["right"][None, :]).sum(1),
                  "right": b2 * d.get("right", 0) + (1 - b2) / m * (Gp**2 * inv["left"][:, None]).sum(0)}
         else:
-            F = {"left": b2 * F["left"] + (1 - b2) * G @ G.T, "right": b2 * F["right"] + (1 - b2) * G.T @ G}
+            F = {"left": b2 * F["left"] + (1 - b2) * rnd(G) @ rnd(G).T,
+                 "right": b2 * F["right"] + (1 - b2) * rnd(G).T @ rnd(G)}
         if (t - phase) % freq == 0:
             old = dict(Q)
             for s in sides:
@@ -103,6 +107,21 @@ def test_matches_float64_reference(shape, variant):
     W, opt, Q0 = run(W0, grads, **kwargs(hp))
     assert (W.double() - ref_soap(W0, grads, Q0, **hp)).abs().max() < ATOL
     assert opt.root_failures == 0
+
+
+@pytest.mark.parametrize("shape", [(7, 5), (6, 6), (4, 9)])
+@pytest.mark.parametrize("variant", [{}, dict(freq=1)])
+def test_bf16_products_match_float64_reference_of_rounded_operands(shape, variant):
+    """matmul_precision="bf16": the reference with every operand of the step's products rounded to bfloat16 (the
+    rotations' inner products too) and float64 sums; the CPU emulates what the GPU's bf16 products compute. The
+    result is not the fp32 one (the rounding took place)."""
+    hp = HP | variant
+    W0, grads = data(shape)
+    W, opt, Q0 = run(W0, grads, **kwargs(hp), matmul_precision="bf16")
+    bf16 = lambda x: x.to(torch.bfloat16).double()  # noqa: E731
+    assert (W.double() - ref_soap(W0, grads, Q0, **hp, rnd=bf16)).abs().max() < ATOL
+    W32, _, Q0_32 = run(W0, grads, **kwargs(hp))
+    assert (W - W32).abs().max() > 100 * (W32.double() - ref_soap(W0, grads, Q0_32, **hp)).abs().max()
 
 
 def test_first_call_only_initializes():
