@@ -173,10 +173,14 @@ def step_product(A: Tensor, B: Tensor, precision: str, out_dtype: torch.dtype = 
     return A.float() @ B.float()
 
 
-def step_operands(stack: Tensor, precision: str) -> Tensor:
-    """A stack as the step's products take it: bfloat16 for ``matmul_precision="bf16"`` (rounded once for all of
-    its products), else float32."""
-    return stack.to(torch.bfloat16 if precision == "bf16" else torch.float32)
+def step_operands(tensors: list[Tensor], precision: str) -> Tensor:
+    """``tensors`` (same shape) stacked as the step's products take them: bfloat16 for ``matmul_precision="bf16"``
+    (rounded once for all of a stack's products), else float32; converted while stacked, one pass."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    if tensors[0].dtype == dtype:
+        return torch.stack(tensors)
+    out = torch.empty((len(tensors), *tensors[0].shape), dtype=dtype, device=tensors[0].device)
+    return torch.stack(tensors, out=out)
 
 
 def resolve_factor_dtype(value: Any) -> Any:
@@ -474,7 +478,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         """``L = EMA(G G^T)``, ``R = EMA(G^T G)`` for every block, batched by shape (:meth:`Layout.runs`)."""
         beta, precision = self._shampoo_beta(group), group["matmul_precision"]
         for key, ents in layout.runs():
-            G = step_operands(torch.stack([gviews[i][k] for i, k, _ in ents]), precision)
+            G = step_operands([gviews[i][k] for i, k, _ in ents], precision)
             self._accumulate_factors(states, ents, G, key, beta, precision, live)
 
     @staticmethod
@@ -836,10 +840,10 @@ class Shampoo(KroneckerOptimizer):
             inner = torch.bfloat16 if precision == "bf16" else torch.float32  # a product feeding another
 
             def roots(side: str, ents: list[tuple[int, int, Block]]) -> Tensor:
-                return step_operands(torch.stack([states[i][f"{side}_root{k}"] for i, k, _ in ents]), precision)
+                return step_operands([states[i][f"{side}_root{k}"] for i, k, _ in ents], precision)
 
             for (_, _, left, right), ents in layout.runs(active):
-                S = step_operands(torch.stack([dviews[i][k] for i, k, _ in ents]), precision)  # (b, m, n)
+                S = step_operands([dviews[i][k] for i, k, _ in ents], precision)  # (b, m, n)
                 if left:
                     S = step_product(roots("left", ents), S, precision, inner if right else torch.float32)
                 if right:

@@ -223,7 +223,7 @@ class SOAP(KroneckerOptimizer):
         vviews = [block_views(p, plan, st["exp_avg_sq"]) for p, plan, st in zip(params, plans, states)]
         beta, precision = self._shampoo_beta(group), group["matmul_precision"]
         for key, ents in layout.runs():
-            G = step_operands(torch.stack([gviews[i][k] for i, k, _ in ents]), precision)  # (b, m, n)
+            G = step_operands([gviews[i][k] for i, k, _ in ents], precision)  # (b, m, n)
             bases = self._bases(states, ents, key, precision)
             X = self._rotate(bases, G, True, precision)  # G' = Q_L^T G Q_R
             if kl:  # KL's factors read this step's projection
@@ -256,7 +256,7 @@ class SOAP(KroneckerOptimizer):
         take them (:func:`~matrixopt.optim.shampoo.step_operands`; None for a side without a basis): stacked once
         for both rotations of a step."""
         _, _, left, right = key
-        return tuple(step_operands(torch.stack([states[i][f"{side}_basis{k}"] for i, k, _ in ents]), precision)
+        return tuple(step_operands([states[i][f"{side}_basis{k}"] for i, k, _ in ents], precision)
                      if has else None for side, has in (("left", left), ("right", right)))
 
     @staticmethod
