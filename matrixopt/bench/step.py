@@ -14,9 +14,10 @@ embeddings, head, router, norms and biases to AdamW. Compared on the same parame
   a ``precondition_frequency`` (Shampoo, SOAP) as ``matrixopt <name>, frequency F`` for F in 1 and 10,
   preconditioning from the first step and timed in blocks of whole refresh periods, so a figure is the cost per
   step amortized over the refresh, and each again as ``matrixopt <name>, frequency F, TF32 products``
-  (``matmul_precision="tf32"``); Muon also with the Newton–Schulz dispatcher forced to cuBLAS or
-  to Triton, with its elementwise passes as foreach ops instead of the fused kernels, with ``cuda_graph=True``,
-  and with ``deferred_nonfinite=True`` (no host sync in the step; what the trainer uses), alone and with the graph;
+  (``matmul_precision="tf32"``) and ``..., bf16 products`` (``"bf16"``); Muon also with the Newton–Schulz
+  dispatcher forced to cuBLAS or to Triton, with its elementwise passes as foreach ops instead of the fused
+  kernels, with ``cuda_graph=True``, and with ``deferred_nonfinite=True`` (no host sync in the step; what the
+  trainer uses), alone and with the graph;
   and ``matrixopt muon, after the clip, deferred check, CUDA graph``: the step as the trainer runs it on one GPU,
   each ``step()`` after the trainer's clip through the optimizer (``clip_grad_norm_(1.0)``, not timed), which hands
   the step each gradient's norm: the step scales the gradients as it reads them and takes the norms as its
@@ -91,7 +92,8 @@ MODELS: dict[str, tuple[int, int, int, int] | MoELayer] = {
 NS_STEPS = 5
 LR = 1e-3
 PRECONDITION_FREQUENCIES = (1, 10)  # Shampoo's and SOAP's root / eigenbasis refresh: every step, and the default
-MATMUL_PRECISIONS = {"fp32": "", "tf32": ", TF32 products"}  # Shampoo's and SOAP's matmul_precision: row suffix
+# Shampoo's and SOAP's matmul_precision: row suffix
+MATMUL_PRECISIONS = {"fp32": "", "tf32": ", TF32 products", "bf16": ", bf16 products"}
 
 
 class Block(nn.Module):

@@ -502,7 +502,8 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
     "eigenbasis" (SOAP's refresh of a basis, a product for its Rayleigh quotients and one forming the root).
     ``matmul_precision="tf32"``: the factor products, the preconditioning or projections and SOAP's power step at
     the TF32 rate, taken as half the bf16 ``gemm`` rate (the data sheet's ratio; not calibrated); Shampoo's roots
-    stay fp32 (the optimizers' own rule).
+    stay fp32 (the optimizers' own rule). ``"bf16"``: the step's products (factors, preconditioning, projections)
+    at the bf16 ``gemm`` rate, the refresh's as under ``"tf32"``.
 
     ``adamw_numel``: elements of the matrix optimizer's AdamW groups (vectors, tables), stepped on a side stream
     beside the matrix groups, so their pass counts only where it outlasts the matrix products:
@@ -524,9 +525,11 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
     check_matmul_precision(matmul_precision)
     newton = optimizer == "shampoo" and root_method == "newton"
 
-    def product(flops: float, width: int, fp32: bool = False) -> float:
+    def product(flops: float, width: int, fp32: bool = False, step: bool = False) -> float:
         if fp32 or matmul_precision == "fp32":
             return profile.seconds("fp32_gemm", flops, width)
+        if step and matmul_precision == "bf16":
+            return profile.seconds("gemm", flops, width)
         return 2 * profile.seconds("gemm", flops, width)
 
     every, refresh, block_bytes = 0.0, 0.0, 0.0
@@ -536,7 +539,7 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
                 block_bytes += g.count * block_pass_bytes(optimizer, mb, nb)
                 pair = 2.0 * g.count * mb * nb * (mb + nb)  # L += G G^T and R += G^T G, or one product by each
                 passes = 2 if optimizer == "shampoo" else 3  # factors, preconditioning (, projection back)
-                every += passes * product(pair, min(mb, nb))
+                every += passes * product(pair, min(mb, nb), step=True)
                 for k in (mb, nb):
                     cube = 2.0 * g.count * k**3
                     if newton:
@@ -546,7 +549,7 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
                         # products each (matrixopt.linalg.roots.split_tf32_bmm)
                         refresh += g.count * profile.seconds("qr", qr_flops(k))
                         if optimizer == "shampoo":
-                            accurate = 3 * product(cube, k) if matmul_precision == "tf32" else product(cube, k)
+                            accurate = product(cube, k) if matmul_precision == "fp32" else 3 * product(cube, k)
                             refresh += 2 * accurate + product(cube, k)
                         else:
                             refresh += product(cube, k)

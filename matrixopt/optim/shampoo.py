@@ -59,8 +59,12 @@ and mixes their eigenvectors, whose inverse roots are the largest (with the powe
 was 23% off at condition number 1e6 on an H200, against 5e-4 in float32). The Newton roots always run in fp32: the
 coupled Newton iteration does not survive TF32 products (simulated at n = 512: its residual stalls near 8e-4, above
 the 1e-5 tolerance, so every root would take the float64 fallback; the root is 2.5% off at condition number 1e4 and
-50% off at 1e6). The setting is scoped (:func:`cuda_matmul_precision`): torch's own is restored after each step,
-also on an exception, so the model's products never see it. CPU products are fp32 either way.
+50% off at 1e6). ``"bf16"`` runs the factor products and the preconditioning from bfloat16 operands summed in
+float32 (:func:`step_product`: one bf16 tensor-core product, twice the TF32 rate, on CUDA; the same rounding
+emulated in float32 elsewhere) and everything else as ``"tf32"``: the preconditioned block off by about 3e-3
+relative (the roots rounded to bfloat16 for the product, as ``factor_dtype=torch.bfloat16`` stores them).
+The setting is scoped (:func:`cuda_matmul_precision`): torch's own is restored after each step, also on an
+exception, so the model's products never see it. CPU products are fp32 under ``"fp32"`` and ``"tf32"``.
 
 Memory per matrix parameter of a block ``(m, n)`` with both factors, besides the parameter and its gradient:
 state ``8 + 8 (m^2 + n^2) / (m n)`` bytes in float32 (momentum, the graft's second moment, two factors and two
@@ -710,7 +714,8 @@ class Shampoo(KroneckerOptimizer):
             the device flag once (eigenbasis roots run on the device).
         matmul_precision: "fp32" (default) or "tf32": the precision of the factor products and the preconditioning
             on CUDA, and of the eigenbasis roots' product (their power step and Rayleigh quotients keep fp32
-            accuracy through three TF32 products each); Newton roots stay fp32 (module docstring).
+            accuracy through three TF32 products each); Newton roots stay fp32. "bf16": the factor products and
+            the preconditioning from bfloat16 operands, the roots as under "tf32" (module docstring).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults of the AdamW groups (lr and weight decay
             default to ``lr`` and ``weight_decay``).
         skip_nonfinite: skip (and count) the update of a parameter whose gradient is NaN/Inf instead of raising.

@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the last micro-batch (the trainer's --fsdp-gather-once)")
     p.add_argument("--precondition-frequency", type=int, default=10, help="Shampoo/SOAP root refresh (default 10)")
     p.add_argument("--root-method", default="newton", help="Shampoo's roots: newton (default) or eigenbasis")
-    p.add_argument("--matmul-precision", default="fp32", help="Shampoo's and SOAP's products: fp32 (default) or tf32")
+    p.add_argument("--matmul-precision", default="fp32",
+                   help="Shampoo's and SOAP's products: fp32 (default), tf32 or bf16")
     p.add_argument("--out", default=None, help="plan: write OUT.json and OUT.png; --calibrate: the profile file; "
                                                "--validate: a JSON of the rows")
     p.add_argument("--no-curve", action="store_true", help="skip the ratio curve over 8..4096 GPUs")

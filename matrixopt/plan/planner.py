@@ -128,7 +128,7 @@ class PlanConfig:
     root_method: str = "newton"
     """Shampoo's roots: "newton" or "eigenbasis" (:class:`matrixopt.Shampoo`)."""
     matmul_precision: str = "fp32"
-    """Shampoo's and SOAP's products: "fp32" or "tf32" (their ``matmul_precision``)."""
+    """Shampoo's and SOAP's products: "fp32", "tf32" or "bf16" (their ``matmul_precision``)."""
     memory_fraction: float = 0.9
     recompute: bool = False
     """Activation checkpointing of every layer: only layer inputs are kept, and backward recomputes the forward

@@ -176,7 +176,24 @@ def test_tf32_products_are_priced_at_half_the_bf16_rate_and_newton_roots_stay_fp
 
     assert refresh("tf32") == pytest.approx(refresh("fp32"))  # the Newton iteration runs in fp32 either way
     with pytest.raises(ValueError, match="matmul_precision"):
-        cost.matrix_step_time(p, "soap", groups, matmul_precision="bf16")
+        cost.matrix_step_time(p, "soap", groups, matmul_precision="fp16")
+
+
+def test_bf16_products_are_priced_at_the_bf16_rate_and_the_refresh_as_under_tf32():
+    p = _flat(rate=1e12, bw=1e11)
+    groups = [Shapes(64, 256, 3)]
+
+    def times(optimizer, mp, **kw):  # (step without its refresh, one refresh)
+        t = [cost.matrix_step_time(p, optimizer, groups, precondition_frequency=f, matmul_precision=mp, **kw)
+             for f in (1, 10**9)]
+        return t[1], t[0] - t[1]
+
+    pair = 2.0 * 3 * 64 * 256 * (64 + 256)
+    for optimizer, passes, kw in (("soap", 3, {}), ("shampoo", 2, dict(root_method="eigenbasis"))):
+        (bf16_step, bf16_refresh), (tf32_step, tf32_refresh) = (times(optimizer, mp, **kw) for mp in ("bf16", "tf32"))
+        # each pass of the step's products: the bf16 table's time instead of twice it
+        assert tf32_step - bf16_step == pytest.approx(passes * p.seconds("gemm", pair, 64), rel=1e-3)
+        assert bf16_refresh == pytest.approx(tf32_refresh)
 
 
 def test_adamw_groups_hide_behind_the_products_and_the_check_reads_every_gradient():
