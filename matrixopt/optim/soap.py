@@ -52,8 +52,9 @@ CholeskyQR with a correction step, and the eigh at step 1 is float64), so a rota
 float32, on any device (:func:`~matrixopt.optim.shampoo.step_product`), and the refresh as under ``"tf32"``: each
 product off by about 2e-3 relative, what ``factor_dtype=torch.bfloat16`` already costs the rotations. On a
 prose GPT trained for 1144 steps on one H100 the final loss moved by less than the seed's spread (SOAP 4.057 with
-bf16 products, 4.067 with TF32; Shampoo 4.209 and 4.206; ``docs/results/prose``), and the step over half of the
-1.3B's matrices took 88 against 96 ms (``docs/results/distributed``).
+bf16 products, 4.067 with TF32; Shampoo 4.209 and 4.206; ``docs/results/prose``), and an FSDP2 owner's step
+over half of the 1.3B's matrices took 94 against 103 ms on 2 H100s (``docs/results/distributed``; Shampoo gained
+nothing there).
 
 Memory per matrix parameter of a block ``(m, n)`` with both factors, besides the parameter and its gradient:
 state ``8 + 8 (m^2 + n^2) / (m n)`` bytes in float32 (two moments, two factors, two eigenbases: 24 bytes for a
