@@ -244,7 +244,7 @@ def bf16_bmm(A: Tensor, B: Tensor, out_dtype: torch.dtype = torch.float32) -> Te
     """``A @ B`` for ``(b, m, k)`` and ``(b, k, n)`` with both operands rounded to bfloat16 (8 significant bits) and
     the products summed in float32; the result in ``out_dtype`` (float32, or bfloat16 for a product that feeds
     another one). On CUDA one bf16 tensor-core product (about twice the TF32 rate on an H100, and half the operand
-    bytes); a torch without ``bmm``'s ``out_dtype`` (before 2.9) rounds the result to bfloat16 before widening it.
+    bytes); a torch whose ``bmm`` takes no ``out_dtype`` rounds the result to bfloat16 before widening it.
     Elsewhere the rounded operands are multiplied in float32: the same rounding, so CPU results show what the GPU's
     will."""
     A16, B16 = A.to(torch.bfloat16), B.to(torch.bfloat16)

@@ -516,6 +516,8 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
         rows += _scale_rows(dist / "fsdp_gather_ahead" / name, [("fsdp:muon", "fsdp:adamw", fsdp)])
     rows += _scale_rows(dist / "fsdp_gather_ahead" / "scale_precond_ahead_2xh100.json",
                         _vs_adamw("fsdp:soap", "fsdp:shampoo"))
+    for path in sorted((dist / "bf16_products").glob("ab_*.json")):  # staggered, TF32 or bf16 step products
+        rows += _scale_rows(path, _vs_adamw("fsdp:soap", "fsdp:shampoo"))
     return rows
 
 
