@@ -167,20 +167,25 @@ def cuda_matmul_precision(precision: str) -> Iterator[None]:
         setattr(matmul, name, saved)
 
 
-def step_product(A: Tensor, B: Tensor, precision: str, out_dtype: torch.dtype = torch.float32) -> Tensor:
+def _operand_dtype(precision: str) -> torch.dtype:
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def step_product(A: Tensor, B: Tensor, precision: str, inner: bool = False) -> Tensor:
     """``A @ B`` of a step's stacks (``(b, m, k)`` and ``(b, k, n)``: factor products, preconditioning, rotations)
     in the group's ``matmul_precision``: for ``"bf16"`` bfloat16 operands summed in float32
-    (:func:`~matrixopt.linalg.roots.bf16_bmm`, also on CPU), the result in ``out_dtype``; else a float32 product
-    under the scoped setting (:func:`cuda_matmul_precision`), the result float32."""
+    (:func:`~matrixopt.linalg.roots.bf16_bmm`, also on CPU); else a float32 product under the scoped setting
+    (:func:`cuda_matmul_precision`). The result is float32, or, for an ``inner`` product that feeds another one,
+    in the operands' dtype (:func:`step_operands`)."""
     if precision == "bf16":
-        return bf16_bmm(A, B, out_dtype)
+        return bf16_bmm(A, B, _operand_dtype(precision) if inner else torch.float32)
     return A.float() @ B.float()
 
 
 def step_operands(tensors: list[Tensor], precision: str) -> Tensor:
     """``tensors`` (same shape) stacked as the step's products take them: bfloat16 for ``matmul_precision="bf16"``
     (rounded once for all of a stack's products), else float32; converted while stacked, one pass."""
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    dtype = _operand_dtype(precision)
     if tensors[0].dtype == dtype:
         return torch.stack(tensors)
     out = torch.empty((len(tensors), *tensors[0].shape), dtype=dtype, device=tensors[0].device)
@@ -842,7 +847,6 @@ class Shampoo(KroneckerOptimizer):
             fviews = [block_views(p, self._plan(group, p), f) for p, f in zip(params, fallback)]
             uviews = [block_views(p, self._plan(group, p), u) for p, u in zip(params, updates)]
             precision = group["matmul_precision"]
-            inner = torch.bfloat16 if precision == "bf16" else torch.float32  # a product feeding another
 
             def roots(side: str, ents: list[tuple[int, int, Block]]) -> Tensor:
                 return step_operands([states[i][f"{side}_root{k}"] for i, k, _ in ents], precision)
@@ -850,7 +854,7 @@ class Shampoo(KroneckerOptimizer):
             for (_, _, left, right), ents in layout.runs(active):
                 S = step_operands([dviews[i][k] for i, k, _ in ents], precision)  # (b, m, n)
                 if left:
-                    S = step_product(roots("left", ents), S, precision, inner if right else torch.float32)
+                    S = step_product(roots("left", ents), S, precision, inner=right)
                 if right:
                     S = step_product(S, roots("right", ents), precision)
                 Fs, Us = [fviews[i][k] for i, k, _ in ents], [uviews[i][k] for i, k, _ in ents]

@@ -272,8 +272,7 @@ class SOAP(KroneckerOptimizer):
         ``precision`` (:func:`~matrixopt.optim.shampoo.step_product`); float32."""
         QL, QR = bases
         if QL is not None:
-            inner = torch.bfloat16 if precision == "bf16" and QR is not None else torch.float32
-            X = step_product(QL.mT if to_eigen else QL, X, precision, inner)
+            X = step_product(QL.mT if to_eigen else QL, X, precision, inner=QR is not None)
         if QR is not None:
             X = step_product(X, QR if to_eigen else QR.mT, precision)
         return X
