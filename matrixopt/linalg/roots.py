@@ -264,6 +264,41 @@ def rayleigh_quotients(A: Tensor, Q: Tensor, bmm: Callable[[Tensor, Tensor], Ten
 
 
 CHOLESKY_LEAF = 128  # inverse_cholesky: blocks this size or smaller are factored directly
+TRIANGLE_LEAF = 256  # lower_gram, times_lower_t: blocks this wide or narrower are multiplied whole
+
+
+def lower_gram(Y: Tensor, leaf: int = TRIANGLE_LEAF, out: Tensor | None = None) -> Tensor:
+    """The lower triangle of :math:`Y^\\top Y` for ``Y`` ``(b, m, n)``, by recursive halving of the columns: the
+    two diagonal halves recursively, the block below them as one product, nothing above (5/8 of the full product's
+    FLOPs at n = 4 ``leaf``). Returns ``(b, n, n)``: every diagonal block of at most ``leaf`` columns whole, the rest
+    of the lower triangle, and zeros above it elsewhere. ``out``: where to write it (a view is written in place)."""
+    n = Y.shape[-1]
+    if out is None:
+        out = Y.new_zeros(Y.shape[0], n, n)
+    if n <= leaf:
+        return torch.bmm(Y.mT, Y, out=out)
+    h = n // 2
+    lower_gram(Y[..., :h], leaf, out[:, :h, :h])
+    torch.bmm(Y[..., h:].mT, Y[..., :h], out=out[:, h:, :h])
+    lower_gram(Y[..., h:], leaf, out[:, h:, h:])
+    return out
+
+
+def times_lower_t(X: Tensor, L: Tensor, leaf: int = TRIANGLE_LEAF, out: Tensor | None = None) -> Tensor:
+    """:math:`X L^\\top` for ``X`` ``(b, m, n)`` and a lower-triangular ``L`` ``(b, n, n)``, without the
+    products of the zeros above L's diagonal: :math:`[X_1 L_{11}^\\top,\\ X_1 L_{21}^\\top + X_2 L_{22}^\\top]`,
+    recursively. L's diagonal blocks of at most ``leaf`` rows are read whole (zero above the diagonal there), the
+    rest of it below the diagonal only. Returns ``(b, m, n)``, into ``out`` if given."""
+    n = L.shape[-1]
+    if out is None:
+        out = X.new_empty(X.shape[0], X.shape[1], n)
+    if n <= leaf:
+        return torch.bmm(X, L.mT, out=out)
+    h = n // 2
+    times_lower_t(X[..., :h], L[:, :h, :h], leaf, out[..., :h])
+    times_lower_t(X[..., h:], L[:, h:, h:], leaf, out[..., h:])
+    out[..., h:].baddbmm_(X[..., :h], L[:, h:, :h].mT)
+    return out
 
 
 def inverse_cholesky(G: Tensor, leaf: int | None = None) -> tuple[Tensor, Tensor]:
@@ -277,9 +312,10 @@ def inverse_cholesky(G: Tensor, leaf: int | None = None) -> tuple[Tensor, Tensor
     of solving costs accuracy
     :math:`\\kappa(L)\\,u`; run it in float64.
 
-    G: ``(b, n, n)`` symmetric positive definite. Returns ``(L^{-1}, ok)``: ``(b, n, n)``, and ``(b,)`` bool,
-    False where a block's factorization failed (G not positive definite to working precision, or not finite).
-    No host sync."""
+    G: ``(b, n, n)`` symmetric positive definite, read on and below the diagonal only, and its diagonal blocks of
+    at most ``leaf`` rows whole (as :func:`lower_gram` leaves them for a ``leaf`` no larger than its own). Returns
+    ``(L^{-1}, ok)``: ``(b, n, n)``, and ``(b,)`` bool, False where a block's factorization failed (G not positive
+    definite to working precision, or not finite). No host sync."""
     Linv = G.new_zeros(G.shape)  # the upper triangle stays zero; the halving writes the rest in place
     return Linv, _inverse_cholesky_into(G, Linv, leaf or CHOLESKY_LEAF)
 
@@ -296,7 +332,7 @@ def _inverse_cholesky_into(G: Tensor, out: Tensor, leaf: int) -> Tensor:
     h = n // 2
     I11, I22 = out[:, :h, :h], out[:, h:, h:]
     ok1 = _inverse_cholesky_into(G[:, :h, :h], I11, leaf)
-    L21 = G[:, h:, :h] @ I11.mT
+    L21 = times_lower_t(G[:, h:, :h], I11)
     ok2 = _inverse_cholesky_into(torch.baddbmm(G[:, h:, h:], L21, L21.mT, alpha=-1.0), I22, leaf)
     out[:, h:, :h] = torch.bmm(I22 @ L21, I11).neg_()
     return ok1 & ok2
@@ -310,15 +346,17 @@ def cholesky_qr(Y: Tensor, leaf: int | None = None) -> tuple[Tensor, Tensor]:
     The products that set the accuracy (the Gram matrices, the inverse factor, :math:`Y L^{-\\top}`) run in
     float64; the correction's product :math:`Q E` in float32 at the current matmul precision (it is of the size of
     E). Q differs from the exact factor by order E (about 1e-4 at :math:`\\kappa(Y) = 10^6`): a rotation that
-    small, which a power step does not see.
+    small, which a power step does not see. The Gram matrix and :math:`Y L^{-\\top}` skip the blocks of the
+    triangles they need not compute (:func:`lower_gram`, :func:`times_lower_t`: 5/8 of their FLOPs at n = 1024).
 
     Y: ``(b, m, n)``, m >= n, any float dtype. Returns ``(Q, ok)``: ``Q`` ``(b, m, n)`` float32; ``ok`` ``(b,)``
     bool, False where the factorization failed or left Q farther than 1e-2 (Frobenius) from orthogonal before the
     correction (Y rank-deficient or too ill-conditioned for float64, about :math:`\\kappa(Y) > 10^7`, or not
     finite), and there Q is not usable. No host sync."""
     Y = Y.double()
-    Linv, ok = inverse_cholesky(Y.mT @ Y, leaf)
-    Q = Y @ Linv.mT
+    leaf = leaf or CHOLESKY_LEAF
+    Linv, ok = inverse_cholesky(lower_gram(Y, max(leaf, TRIANGLE_LEAF)), leaf)
+    Q = times_lower_t(Y, Linv)
     E = torch.baddbmm(torch.eye(Q.shape[-1], dtype=Q.dtype, device=Q.device), Q.mT, Q, alpha=-1.0)  # I - Q^T Q
     ok &= torch.linalg.matrix_norm(E) < 1e-2
     Q = Q.float()

@@ -12,9 +12,11 @@ from matrixopt.linalg.roots import (
     eigh_inverse_root,
     inverse_cholesky,
     inverse_root,
+    lower_gram,
     max_eigenvalue,
     newton_inverse_root,
     refresh_eigenbasis,
+    times_lower_t,
 )
 
 # fp32 coupled Newton: relative Frobenius error measured at 0.9e-3 (p=4) to 9e-3 (p=1) for condition 1e6 and about
@@ -139,11 +141,25 @@ def test_inverse_cholesky_matches_the_factorization(n, leaf, cond):
     assert rel_err(Linv, ref) < 1e-15 * cond + 1e-13  # explicit inverses: about u * cond(G)
 
 
-def test_inverse_cholesky_reports_blocks_that_are_not_positive_definite():
-    G = spd(16, 10.0, b=3)
-    G[0, 12, 12] = -1e3  # the trailing half's leaf fails
-    G[1, 0, 0] = float("nan")
-    assert inverse_cholesky(G, 4)[1].tolist() == [False, False, True]
+@pytest.mark.parametrize("n, leaf", [(37, 4), (64, 16), (20, 32)])
+def test_triangle_products_match_the_dense_ones(n, leaf):
+    g = torch.Generator().manual_seed(6)
+    Y = torch.randn(3, n + 5, n, generator=g, dtype=torch.float64)
+    L = torch.randn(3, n, n, generator=g, dtype=torch.float64).tril()
+    G = lower_gram(Y, leaf)
+    dense = Y.mT @ Y
+    torch.testing.assert_close(G.tril(), dense.tril(), rtol=1e-13, atol=1e-12)  # the lower triangle, exactly
+    if n > leaf:  # above the diagonal only the diagonal blocks of at most leaf columns are computed
+        assert torch.equal(G[:, : n // 2, n // 2:], torch.zeros(3, n // 2, n - n // 2, dtype=torch.float64))
+    torch.testing.assert_close(times_lower_t(Y, L, leaf), Y @ L.mT, rtol=1e-13, atol=1e-12)
+    out = torch.zeros(3, n + 5, 2 * n, dtype=torch.float64)  # written into a view in place
+    times_lower_t(Y, L, leaf, out[..., n:])
+    assert torch.equal(out[..., :n], torch.zeros(3, n + 5, n))
+    torch.testing.assert_close(out[..., n:], Y @ L.mT, rtol=1e-13, atol=1e-12)
+    if n > leaf:  # above the diagonal of L, outside its leaf blocks, nothing is read
+        junk = L.clone()
+        junk[:, : n // 2, n // 2:] = float("nan")
+        torch.testing.assert_close(times_lower_t(Y, junk, leaf), Y @ L.mT, rtol=1e-13, atol=1e-12)
 
 
 @pytest.mark.parametrize("leaf", [128, 4])
