@@ -251,12 +251,26 @@ def block_plan(p: Tensor, max_dim: int, one_sided_ratio: float | None) -> list[B
     return out
 
 
-def block_views(p: Tensor, plan: list[Block], t: Tensor) -> list[Tensor]:
+class BlockViews(list):
+    """:func:`block_views`' result: the blocks' views in plan order (a list), and ``grids``: for each evenly cut
+    piece, ``(first, count, C, rows)``, ``rows`` one ``(count // C, C, r, c)`` view of its blocks ``first`` to
+    ``first + count - 1`` in plan order (C blocks per row), or None where the piece's grid is not one view."""
+
+    def __init__(self, views: list[Tensor], grids: list[tuple[int, int, int, Tensor | None]]) -> None:
+        super().__init__(views)
+        self.grids = grids
+
+    def grid_of(self, k: int) -> tuple[int, int, int, Tensor | None] | None:
+        return next((g for g in self.grids if g[0] <= k < g[0] + g[1]), None)
+
+
+def block_views(p: Tensor, plan: list[Block], t: Tensor) -> BlockViews:
     """Views of ``t`` (shaped like ``p``, contiguous when written through) as the blocks of ``plan``. An evenly cut
     piece (its first block's :attr:`Block.grid`) is cut by one view (a step takes these views several times per
     parameter, so the host's time per block counts); other blocks are sliced one by one."""
     pieces = matrix_pieces(p, t)
     out: list[Tensor] = []
+    grids: list[tuple[int, int, int, Tensor | None]] = []
     start = 0
     while start < len(plan):
         b = plan[start]
@@ -271,8 +285,44 @@ def block_views(p: Tensor, plan: list[Block], t: Tensor) -> list[Tensor]:
             grid = x.unflatten(-2, (m // r, r)).unflatten(-1, (n // c, c)).movedim(-3, -2)  # ([E,] R, C, r, c)
             mats = grid.unbind(0) if grid.ndim == 5 else (grid,)
             out += [v for g in mats for row in g.unbind(0) for v in row.unbind(0)]
+            try:  # experts' rows of blocks as one dimension where the experts lie one after another
+                rows = grid.view(-1, n // c, r, c)
+            except RuntimeError:
+                rows = None
+            grids.append((len(out) - count, count, n // c, rows))
         start += count
-    return out
+    return BlockViews(out, grids)
+
+
+def copy_blocks(dst: list[BlockViews], ents: list[tuple[int, int, Block]], X: Tensor) -> None:
+    """Write the stack ``X`` ``(len(ents), r, c)`` into the blocks ``dst[i][k]`` of the run ``ents``: one strided
+    copy for each stretch of whole rows of a parameter's block grid, a foreach copy for the rest (a foreach copy
+    into blocks, which are not dense, runs one kernel per block)."""
+    singles: list[tuple[Tensor, Tensor]] = []
+    j = 0
+    while j < len(ents):
+        i, k, _ = ents[j]
+        grid = dst[i].grid_of(k)
+        if grid is None or grid[3] is None:
+            singles.append((dst[i][k], X[j]))
+            j += 1
+            continue
+        first, count, C, rows = grid
+        e = j  # the stretch of ents holding blocks k, k + 1, ... of this grid
+        while e < len(ents) and ents[e][0] == i and ents[e][1] == k + e - j and ents[e][1] < first + count:
+            e += 1
+        a, b = k - first, k - first + e - j  # the stretch's blocks in the grid's order
+        q0, q1 = -(-a // C), b // C  # the whole rows inside it
+        if q0 >= q1:
+            singles += [(dst[i][k + t], X[j + t]) for t in range(e - j)]
+        else:
+            head, tail = q0 * C - a, b - q1 * C
+            singles += [(dst[i][k + t], X[j + t]) for t in range(head)]
+            rows[q0:q1].copy_(X[j + head:e - tail].view(q1 - q0, C, *X.shape[1:]))
+            singles += [(dst[i][k + t], X[j + t]) for t in range(e - j - tail, e - j)]
+        j = e
+    if singles:
+        torch._foreach_copy_([d for d, _ in singles], [x for _, x in singles])
 
 
 class Layout:

@@ -89,6 +89,7 @@ from matrixopt.optim.shampoo import (
     KroneckerOptimizer,
     accumulate,
     block_views,
+    copy_blocks,
     resolve_factor_dtype,
     step_operands,
     step_product,
@@ -241,7 +242,7 @@ class SOAP(KroneckerOptimizer):
             adam_step([mviews[i][k] for i, k, _ in ents], [vviews[i][k] for i, k, _ in ents], list(X.unbind(0)),
                       [steps[i] for i, _, _ in ents], group["betas"], group["eps"], skip, into_grads=True)
             U = self._rotate(bases, X, False, precision)  # Q_L N Q_R^T
-            torch._foreach_copy_([uviews[i][k] for i, k, _ in ents], list(U.unbind(0)))
+            copy_blocks(uviews, ents, U)
             del X, U, bases
         due = [i for i, (p, st) in enumerate(zip(params, states))
                if self._computes_bases(group, st["step"], self._phase(group, p))]
@@ -313,16 +314,17 @@ class SOAP(KroneckerOptimizer):
 
     # ----------------------------------------------------------------------------------- eigenbases
     def _factor_jobs(self, items: list[tuple[Tensor, list[Block], dict[str, Any]]]) -> dict[int, list[tuple]]:
-        """``{d: [(state, k, side, exp_avg block, exp_avg_sq block)]}``: every factor of ``items``
-        (``(param, plan, state)``), bucketed by size, each size's jobs ordered by side and moment block shape."""
+        """``{d: [(state, k, side, exp_avg blocks, exp_avg_sq blocks)]}``: every factor of ``items``
+        (``(param, plan, state)``; the moments' :func:`~matrixopt.optim.shampoo.block_views`, block k the job's),
+        bucketed by size, each size's jobs ordered by side and moment block shape (a parameter's blocks in order)."""
         jobs: dict[int, list[tuple]] = defaultdict(list)
         for p, plan, st in items:
             mviews, vviews = block_views(p, plan, st["exp_avg"]), block_views(p, plan, st["exp_avg_sq"])
             for k, b in enumerate(plan):
                 for side in self._sides(b):
-                    jobs[st[f"{side}{k}"].shape[0]].append((st, k, side, mviews[k], vviews[k]))
+                    jobs[st[f"{side}{k}"].shape[0]].append((st, k, side, mviews, vviews))
         for same in jobs.values():  # each side's blocks of one shape together: the install rotates them in a batch
-            same.sort(key=lambda job: (job[2], tuple(job[3].shape)))
+            same.sort(key=lambda job: (job[2], tuple(job[3][job[1]].shape)))
         return jobs
 
     def _factor_runs(self, items: list[tuple[Tensor, list[Block], dict[str, Any]]]) -> list[list[tuple]]:
@@ -347,6 +349,21 @@ class SOAP(KroneckerOptimizer):
             if group["factor_update"] == "kl":
                 self._write(jobs, "_eig", rayleigh_quotients(F, Q))
             self._count_failures(~ok)
+
+    @staticmethod
+    def _moment_blocks(jobs: list[tuple], slot: int) -> tuple[list[Any], list[tuple[int, int, None]]]:
+        """The jobs' moment (``slot`` 3: exp_avg, 4: exp_avg_sq) blocks as :func:`copy_blocks` takes them: each
+        parameter's block views once, and per job ``(its index there, k, None)``."""
+        dst: list[Any] = []
+        index: dict[int, int] = {}
+        ents = []
+        for job in jobs:
+            views = job[slot]
+            if id(views) not in index:
+                index[id(views)] = len(dst)
+                dst.append(views)
+            ents.append((index[id(views)], job[1], None))
+        return dst, ents
 
     def _new_bases(self, group: dict[str, Any], jobs: list[tuple], sync: bool) -> tuple:
         """One :meth:`_refresh` run: a QR power step from a snapshot of the factors ``jobs`` (and, for
@@ -373,11 +390,11 @@ class SOAP(KroneckerOptimizer):
         # one batch per side and moment block shape (consecutive: _factor_jobs), a block with both factors rotated
         # by its left batch and by its right batch (the two rotations commute)
         start = 0
-        for (side, (rows, cols)), same in itertools.groupby((job[2], tuple(job[3].shape)) for job in jobs):
+        for (side, (rows, cols)), same in itertools.groupby((job[2], tuple(job[3][job[1]].shape)) for job in jobs):
             at = slice(start, start + len(list(same)))
             start = at.stop
             r, o = R[at], order[at]
-            ms, vs = [job[3] for job in jobs[at]], [job[4] for job in jobs[at]]
+            ms, vs = [job[3][job[1]] for job in jobs[at]], [job[4][job[1]] for job in jobs[at]]
             M, V = torch.stack(ms), torch.stack(vs)  # (b', rows, cols)
             if side == "left":
                 rotated, V = r @ M, V.gather(1, o[:, :, None].expand(-1, -1, cols))
@@ -385,8 +402,8 @@ class SOAP(KroneckerOptimizer):
                 rotated, V = M @ r.mT, V.gather(2, o[:, None, :].expand(-1, rows, -1))
             if live is not None:
                 rotated = torch.where(ok[at, None, None], rotated, M)
-            torch._foreach_copy_(ms, list(rotated.unbind(0)))
-            torch._foreach_copy_(vs, list(V.unbind(0)))
+            for slot, X in ((3, rotated), (4, V)):
+                copy_blocks(*self._moment_blocks(jobs[at], slot), X)
         self._write(jobs, "_basis", Q_new)
         if eig is not None:
             self._write(jobs, "_eig", eig)

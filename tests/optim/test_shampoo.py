@@ -10,7 +10,7 @@ from torch import nn
 import matrixopt
 from matrixopt import Shampoo
 from matrixopt.linalg.roots import REFRESH_SHIFT, InverseRootConfig
-from matrixopt.optim.shampoo import accumulate, block_plan, block_views, finite_blocks, split_dim
+from matrixopt.optim.shampoo import accumulate, block_plan, block_views, copy_blocks, finite_blocks, split_dim
 
 # fp32 optimizer vs float64 reference over 8 steps with damping 1e-3 (factor condition <= 1e3): the roots carry
 # ~1e-6 relative error, the steps ~1e-6; measured max |W - W_ref| about 3e-6. Allowed with margin:
@@ -352,6 +352,35 @@ def test_block_views_of_a_plan_are_the_blocks_sliced_one_by_one(shape, max_dim, 
         assert a.shape == (blk.r1 - blk.r0, blk.c1 - blk.c0)
     fast[-1].fill_(7.0)  # views: writing through them writes t
     assert (slow[-1] == 7.0).all()
+
+
+@pytest.mark.parametrize("shape,max_dim,marks", [
+    ((8, 12), 4, {}), ((16, 8), 4, {}), ((9, 12), 4, {}), ((3, 8, 12), 4, {"experts": True}),
+    ((12, 8), 4, {"split": (3, 0)}), ((8, 12), 4, {"split": ([4, 8], 1)}),
+])
+def test_copy_blocks_writes_each_block_of_a_run_as_block_by_block_copies_do(shape, max_dim, marks):
+    ps = [nn.Parameter(torch.randn(shape)) for _ in range(2)]
+    for p in ps:
+        if "experts" in marks:
+            matrixopt.mark_experts(p)
+        if "split" in marks:
+            matrixopt.mark_split(p, marks["split"][0], dim=marks["split"][1])
+    plans = [block_plan(p, max_dim, None) for p in ps]
+    entries = [(i, k, b) for i, plan in enumerate(plans) for k, b in enumerate(plan)]
+    g = torch.Generator().manual_seed(0)
+    # runs as a layout cuts them: the whole list, stretches starting and ending mid-row, one parameter's blocks
+    for ents in (entries, entries[1:-2], entries[3:], [e for e in entries if e[0] == 1][:5], entries[::-1]):
+        shapes = {e[2].key[:2] for e in ents}
+        for key in shapes:
+            run = [e for e in ents if e[2].key[:2] == key]
+            X = torch.randn(len(run), *key, generator=g)
+            got, want = [torch.zeros(shape) for _ in ps], [torch.zeros(shape) for _ in ps]
+            copy_blocks([block_views(p, plan, t) for p, plan, t in zip(ps, plans, got)], run, X)
+            ref = [block_views(p, plan, t) for p, plan, t in zip(ps, plans, want)]
+            for (i, k, _), x in zip(run, X):
+                ref[i][k].copy_(x)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+            assert sum(int((t != 0).sum()) for t in got) == X.numel()  # nothing written twice or elsewhere
 
 
 def test_a_nonfinite_factor_block_contributes_nothing_and_the_rest_accumulate():
