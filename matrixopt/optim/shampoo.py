@@ -294,10 +294,11 @@ def block_views(p: Tensor, plan: list[Block], t: Tensor) -> BlockViews:
     return BlockViews(out, grids)
 
 
-def copy_blocks(dst: list[BlockViews], ents: list[tuple[int, int, Block]], X: Tensor) -> None:
+def copy_blocks(dst: list[BlockViews], ents: list[tuple[int, int, Any]], X: Tensor) -> None:
     """Write the stack ``X`` ``(len(ents), r, c)`` into the blocks ``dst[i][k]`` of the run ``ents``: one strided
     copy for each stretch of whole rows of a parameter's block grid, a foreach copy for the rest (a foreach copy
-    into blocks, which are not dense, runs one kernel per block)."""
+    into blocks, which are not dense, runs one kernel per block). ``ents``: ``(i, k, anything)``, a layout run's
+    entries (:meth:`Layout.runs`)."""
     singles: list[tuple[Tensor, Tensor]] = []
     j = 0
     while j < len(ents):
