@@ -518,8 +518,9 @@ def scaling_h100(root: Path) -> list[dict[str, Any]]:
                         _vs_adamw("fsdp:soap", "fsdp:shampoo"))
     for path in sorted((dist / "bf16_products").glob("ab_*.json")):  # staggered, TF32 or bf16 step products
         rows += _scale_rows(path, _vs_adamw("fsdp:soap", "fsdp:shampoo"))
-    for path in sorted((dist / "refresh_triangles").glob("fsdp_new_*.json")):  # the refresh's trimmed products
-        rows += _scale_rows(path, _vs_adamw("fsdp:soap"))
+    for pattern in ("fsdp_new_*.json", "fsdp_current_*.json"):  # the refresh trimmed, SOAP's block writes
+        for path in sorted((dist / "refresh_triangles").glob(pattern)):
+            rows += _scale_rows(path, _vs_adamw("fsdp:soap", "fsdp:shampoo"))
     return rows
 
 
