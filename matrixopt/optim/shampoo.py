@@ -918,8 +918,7 @@ class Shampoo(KroneckerOptimizer):
                     nS = torch.linalg.vector_norm(S, dim=(-2, -1), keepdim=True)
                     nF = torch.linalg.vector_norm(F, dim=(-2, -1), keepdim=True)
                     S = S * torch.where(nS > 0, nF / nS, 0.0)
-                S = torch.where(finite_blocks(S), S, F)
-                torch._foreach_copy_(Us, list(S.unbind(0)))
+                copy_blocks(uviews, ents, torch.where(finite_blocks(S), S, F))
         return updates
 
     @staticmethod
