@@ -162,6 +162,25 @@ def test_triangle_products_match_the_dense_ones(n, leaf):
         torch.testing.assert_close(times_lower_t(Y, junk, leaf), Y @ L.mT, rtol=1e-13, atol=1e-12)
 
 
+@pytest.mark.parametrize("n, gram_leaf, leaf", [(37, 8, 4), (64, 16, 16), (33, 4, 4)])
+def test_inverse_cholesky_reads_only_what_lower_gram_computes(n, gram_leaf, leaf):
+    Y = torch.randn(3, n + 3, n, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    G = lower_gram(Y, gram_leaf)
+    h = n // 2
+    G[:, :h, h:] = float("nan")  # above the diagonal outside the leaf blocks: never computed, never read
+    Linv, ok = inverse_cholesky(G, leaf)
+    ref, ok_ref = inverse_cholesky(Y.mT @ Y, leaf)
+    assert ok.all() and ok_ref.all()
+    torch.testing.assert_close(Linv, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_inverse_cholesky_reports_blocks_that_are_not_positive_definite():
+    G = spd(16, 10.0, b=3)
+    G[0, 12, 12] = -1e3  # the trailing half's leaf fails
+    G[1, 0, 0] = float("nan")
+    assert inverse_cholesky(G, 4)[1].tolist() == [False, False, True]
+
+
 @pytest.mark.parametrize("leaf", [128, 4])
 @pytest.mark.parametrize("cond", [1.0, 1e3, 1e6])
 def test_cholesky_qr_matches_householder_qr(cond, leaf):
