@@ -294,33 +294,30 @@ def block_views(p: Tensor, plan: list[Block], t: Tensor) -> BlockViews:
     return BlockViews(out, grids)
 
 
-def copy_blocks(dst: list[BlockViews], ents: list[tuple[int, int, Any]], X: Tensor) -> None:
-    """Write the stack ``X`` ``(len(ents), r, c)`` into the blocks ``dst[i][k]`` of the run ``ents``: one strided
-    copy for each stretch of whole rows of a parameter's block grid, a foreach copy for the rest (a foreach copy
-    into blocks, which are not dense, runs one kernel per block). ``ents``: ``(i, k, anything)``, a layout run's
-    entries (:meth:`Layout.runs`)."""
+def copy_blocks(blocks: list[tuple[BlockViews, int]], X: Tensor) -> None:
+    """Write the stack ``X`` ``(len(blocks), r, c)`` into the blocks ``views[k]`` of ``blocks`` (``(views, k)``
+    pairs, :func:`block_views`' result and a block index): one strided copy for each stretch of whole rows of a
+    parameter's block grid (consecutive pairs of the same ``views`` with consecutive ``k``), a foreach copy for
+    the rest (a foreach copy into blocks, which are not dense, runs one kernel per block)."""
     singles: list[tuple[Tensor, Tensor]] = []
     j = 0
-    while j < len(ents):
-        i, k, _ = ents[j]
-        grid = dst[i].grid_of(k)
+    while j < len(blocks):
+        views, k = blocks[j]
+        grid = views.grid_of(k)
         if grid is None or grid[3] is None:
-            singles.append((dst[i][k], X[j]))
+            singles.append((views[k], X[j]))
             j += 1
             continue
         first, count, C, rows = grid
-        e = j  # the stretch of ents holding blocks k, k + 1, ... of this grid
-        while e < len(ents) and ents[e][0] == i and ents[e][1] == k + e - j and ents[e][1] < first + count:
+        e = j  # the stretch holding blocks k, k + 1, ... of this grid
+        while e < len(blocks) and blocks[e][0] is views and blocks[e][1] == k + e - j and blocks[e][1] < first + count:
             e += 1
         a, b = k - first, k - first + e - j  # the stretch's blocks in the grid's order
         q0, q1 = -(-a // C), b // C  # the whole rows inside it
-        if q0 >= q1:
-            singles += [(dst[i][k + t], X[j + t]) for t in range(e - j)]
-        else:
-            head, tail = q0 * C - a, b - q1 * C
-            singles += [(dst[i][k + t], X[j + t]) for t in range(head)]
+        head, tail = (e - j, 0) if q0 >= q1 else (q0 * C - a, b - q1 * C)
+        if q0 < q1:
             rows[q0:q1].copy_(X[j + head:e - tail].view(q1 - q0, C, *X.shape[1:]))
-            singles += [(dst[i][k + t], X[j + t]) for t in range(e - j - tail, e - j)]
+        singles += [(views[k + t], X[j + t]) for t in (*range(head), *range(e - j - tail, e - j))]
         j = e
     if singles:
         torch._foreach_copy_([d for d, _ in singles], [x for _, x in singles])
@@ -918,7 +915,7 @@ class Shampoo(KroneckerOptimizer):
                     nS = torch.linalg.vector_norm(S, dim=(-2, -1), keepdim=True)
                     nF = torch.linalg.vector_norm(F, dim=(-2, -1), keepdim=True)
                     S = S * torch.where(nS > 0, nF / nS, 0.0)
-                copy_blocks(uviews, ents, torch.where(finite_blocks(S), S, F))
+                copy_blocks([(uviews[i], k) for i, k, _ in ents], torch.where(finite_blocks(S), S, F))
         return updates
 
     @staticmethod

@@ -242,7 +242,7 @@ class SOAP(KroneckerOptimizer):
             adam_step([mviews[i][k] for i, k, _ in ents], [vviews[i][k] for i, k, _ in ents], list(X.unbind(0)),
                       [steps[i] for i, _, _ in ents], group["betas"], group["eps"], skip, into_grads=True)
             U = self._rotate(bases, X, False, precision)  # Q_L N Q_R^T
-            copy_blocks(uviews, ents, U)
+            copy_blocks([(uviews[i], k) for i, k, _ in ents], U)
             del X, U, bases
         due = [i for i, (p, st) in enumerate(zip(params, states))
                if self._computes_bases(group, st["step"], self._phase(group, p))]
@@ -350,21 +350,6 @@ class SOAP(KroneckerOptimizer):
                 self._write(jobs, "_eig", rayleigh_quotients(F, Q))
             self._count_failures(~ok)
 
-    @staticmethod
-    def _moment_blocks(jobs: list[tuple], slot: int) -> tuple[list[Any], list[tuple[int, int, None]]]:
-        """The jobs' moment (``slot`` 3: exp_avg, 4: exp_avg_sq) blocks as :func:`copy_blocks` takes them: each
-        parameter's block views once, and per job ``(its index there, k, None)``."""
-        dst: list[Any] = []
-        index: dict[int, int] = {}
-        ents = []
-        for job in jobs:
-            views = job[slot]
-            if id(views) not in index:
-                index[id(views)] = len(dst)
-                dst.append(views)
-            ents.append((index[id(views)], job[1], None))
-        return dst, ents
-
     def _new_bases(self, group: dict[str, Any], jobs: list[tuple], sync: bool) -> tuple:
         """One :meth:`_refresh` run: a QR power step from a snapshot of the factors ``jobs`` (and, for
         ``factor_update="kl"``, the new eigenvalue estimates). Returns ``(jobs, Q_new, order, ok, estimates or
@@ -403,7 +388,7 @@ class SOAP(KroneckerOptimizer):
             if live is not None:
                 rotated = torch.where(ok[at, None, None], rotated, M)
             for slot, X in ((3, rotated), (4, V)):
-                copy_blocks(*self._moment_blocks(jobs[at], slot), X)
+                copy_blocks([(job[slot], job[1]) for job in jobs[at]], X)
         self._write(jobs, "_basis", Q_new)
         if eig is not None:
             self._write(jobs, "_eig", eig)

@@ -375,7 +375,8 @@ def test_copy_blocks_writes_each_block_of_a_run_as_block_by_block_copies_do(shap
             run = [e for e in ents if e[2].key[:2] == key]
             X = torch.randn(len(run), *key, generator=g)
             got, want = [torch.zeros(shape) for _ in ps], [torch.zeros(shape) for _ in ps]
-            copy_blocks([block_views(p, plan, t) for p, plan, t in zip(ps, plans, got)], run, X)
+            views = [block_views(p, plan, t) for p, plan, t in zip(ps, plans, got)]
+            copy_blocks([(views[i], k) for i, k, _ in run], X)
             ref = [block_views(p, plan, t) for p, plan, t in zip(ps, plans, want)]
             for (i, k, _), x in zip(run, X):
                 ref[i][k].copy_(x)
