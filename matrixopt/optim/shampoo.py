@@ -386,6 +386,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         self._phases: dict[int, tuple[int, int]] = {}  # id(param) -> (precondition_frequency, its refresh phase)
         self._layouts: dict[tuple[int, ...], Layout] = {}
         self._pending: dict[tuple[int, ...], Any] = {}  # refreshed parameters' ids -> side-stream refresh in flight
+        self._operand_cache: dict[tuple, tuple[list[Tensor], list[int], Tensor]] = {}  # (_step_stack)
         self._side_streams: dict[torch.device, Any] = {}
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
                          deferred_nonfinite=deferred_nonfinite, state_dtype=state_dtype, offload=offload)
@@ -436,6 +437,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         if failures is not None or "_root_failures" not in self.__dict__:
             self.root_failures = failures or 0
         self._plans, self._phases, self._layouts, self._pending, self._side_streams = {}, {}, {}, {}, {}
+        self._operand_cache = {}
         for group in self.param_groups:  # pickled before these options existed
             if group[self.matrix_flag]:
                 group.setdefault("matmul_precision", "fp32")
@@ -550,6 +552,28 @@ class KroneckerOptimizer(MatrixOptimizer):
         if right:
             accumulate([states[i][f"right{k}"] for i, k, _ in ents], step_product(G.mT, G, precision), beta, live)
 
+    def _step_stack(self, params: list[Tensor], states: list[dict[str, Any]], ents: list[tuple[int, int, Block]],
+                    name: str, precision: str) -> Tensor:
+        """The state matrices ``{name}{k}`` of a run's blocks ``ents`` (``(i, k, block)``: block k of
+        ``params[i]``) stacked as the step's products take them (:func:`step_operands`), for matrices that change
+        only when a refresh installs new ones (SOAP's eigenbases, Shampoo's roots): the stack is kept and read
+        again while every one of them is the same tensor, unwritten since (torch's version counters, which every
+        in-place write bumps), and made anew otherwise. It costs the stacks' memory (the bases or roots again, in
+        the operands' dtype) and saves stacking them at every step; staged state (compact or offloaded, new
+        tensors at every step) is stacked each time and not kept. Read only: the products never write it."""
+        tensors = [states[i][f"{name}{k}"] for i, k, _ in ents]
+        if self.state_dtype is not None or self.offload is not None:
+            return step_operands(tensors, precision)
+        key = (name, precision, tuple((id(params[i]), k) for i, k, _ in ents))
+        versions = [t._version for t in tensors]
+        kept = self._operand_cache.get(key)
+        if kept is not None and kept[1] == versions and all(a is b for a, b in zip(kept[0], tensors)):
+            return kept[2]
+        self._operand_cache.pop(key, None)  # the old stack's memory first
+        stack = step_operands(tensors, precision)
+        self._operand_cache[key] = (tensors, versions, stack)
+        return stack
+
     # ----------------------------------------------------------------------------------- refresh schedule
     def _refresh(self, key: tuple[int, ...], group: dict[str, Any], runs: list[Callable[[bool], Any]],
                  install: Callable[[Any], None]) -> None:
@@ -603,6 +627,7 @@ class KroneckerOptimizer(MatrixOptimizer):
                 self._check_factors(g, p, st)
         super().load_state_dict(state_dict)
         self._pending.clear()
+        self._operand_cache.clear()
 
     def _check_factors(self, group: dict[str, Any], p: Tensor, st: dict[str, Any]) -> None:
         """Raise ValueError unless the factors of the saved state ``st`` of ``p`` match its blocks."""
@@ -898,7 +923,7 @@ class Shampoo(KroneckerOptimizer):
             precision = group["matmul_precision"]
 
             def roots(side: str, ents: list[tuple[int, int, Block]]) -> Tensor:
-                return step_operands([states[i][f"{side}_root{k}"] for i, k, _ in ents], precision)
+                return self._step_stack(params, states, ents, f"{side}_root", precision)
 
             for (_, _, left, right), ents in layout.runs(active):
                 S = step_operands([dviews[i][k] for i, k, _ in ents], precision)  # (b, m, n)

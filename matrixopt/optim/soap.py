@@ -232,7 +232,7 @@ class SOAP(KroneckerOptimizer):
         beta, precision = self._shampoo_beta(group), group["matmul_precision"]
         for key, ents in layout.runs():
             G = step_operands([gviews[i][k] for i, k, _ in ents], precision)  # (b, m, n)
-            bases = self._bases(states, ents, key, precision)
+            bases = self._bases(params, states, ents, key, precision)
             X = self._rotate(bases, G, True, precision)  # G' = Q_L^T G Q_R
             if kl:  # KL's factors read this step's projection
                 self._kl_factors(group, states, ents, key, G, X, bases, live)
@@ -256,15 +256,14 @@ class SOAP(KroneckerOptimizer):
         return out
 
     # ----------------------------------------------------------------------------------- rotations
-    @staticmethod
-    def _bases(states: list[dict[str, Any]], ents: list[tuple[int, int, Block]],
+    def _bases(self, params: list[Tensor], states: list[dict[str, Any]], ents: list[tuple[int, int, Block]],
                key: tuple[int, int, bool, bool], precision: str) -> tuple[Tensor | None, Tensor | None]:
         """``(Q_L, Q_R)`` of a run of blocks sharing ``key``, stacked ``(b, d, d)`` as the products in ``precision``
-        take them (:func:`~matrixopt.optim.shampoo.step_operands`; None for a side without a basis): stacked once
-        for both rotations of a step."""
+        take them (None for a side without a basis), for both rotations of a step, and kept until a refresh
+        writes one of them (:meth:`~matrixopt.optim.shampoo.KroneckerOptimizer._step_stack`)."""
         _, _, left, right = key
-        return tuple(step_operands([states[i][f"{side}_basis{k}"] for i, k, _ in ents], precision)
-                     if has else None for side, has in (("left", left), ("right", right)))
+        return tuple(self._step_stack(params, states, ents, f"{side}_basis", precision) if has else None
+                     for side, has in (("left", left), ("right", right)))
 
     @staticmethod
     def _rotate(bases: tuple[Tensor | None, Tensor | None], X: Tensor, to_eigen: bool, precision: str) -> Tensor:
