@@ -556,22 +556,27 @@ class KroneckerOptimizer(MatrixOptimizer):
                     name: str, precision: str) -> Tensor:
         """The state matrices ``{name}{k}`` of a run's blocks ``ents`` (``(i, k, block)``: block k of
         ``params[i]``) stacked as the step's products take them (:func:`step_operands`), for matrices that change
-        only when a refresh installs new ones (SOAP's eigenbases, Shampoo's roots): the stack is kept and read
-        again while every one of them is the same tensor, unwritten since (torch's version counters, which every
-        in-place write bumps), and made anew otherwise. It costs the stacks' memory (the bases or roots again, in
-        the operands' dtype) and saves stacking them at every step; staged state (compact or offloaded, new
-        tensors at every step) is stacked each time and not kept. Read only: the products never write it."""
+        only when a refresh installs new ones (SOAP's eigenbases, Shampoo's roots). The stack is kept between
+        steps, and at each step only the matrices written since (torch's version counters, which every in-place
+        write bumps) or replaced are copied into it again: with the refreshes staggered, about one in
+        ``precondition_frequency``. It costs the stacks' memory (the bases or roots again, in the operands'
+        dtype); staged state (compact or offloaded: new tensors at every step) is stacked each time and not kept.
+        Read only: the products never write it."""
         tensors = [states[i][f"{name}{k}"] for i, k, _ in ents]
         if self.state_dtype is not None or self.offload is not None:
             return step_operands(tensors, precision)
         key = (name, precision, tuple((id(params[i]), k) for i, k, _ in ents))
         versions = [t._version for t in tensors]
         kept = self._operand_cache.get(key)
-        if kept is not None and kept[1] == versions and all(a is b for a, b in zip(kept[0], tensors)):
-            return kept[2]
-        self._operand_cache.pop(key, None)  # the old stack's memory first
-        stack = step_operands(tensors, precision)
-        self._operand_cache[key] = (tensors, versions, stack)
+        if kept is None or kept[2].shape[1:] != tensors[0].shape:
+            self._operand_cache.pop(key, None)  # the old stack's memory first
+            stack = step_operands(tensors, precision)
+        else:
+            old, seen, stack = kept
+            stale = [j for j, (a, b, v, w) in enumerate(zip(old, tensors, seen, versions)) if a is not b or v != w]
+            if stale:
+                torch._foreach_copy_([stack[j] for j in stale], [tensors[j] for j in stale])
+        self._operand_cache[key] = (tensors, [t._version for t in tensors], stack)
         return stack
 
     # ----------------------------------------------------------------------------------- refresh schedule

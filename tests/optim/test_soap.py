@@ -198,38 +198,42 @@ def test_staggered_refreshes_match_float64_reference():
 
 
 @pytest.mark.parametrize("cls", [SOAP, matrixopt.Shampoo])
-def test_kept_step_stacks_are_read_until_a_refresh_or_a_write(cls):
-    """SOAP's bases and Shampoo's roots, stacked for the step's products, are kept between steps and stacked anew
-    after a refresh installs new ones or anything writes one of them: the updates are bit for bit those of an
-    optimizer that stacks them at every step."""
+def test_kept_step_stacks_take_only_what_changed(cls):
+    """SOAP's bases and Shampoo's roots, stacked for the step's products, are kept between steps, and only the
+    matrices a refresh installed or anything else wrote since are copied into the stack again (with the refreshes
+    staggered, one of the two per refresh): the updates are bit for bit those of an optimizer that stacks them at
+    every step."""
     torch.manual_seed(0)
-    W0 = [torch.randn(6, 5), torch.randn(6, 5)]  # one run of two blocks
+    W0 = [torch.randn(6, 5), torch.randn(6, 5)]  # one run of two blocks, refresh phases 0 and 1
     grads = [[torch.randn(6, 5) for _ in W0] for _ in range(9)]
-    hp = dict(lr=0.01, precondition_frequency=3, **({"start_preconditioning_step": 2} if cls is not SOAP else {}))
+    hp = dict(lr=0.01, precondition_frequency=3, stagger_refresh=True,
+              **({"start_preconditioning_step": 2} if cls is not SOAP else {}))
+    name = "left_basis" if cls is SOAP else "left_root"
     runs = []
     for kept in (True, False):
         Ws = [nn.Parameter(w.clone()) for w in W0]
         opt = cls(Ws, **hp)
-        stacks = []
+        copies = []
         for t, gs in enumerate(grads):
             if not kept:
                 opt._operand_cache.clear()
             if t == 6:  # a write from outside (as a checkpoint load's copy would be)
-                name = "left_basis0" if cls is SOAP else "left_root0"
-                opt.state[Ws[0]][name].mul_(-1.0)
+                opt.state[Ws[0]][f"{name}0"].mul_(-1.0)
             for W, g in zip(Ws, gs):
                 W.grad = g.clone()
+            before = {k: (v[2], v[2]._version) for k, v in opt._operand_cache.items() if k[0] == name}
             opt.step()
-            stacks.append({k: v[2] for k, v in opt._operand_cache.items()})
+            after = {k: v[2] for k, v in opt._operand_cache.items() if k[0] == name}
+            # blocks copied into the kept stack (each copy into a view bumps its version), or "new"
+            copies.append([after[k]._version - before[k][1] if k in before and before[k][0] is after[k] else "new"
+                           for k in after])
         runs.append([W.detach().clone() for W in Ws])
         if kept:
-            key = next(k for k in stacks[-1] if k[0] == ("left_basis" if cls is SOAP else "left_root"))
-            same = [stacks[t].get(key) is stacks[t - 1].get(key) is not None for t in range(1, len(grads))]
-            # restacked where the bases or roots changed since the step before: SOAP's first call builds its
-            # state only (no stack yet) and its refreshes at calls 4 and 7 follow that step's products (new
-            # stacks at calls 5 and 8); Shampoo's roots, from call 2 on every 3 calls, precede the step's
-            # products (calls 2, 5 and 8); the write before call 7
-            assert same == [False, True, True, False, True, False, False, True]
+            # SOAP: the first call builds its state only, stacked at the second; its refreshes follow that step's
+            # products (phase 0 at calls 4 and 7, phase 1 at calls 2, 5 and 8), so each shows at the next call.
+            # Shampoo: every root at call 2, then phase 0's at calls 5 and 8 and phase 1's at 3, 6 and 9, before
+            # that step's products. And the write before call 7.
+            assert copies == [[], ["new"], [1], [0], [1], [1], [1], [1], [1]]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
