@@ -48,30 +48,6 @@ from matrixopt.optim.layout import lpt, matrix_pieces
 COST_TOLERANCE = 0.02  # rebalancing the state may raise the largest per-rank cost this much above LPT's (relative)
 
 
-def contiguous_runs(costs: Sequence[float], parts: int) -> list[list[int]]:
-    """The indices of ``costs`` cut into at most ``parts`` runs of consecutive items of about equal total cost, in
-    order: the k-th run ends where the running total comes nearest ``k / parts`` of the whole (at the item that
-    reaches it, or the one before where that falls nearer), so a run holds one item at least and an item costlier
-    than a share ends its run alone. Deterministic: every rank cuts the same list alike."""
-    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
-        raise ValueError(f"contiguous_runs: parts must be an int >= 1, got {parts!r}")
-    if any(not c >= 0 for c in costs):
-        raise ValueError(f"contiguous_runs: costs must be finite and >= 0, got {list(costs)}")
-    total = sum(costs)
-    runs: list[list[int]] = []
-    run: list[int] = []
-    done = 0.0
-    for i, c in enumerate(costs):
-        run.append(i)
-        done += c
-        target = total * (len(runs) + 1) / parts
-        if len(runs) < parts - 1 and (done >= target or (i + 1 < len(costs)
-                                                         and done + costs[i + 1] - target > target - done)):
-            runs.append(run)
-            run = []
-    return runs + [run] if run else runs
-
-
 def muon_cost(m: int, n: int) -> float:
     return matrix_step_flops("muon", m, n, NS_STEPS)
 

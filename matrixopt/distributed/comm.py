@@ -169,17 +169,13 @@ def all_to_all_async(send: Tensor, send_splits: Sequence[int], recv_splits: Sequ
 
 
 class InFlight:
-    """An exchange launched on the network: :meth:`wait` returns its result (on CUDA the current stream waits for
-    it, not the host). ``work``: the collective's work, or a list of them (point-to-point transfers); ``keep``: what
-    must stay alive until the wait (send buffers)."""
+    """An exchange launched on the network: :meth:`wait` returns its result."""
 
-    def __init__(self, work: dist.Work | list[dist.Work], finish: Callable[[], Any], keep: Any) -> None:
-        self._works = work if isinstance(work, list) else [work]
-        self._finish, self._keep = finish, keep
+    def __init__(self, work: dist.Work, finish: Callable[[], Tensor], keep: Tensor) -> None:
+        self._work, self._finish, self._keep = work, finish, keep  # keep: the send buffer, alive until the wait
 
-    def wait(self) -> Any:
-        for work in self._works:
-            work.wait()
+    def wait(self) -> Tensor:
+        self._work.wait()
         self._keep = None
         return self._finish()
 
@@ -242,32 +238,32 @@ def scatter_from_owners(owned: Tensor, counts: Sequence[int], sizes: Sequence[in
 # and empty allowed), go to their owners in one grouped set of point-to-point transfers, and the owners' results
 # come back in another:
 #
-#     whole = gather_rows(rows, owners, sizes, group).wait()  # [(sizes[i][rank], n_i)] -> [(m_i, n_i)] owned here
-#     rows = scatter_rows(whole, owners, sizes, widths, group).wait()          # the inverse
+#     whole = gather_rows(rows, owners, sizes, group)           # [(sizes[i][rank], n_i)] -> [(m_i, n_i)] owned here
+#     rows = scatter_rows(whole, owners, sizes, widths, group)  # the inverse
 #
 # One transfer per (matrix, rank) pair with rows, each straight between a rank's rows and their row range in the
 # owner's matrix, listed in matrix order on every rank. An all-to-all would need each rank's rows packed into one
 # send buffer and the owner's received buffer unpacked into matrices: two more copies of the gradients each way.
-# Both calls are asynchronous, as the owner exchange above: several exchanges may be in flight, launched in the
-# same order on every rank, so that the owners' work on one set of matrices overlaps the transfers of others.
 
 
-def _exchange(ops: list[tuple[Callable[..., Any], Tensor, int]], group: Group | None) -> list[dist.Work]:
-    """Launch point-to-point ``(dist.isend or dist.irecv, tensor, group rank)`` operations as one group; returns
-    their works. The ranks list their operations in one agreed order, so each pair's sends and receives match in
-    order."""
+def _exchange(ops: list[tuple[Callable[..., Any], Tensor, int]], group: Group | None) -> None:
+    """Run point-to-point ``(dist.isend or dist.irecv, tensor, group rank)`` operations as one group and wait (on
+    CUDA the current stream waits, not the host). The ranks list their operations in one agreed order, so each
+    pair's sends and receives match in order."""
     if not ops:
-        return []
+        return
     ranks = group_ranks(group)
-    return dist.batch_isend_irecv([dist.P2POp(op, t, ranks[peer], group) for op, t, peer in ops]) or []
+    p2p = [dist.P2POp(op, t, ranks[peer], group) for op, t, peer in ops]
+    for work in dist.batch_isend_irecv(p2p):
+        work.wait()
 
 
 def gather_rows(rows: Sequence[Tensor], owners: Sequence[int], sizes: Sequence[Sequence[int]],
-                group: Group | None) -> InFlight:
-    """Whole matrices to their owners; ``wait()`` returns them.
+                group: Group | None) -> list[Tensor]:
+    """Whole matrices to their owners (blocking).
 
     rows[i]: this rank's rows of matrix i, ``(sizes[i][rank], n_i)``, all of one dtype and device. owners[i]: the
-    group rank that owns matrix i. The result: the matrices this rank owns, in matrix order, each
+    group rank that owns matrix i. Returns the matrices this rank owns, in matrix order, each
     ``(sum(sizes[i]), n_i)`` and contiguous. Every rank's rows travel by one grouped set of point-to-point
     transfers straight into their place in the owner's matrix (a row range of a row-major matrix is contiguous):
     nothing is packed or unpacked; the owner copies its own rows in."""
@@ -289,14 +285,14 @@ def gather_rows(rows: Sequence[Tensor], owners: Sequence[int], sizes: Sequence[S
             elif part.numel():
                 ops.append((dist.irecv, part, s))
         out.append(whole)
-    sends = [t for op, t, _ in ops if op is dist.isend]
-    return InFlight(_exchange(ops, group), lambda: out, sends)
+    _exchange(ops, group)
+    return out
 
 
 def scatter_rows(whole: Sequence[Tensor], owners: Sequence[int], sizes: Sequence[Sequence[int]],
-                 widths: Sequence[int], group: Group | None, dtype: torch.dtype = torch.float32) -> InFlight:
-    """The inverse of :func:`gather_rows`: whole ``(sum(sizes[i]), n_i)`` in ``dtype`` for the matrices
-    this rank owns, in matrix order -> (``wait()``) this rank's rows ``(sizes[i][rank], n_i)`` of every matrix i,
+                 widths: Sequence[int], group: Group | None, dtype: torch.dtype = torch.float32) -> list[Tensor]:
+    """The inverse of :func:`gather_rows` (blocking): whole ``(sum(sizes[i]), n_i)`` in ``dtype`` for the matrices
+    this rank owns, in matrix order -> this rank's rows ``(sizes[i][rank], n_i)`` of every matrix i,
     ``n_i = widths[i]``: for the matrices owned here, views of ``whole``; the others received, each into a
     buffer of its own."""
     me = rank(group)
@@ -319,7 +315,8 @@ def scatter_rows(whole: Sequence[Tensor], owners: Sequence[int], sizes: Sequence
             out.append(torch.empty((sizes[i][me], widths[i]), dtype=dtype, device=device))
             if out[-1].numel():
                 ops.append((dist.irecv, out[-1], o))
-    return InFlight(_exchange(ops, group), lambda: out, list(whole))
+    _exchange(ops, group)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------

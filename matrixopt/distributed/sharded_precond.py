@@ -12,10 +12,6 @@ group, per process group::
     u = scatter_rows(U, owners)                     # this rank's rows of every update
     w = (1 - lr wd) w - lr u                        # on the local shards, as the single-process optimizer applies U
 
-pipelined over a few stages of consecutive matrices (:data:`PIPELINE_STAGES`): every stage's gather is launched
-first, and each stage's update rows go back while the owners step the next stage, so that on CUDA the transfers
-run beside the owners' products and only the first gather and the last scatter wait for nothing else.
-
 The update is the single-process one (up to the order of FSDP's fp32 gradient reduction). The factors, the roots
 or eigenbases and the moments of a matrix live on its owner only, so the state is spread over the ranks, and so
 is the work of each refresh (every ``precondition_frequency`` steps each owner refreshes the matrices it owns,
@@ -46,14 +42,12 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Shard
 
 from matrixopt.distributed import comm
-from matrixopt.distributed.balance import contiguous_runs, lpt, shampoo_cost, soap_cost
+from matrixopt.distributed.balance import lpt, shampoo_cost, soap_cost
 from matrixopt.distributed.sharded import OnLocalShards
 from matrixopt.optim.base import MatrixOptimizer, param_label
 from matrixopt.optim.layout import copy_marks
 from matrixopt.optim.shampoo import Block, Shampoo
 from matrixopt.optim.soap import SOAP
-
-PIPELINE_STAGES = 4  # a step's matrices are exchanged and stepped in this many stages (ShardedShampoo, ShardedSOAP)
 
 
 def _standin(p: DTensor) -> Tensor:
@@ -70,7 +64,6 @@ class _OwnerSharded(OnLocalShards):
     def __init__(self, params: Iterable[Any], *args: Any, **kwargs: Any) -> None:
         self._owners: dict[int, tuple[ProcessGroup, int]] = {}  # id(param) -> (its FSDP group, owner rank there)
         self._loads: dict[ProcessGroup, list[float]] = {}  # per FSDP group: the cost each rank owns
-        self._stage_cache: dict[tuple[int, ...], list[list[int]]] = {}  # a parameter list's pipeline stages
         super().__init__(params, *args, **kwargs)
         if self.state_dtype is not None or self.offload is not None:
             raise ValueError(f"{type(self).__name__} keeps its state in float32 on the owner ranks; state_dtype "
@@ -80,7 +73,6 @@ class _OwnerSharded(OnLocalShards):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Owners are keyed by parameter identity: an unpickled optimizer assigns them again, as at construction."""
         super().__setstate__(state)
-        self._stage_cache = {}
         if "_owners" not in self.__dict__:
             self._owners, self._loads = {}, {}
             for group in self.param_groups:
@@ -155,52 +147,26 @@ class _OwnerSharded(OnLocalShards):
     def _owner_step(self, group: dict[str, Any], pg: ProcessGroup, params: list[DTensor], grads: list[DTensor],
                     skip: Tensor | None) -> None:
         """One step of DTensor matrices sharded over ``pg``: whole gradients to the owners, the single-process
-        update there, its rows back, and the update applied to the local shards, pipelined over the stages of
-        :meth:`_stages`: every stage's gather is launched first, then each stage's matrices are stepped as their
-        gather lands and their rows sent back while the next stage computes, and the updates are applied last.
-        Collective over ``pg``. ``skip``: a deferred check's device flag, agreed over the ranks
-        (:meth:`_matrix_updates`)."""
+        update there, its rows back, and the update applied to the local shards. Collective over ``pg``.
+        ``skip``: a deferred check's device flag, agreed over the ranks (:meth:`_matrix_updates`)."""
         me, world = comm.rank(pg), comm.world_size(pg)
         owners = [self._owners[id(p)][1] for p in params]
         sizes = [comm.chunk_sizes(p.shape[0], world) for p in params]  # every rank's rows, as fully_shard splits
         widths = [math.prod(p.shape[1:]) for p in params]
-        # whether this step moves each matrix (SOAP's first builds its state only): from the count before it,
-        # the same on every rank
-        moves = [self.first_step_moves or self.state[p].get("step", 0) >= 1 for p in params]
         rows = [g.to_local().reshape(s[me], n).float() for g, s, n in zip(grads, sizes, widths)]  # (rows, n)
-        stages = self._stages(group, params)
-        gathers = [comm.gather_rows([rows[i] for i in st], [owners[i] for i in st], [sizes[i] for i in st], pg)
-                   for st in stages]
-        self._advance([self.state[p] for p, r in zip(params, owners) if r != me], skip)  # owners count theirs
-        scatters = []
-        for st, gather in zip(stages, gathers):
-            mine = [i for i in st if owners[i] == me]
-            whole = gather.wait()  # (m, n) per matrix of the stage owned here
-            updates = dict(zip(mine, self._matrix_updates(
-                group, [params[i] for i in mine], [G.view(params[i].shape) for i, G in zip(mine, whole)], skip)
-                if mine else []))
-            back = [i for i in st if moves[i]]
-            if back:  # the same on every rank
-                scatters.append((back, comm.scatter_rows(
-                    [updates[i].view(sum(sizes[i]), widths[i]) for i in back if owners[i] == me],
-                    [owners[i] for i in back], [sizes[i] for i in back], [widths[i] for i in back], pg)))
-        local, shard_updates = [], []
-        for back, scatter in scatters:
-            local += [params[i].to_local() for i in back]
-            shard_updates += [u.view(params[i].to_local().shape) for i, u in zip(back, scatter.wait())]
-        if local:
-            self._apply(group, local, shard_updates, skip)
-
-    def _stages(self, group: dict[str, Any], params: list[DTensor]) -> list[list[int]]:
-        """The pipeline stages of a step over ``params`` (one FSDP group's matrices, in order): at most
-        :data:`PIPELINE_STAGES` runs of consecutive matrices of about equal cost, each with its own exchanges.
-        Depends on the shapes and block plans only, so every rank cuts alike; kept per parameter list."""
-        key = tuple(id(p) for p in params)
-        stages = self._stage_cache.get(key)
-        if stages is None:
-            costs = [sum(self.cost(b.r1 - b.r0, b.c1 - b.c0) for b in self._block_plan(group, p)) for p in params]
-            stages = self._stage_cache[key] = contiguous_runs(costs, PIPELINE_STAGES)
-        return stages
+        whole = comm.gather_rows(rows, owners, sizes, pg)  # (m, n) per matrix owned here
+        mine = [i for i, r in enumerate(owners) if r == me]
+        updates = dict(zip(mine, self._matrix_updates(group, [params[i] for i in mine],
+                                                      [G.view(params[i].shape) for i, G in zip(mine, whole)], skip)
+                           if mine else []))
+        self._advance([self.state[p] for i, p in enumerate(params) if owners[i] != me], skip)  # owners counted theirs
+        moved = [i for i, p in enumerate(params) if self.first_step_moves or self.state[p]["step"] > 1]
+        if not moved:  # the same on every rank: the steps are
+            return
+        back = comm.scatter_rows([updates[i].view(sum(sizes[i]), widths[i]) for i in moved if owners[i] == me],
+                                 [owners[i] for i in moved], [sizes[i] for i in moved], [widths[i] for i in moved], pg)
+        local = [params[i].to_local() for i in moved]
+        self._apply(group, local, [u.view(w.shape) for u, w in zip(back, local)], skip)
 
     # ----------------------------------------------------------------------------------- state
     def _check_factors(self, group: dict[str, Any], p: Tensor, st: dict[str, Any]) -> None:

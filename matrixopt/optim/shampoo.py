@@ -385,7 +385,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         self._plans: dict[int, list[Block]] = {}
         self._phases: dict[int, tuple[int, int]] = {}  # id(param) -> (precondition_frequency, its refresh phase)
         self._layouts: dict[tuple[int, ...], Layout] = {}
-        self._pending: dict[tuple[int, ...], Any] = {}  # refreshed parameters' ids -> side-stream refresh in flight
+        self._pending: dict[int, Any] = {}  # group index -> side-stream refresh in flight
         self._operand_cache: dict[tuple, tuple[list[Tensor], list[int], Tensor]] = {}  # (_step_stack)
         self._side_streams: dict[torch.device, Any] = {}
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
@@ -580,12 +580,10 @@ class KroneckerOptimizer(MatrixOptimizer):
         return stack
 
     # ----------------------------------------------------------------------------------- refresh schedule
-    def _refresh(self, key: tuple[int, ...], group: dict[str, Any], runs: list[Callable[[bool], Any]],
+    def _refresh(self, gi: int, group: dict[str, Any], runs: list[Callable[[bool], Any]],
                  install: Callable[[Any], None]) -> None:
-        """Run one refresh in batches (``key``: the refreshed parameters' ids, which pair a side-stream refresh
-        with the next one of the same parameters). ``run(sync)`` computes one batch from a snapshot of its factors
-        (with host syncs allowed when ``sync``) and returns its result; ``install(result)`` writes that into the
-        state.
+        """Run one refresh in batches. ``run(sync)`` computes one batch from a snapshot of its factors (with host
+        syncs allowed when ``sync``) and returns its result; ``install(result)`` writes that into the state.
         Synchronous unless ``side_stream`` is set and the parameters are on CUDA: each batch is installed as soon as
         it is computed, so one batch's workspace and results are alive at a time. With the side stream, the previous
         refresh's results are installed and this one's batches launched on a side stream, their results held until
@@ -595,7 +593,7 @@ class KroneckerOptimizer(MatrixOptimizer):
             for run in runs:
                 install(run(True))
             return
-        pending = self._pending.pop(key, None)
+        pending = self._pending.pop(gi, None)
         if pending is None:
             for run in runs:
                 install(run(True))
@@ -612,7 +610,7 @@ class KroneckerOptimizer(MatrixOptimizer):
             results = [run(False) for run in runs]
             event = torch.cuda.Event()
             event.record(side)
-        self._pending[key] = (event, results)
+        self._pending[gi] = (event, results)
 
     @staticmethod
     def _adopt(*tensors: Tensor) -> None:
@@ -913,10 +911,11 @@ class Shampoo(KroneckerOptimizer):
         due = [i for i, (p, st) in enumerate(zip(params, states))
                if self._computes_bases(group, st["step"], self._phase(group, p))]
         if due:  # with skip only where the refresh runs on the device (_device_skip)
+            gi = next(j for j, g in enumerate(self.param_groups) if g is group)
             items = [(self._plan(group, params[i]), states[i]) for i in due]
             install = functools.partial(self._install_eigen_roots, group, live=live) \
                 if group["root_method"] == "eigenbasis" else functools.partial(self._install_roots, group)
-            self._refresh(tuple(id(params[i]) for i in due), group, self._root_runs(group, items), install)
+            self._refresh(gi, group, self._root_runs(group, items), install)
 
         active = {i for i, st in enumerate(states) if st["step"] >= start}
         updates = [f if i not in active else torch.empty(p.shape, dtype=torch.float32, device=p.device)

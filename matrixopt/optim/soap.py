@@ -247,8 +247,9 @@ class SOAP(KroneckerOptimizer):
         due = [i for i, (p, st) in enumerate(zip(params, states))
                if self._computes_bases(group, st["step"], self._phase(group, p))]
         if due:  # with skip only where the refresh runs on the device (_device_skip)
+            gi = next(j for j, g in enumerate(self.param_groups) if g is group)
             items = [(params[i], plans[i], states[i]) for i in due]
-            self._refresh(tuple(id(params[i]) for i in due), group, [functools.partial(self._new_bases, group, jobs)
+            self._refresh(gi, group, [functools.partial(self._new_bases, group, jobs)
                                       for jobs in self._factor_runs(items)],
                           functools.partial(self._install_bases, group, live=live))
         for i, u in zip(rest, updates):

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from matrixopt.distributed.comm import chunk_sizes, gather_rows, gather_to_owners, scatter_from_owners, scatter_rows
+from matrixopt.distributed.comm import chunk_sizes, gather_to_owners, scatter_from_owners
 from matrixopt.distributed.fsdp import apply_fsdp
 from matrixopt.distributed.sharded import ShardedAdaMuon, ShardedMuon, ShardedNorMuon
 from matrixopt.distributed.tp import CostModel
@@ -171,32 +171,6 @@ def _owner_gather_sends_whole_matrices_to_owners_only(rank: int, world: int) -> 
         gather_to_owners(local, [3] * world, sizes, 2, None)
 
 
-def _row_exchanges_in_flight_together(rank: int, world: int) -> None:
-    """gather_rows and scatter_rows (Shampoo's and SOAP's owner exchange) launched several at once, as their
-    pipeline launches every stage's gather first, and waited in another order: each owner gets its whole matrices
-    (rows of uneven and empty shards, widths of their own), and every rank the rows of each update."""
-    shapes = [(5, 4), (3, 6), (7, 2), (1, 3)]
-    owners = [0, 1 % world, (world - 1), 0]
-    full = [torch.arange(m * n, dtype=torch.float32).view(m, n) + 100 * i for i, (m, n) in enumerate(shapes)]
-    sizes = [chunk_sizes(m, world) for m, _ in shapes]
-    local = [f.split(s)[rank] for f, s in zip(full, sizes)]
-    stages = [[0, 1], [2, 3]]
-    flights = [gather_rows([local[i] for i in st], [owners[i] for i in st], [sizes[i] for i in st], None)
-               for st in stages]
-    backs = []
-    for st, flight in reversed(list(zip(stages, flights))):
-        mine = [i for i in st if owners[i] == rank]
-        whole = flight.wait()
-        assert [tuple(w.shape) for w in whole] == [shapes[i] for i in mine]
-        assert all(torch.equal(w, full[i]) for w, i in zip(whole, mine))
-        backs.append((st, scatter_rows([-w for w in whole], [owners[i] for i in st], [sizes[i] for i in st],
-                                       [shapes[i][1] for i in st], None)))
-    for st, flight in backs:
-        assert all(torch.equal(r, -local[i]) for r, i in zip(flight.wait(), st))
-    with pytest.raises(ValueError, match="do not match owners"):
-        gather_rows(local[:2], owners[:1], sizes[:2], None)
-
-
 def _held_clip_matches_clipped_gradients(rank: int, world: int) -> None:
     """A clip coefficient held for the step (the trainer's FSDP2 clip) moves the weights as gradients multiplied by
     it before the step: the Muon matrices through the momentum pass (bit for bit), the AdamW biases through AdamW's
@@ -237,7 +211,6 @@ def _held_clip_matches_clipped_gradients(rank: int, world: int) -> None:
 
 def _fsdp_checks(rank: int, world: int) -> None:
     _owner_gather_sends_whole_matrices_to_owners_only(rank, world)
-    _row_exchanges_in_flight_together(rank, world)
     _held_clip_matches_clipped_gradients(rank, world)
     _fsdp_matches_single_process(rank, world)
     for cls, sharded in ((NorMuon, ShardedNorMuon), (AdaMuon, ShardedAdaMuon)):

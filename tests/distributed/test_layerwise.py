@@ -22,15 +22,7 @@ from torch import nn
 
 import matrixopt.distributed as mdist
 from matrixopt import OPTIMIZERS, NonFiniteGradientError, build_optimizer, mark_split
-from matrixopt.distributed.balance import (
-    COST_TOLERANCE,
-    assign,
-    contiguous_runs,
-    lpt,
-    matrix_cost,
-    muon_cost,
-    rebalance_state,
-)
+from matrixopt.distributed.balance import COST_TOLERANCE, assign, lpt, matrix_cost, muon_cost, rebalance_state
 from matrixopt.optim.routing import param_groups
 from matrixopt.train.model import GPT, PRESETS, GPTConfig
 
@@ -581,19 +573,6 @@ def test_lpt_is_deterministic_balanced_and_stable():
     assert owner == lpt(costs, 3)[0]
     assert owner == [0, 1, 2, 1, 2, 0, 1] and loads == [7.0, 6.0, 5.0]  # by hand; ties go to the lower rank
     assert lpt([1.0, 1.0], 4)[0] == [0, 1]  # fewer items than ranks: distinct ranks, the rest idle
-
-
-def test_contiguous_runs_by_hand():
-    # total 12, shares 3, 6, 9: the runs end where the running total first reaches each
-    assert contiguous_runs([1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 4.0], 4) == [[0, 1, 2], [3, 4], [5], [6]]
-    assert contiguous_runs([8.0, 1.0, 1.0, 1.0, 1.0], 4) == [[0], [1], [2], [3, 4]]  # a big item ends its run alone
-    assert contiguous_runs([1.0, 1.0], 4) == [[0], [1]]  # fewer items than runs
-    assert contiguous_runs([0.0, 0.0, 0.0], 2) == [[0], [1, 2]]
-    assert contiguous_runs([3.0, 1.0], 1) == [[0, 1]] and contiguous_runs([], 3) == []
-    with pytest.raises(ValueError, match="parts must be an int >= 1"):
-        contiguous_runs([1.0], 0)
-    with pytest.raises(ValueError, match="finite and >= 0"):
-        contiguous_runs([1.0, float("nan")], 2)
 
 
 def test_assign_puts_a_big_matrix_alone_and_spreads_adamw_memory():
