@@ -499,7 +499,8 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
     one rank, each group one stack, plus the step's elementwise passes (one fused pass over all of them).
     Shampoo's roots and SOAP's eigenbases are refreshed every ``precondition_frequency`` steps; their cost is
     amortized over the period. Shampoo's ``root_method``: "newton" (the coupled iteration's products) or
-    "eigenbasis" (SOAP's refresh of a basis, a product for its Rayleigh quotients and one forming the root).
+    "eigenbasis" (SOAP's refresh of a basis, whose power step also gives the eigenvalue estimates, and a product
+    forming the root).
     ``matmul_precision="tf32"``: the factor products, the preconditioning or projections and SOAP's power step at
     the TF32 rate, taken as half the bf16 ``gemm`` rate (the data sheet's ratio; not calibrated); Shampoo's roots
     stay fp32 (the optimizers' own rule). ``"bf16"``: the step's products (factors, preconditioning, projections)
@@ -544,13 +545,13 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
                     cube = 2.0 * g.count * k**3
                     if newton:
                         refresh += ROOT_STEPS * ROOT_PRODUCTS * product(cube, k, fp32=True)
-                    else:  # the power step's product and the QR; Shampoo's roots: its Rayleigh quotients' product
-                        # and the root's. Shampoo keeps the first two at fp32 accuracy: under TF32 three TF32
-                        # products each (matrixopt.linalg.roots.split_tf32_bmm)
+                    else:  # the power step's product and the QR; Shampoo's roots: the root's product too.
+                        # Shampoo keeps the power step at fp32 accuracy: under TF32 three TF32 products
+                        # (matrixopt.linalg.roots.split_tf32_bmm)
                         refresh += g.count * profile.seconds("qr", qr_flops(k))
                         if optimizer == "shampoo":
                             accurate = product(cube, k) if matmul_precision == "fp32" else 3 * product(cube, k)
-                            refresh += 2 * accurate + product(cube, k)
+                            refresh += accurate + product(cube, k)
                         else:
                             refresh += product(cube, k)
     per_param = SHAMPOO_BYTES if optimizer == "shampoo" else SOAP_BYTES

@@ -365,10 +365,11 @@ def cholesky_qr(Y: Tensor, leaf: int | None = None) -> tuple[Tensor, Tensor]:
 
 
 def refresh_eigenbasis(A: Tensor, Q: Tensor, shift: float = REFRESH_SHIFT,
-                       bmm: Callable[[Tensor, Tensor], Tensor] = torch.bmm) -> tuple[Tensor, Tensor, Tensor]:
+                       bmm: Callable[[Tensor, Tensor], Tensor] = torch.bmm) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One QR power-iteration step towards the eigenvectors of A, from the previous basis Q.
 
-    A: ``(b, n, n)`` symmetric positive semi-definite; Q: ``(b, n, n)`` orthogonal. Returns ``(Q_new, order, ok)``:
+    A: ``(b, n, n)`` symmetric positive semi-definite; Q: ``(b, n, n)`` orthogonal. Returns
+    ``(Q_new, order, ok, estimates)``:
 
     - ``order`` ``(b, n)`` int64: the columns of Q sorted by descending :math:`\\operatorname{diag}(Q^\\top A Q)`;
       column j of ``Q_new`` continues column ``order[j]`` of Q (permute anything stored in Q's coordinates, such
@@ -380,6 +381,10 @@ def refresh_eigenbasis(A: Tensor, Q: Tensor, shift: float = REFRESH_SHIFT,
       among eigenvalues below s.
     - ``ok`` ``(b,)`` bool: False where A or the result is not finite or the factorization failed; there
       ``Q_new`` is ``Q`` (unsorted) and ``order`` the identity permutation. No host sync.
+    - ``estimates`` ``(b, n)`` float32: the eigenvalue estimates :math:`\\operatorname{diag}(Q^\\top A Q)` in
+      ``order``, one for each column of ``Q_new``. They are the Rayleigh quotients of the columns the power step
+      started from, which differ from those of ``Q_new``'s by the square of the step's rotation (a Rayleigh
+      quotient is stationary at an eigenvector), and they cost no product beyond the power step's own.
 
     The product AQ is ``bmm``'s (the current matmul precision, or :func:`split_tf32_bmm`); the factorization runs
     mostly in float64.
@@ -395,5 +400,5 @@ def refresh_eigenbasis(A: Tensor, Q: Tensor, shift: float = REFRESH_SHIFT,
     Y = torch.gather(torch.addcmul(AQ, Q, s[:, None, None]), -1, idx)  # (A + s I) Q, columns sorted
     Q_new, ok = cholesky_qr(Y)
     ok &= finite_matrices(A)
-    identity = torch.arange(n, device=A.device).expand_as(order)
-    return torch.where(ok[:, None, None], Q_new, Q), torch.where(ok[:, None], order, identity), ok
+    order = torch.where(ok[:, None], order, torch.arange(n, device=A.device).expand_as(order))
+    return torch.where(ok[:, None, None], Q_new, Q), order, ok, torch.gather(est, -1, order)

@@ -23,9 +23,11 @@ float64 eigh fallback, damping ``damping`` relative to the largest eigenvalue); 
 ``root_method="eigenbasis"`` tracks each factor's eigenbasis instead, as SOAP does: float64 ``eigh`` at the first
 root, then one QR power-iteration step per refresh from the previous basis
 (:func:`matrixopt.linalg.roots.refresh_eigenbasis`), and the root
-:math:`Q \operatorname{diag}((d + \epsilon \max d)^{-1/r}) Q^\top` with :math:`d = \operatorname{diag}(Q^\top L Q)`
-(clamped at 0). Its roots are those of the basis at hand, which lags the factor's eigenvectors where eigenvalues
-are close; a refresh costs about a sixth of the Newton iteration's on an H100 (three products and a float64
+:math:`Q \operatorname{diag}((d + \epsilon \max d)^{-1/r}) Q^\top` with d the eigenvalue estimates (clamped at 0):
+at the first root eigh's basis' :math:`\operatorname{diag}(Q^\top L Q)`, then the Rayleigh quotients the power step
+computes of the columns it starts from, which differ from the new basis' by the square of the step's rotation.
+Its roots are those of the basis at hand, which lags the factor's eigenvectors where eigenvalues
+are close; a refresh costs about a sixth of the Newton iteration's on an H100 (two products and a float64
 CholeskyQR per factor, :func:`matrixopt.linalg.roots.cholesky_qr`, against about 80 fp32 products), and the bases
 take another ``4 (m^2 + n^2) / (m n)`` bytes per parameter.
 Before ``start_preconditioning_step`` the update is the grafted Adam update A (or D without grafting).
@@ -50,15 +52,15 @@ whatever torch's global setting is; ``"tf32"`` runs the factor products :math:`G
 preconditioning :math:`\hat L^{-1/r} D \hat R^{-1/r}` on TF32 tensor cores (inputs rounded to 10 mantissa bits, fp32
 accumulation; about 8 times the fp32 rate on an H100). That is the factor of a gradient perturbed by :math:`2^{-11}`
 relative per entry, and a preconditioned block off by about 3e-4 relative (measured at n = 512), less than bfloat16
-storage of the roots (``factor_dtype``) already costs. With ``root_method="eigenbasis"`` it also runs the root's
-product :math:`Q \operatorname{diag}(s) Q^\top` in TF32 (its operands rounded as the preconditioning's are), while
-the products :math:`LQ` of the refresh's power step and of the Rayleigh quotients d, on which the small eigenvalues
-depend, keep float32 accuracy through three TF32 products each (:func:`matrixopt.linalg.roots.split_tf32_bmm`): one
-TF32 product there rounds :math:`LQ` by about 5e-4 of the largest eigenvalue, which swamps the eigenvalues below it
-and mixes their eigenvectors, whose inverse roots are the largest (with the power step in one TF32 product the root
-was 23% off at condition number 1e6 on an H200, against 5e-4 in float32). The Newton roots always run in fp32: the
-coupled Newton iteration does not survive TF32 products (simulated at n = 512: its residual stalls near 8e-4, above
-the 1e-5 tolerance, so every root would take the float64 fallback; the root is 2.5% off at condition number 1e4 and
+storage of the roots (``factor_dtype``) already costs. With ``root_method="eigenbasis"`` it also runs the root's product
+:math:`Q \operatorname{diag}(s) Q^\top` in TF32 (its operands rounded as the preconditioning's are), while the product
+:math:`LQ` of the refresh's power step, which gives the basis and the eigenvalue estimates d and on which the small
+eigenvalues depend, keeps float32 accuracy through three TF32 products (:func:`matrixopt.linalg.roots.split_tf32_bmm`):
+one TF32 product there rounds :math:`LQ` by about 5e-4 of the largest eigenvalue, which swamps the eigenvalues below it
+and mixes their eigenvectors, whose inverse roots are the largest (with the power step in one TF32 product the root was
+23% off at condition number 1e6 on an H200, against 5e-4 in float32). The Newton roots always run in fp32: the coupled
+Newton iteration does not survive TF32 products (simulated at n = 512: its residual stalls near 8e-4, above the 1e-5
+tolerance, so every root would take the float64 fallback; the root is 2.5% off at condition number 1e4 and
 50% off at 1e6). ``"bf16"`` runs the factor products and the preconditioning from bfloat16 operands summed in
 float32 (:func:`step_product`: one bf16 tensor-core product, twice the TF32 rate, on CUDA; the same rounding
 emulated in float32 elsewhere) and everything else as ``"tf32"``: the preconditioned block off by about 3e-3
@@ -796,8 +798,8 @@ class Shampoo(KroneckerOptimizer):
             Newton roots read their convergence on the host, so with ``deferred_nonfinite`` every step then reads
             the device flag once (eigenbasis roots run on the device).
         matmul_precision: "fp32" (default) or "tf32": the precision of the factor products and the preconditioning
-            on CUDA, and of the eigenbasis roots' product (their power step and Rayleigh quotients keep fp32
-            accuracy through three TF32 products each); Newton roots stay fp32. "bf16": the factor products and
+            on CUDA, and of the eigenbasis roots' product (their power step keeps fp32 accuracy through three
+            TF32 products); Newton roots stay fp32. "bf16": the factor products and
             the preconditioning from bfloat16 operands, the roots as under "tf32" (module docstring).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults of the AdamW groups (lr and weight decay
             default to ``lr`` and ``weight_decay``).
@@ -1012,18 +1014,20 @@ class Shampoo(KroneckerOptimizer):
     def _eigen_roots(self, group: dict[str, Any], jobs: list[tuple[dict[str, Any], int, str]], p: int,
                      first: bool, sync: bool) -> tuple:
         """``root_method="eigenbasis"``: the factors' eigenbases (float64 eigh when ``first``, else one power step
-        from the stored bases) and the inverse p-th roots they give, from a snapshot: the power step and the
-        Rayleigh quotients to float32 accuracy, the root's product in the group's ``matmul_precision`` (module
-        docstring).
+        from the stored bases) and the inverse p-th roots they give, from a snapshot: the power step (and the first
+        basis' Rayleigh quotients) to float32 accuracy, the root's product in the group's ``matmul_precision``
+        (module docstring).
         Returns ``(jobs, roots, bases, ok)``; no host sync unless ``first``."""
         A = torch.stack([st[f"{side}{k}"] for st, k, side in jobs]).float()  # (b, d, d) snapshot
         # A Q to float32 accuracy: one IEEE product, or under TF32 on CUDA three TF32 ones (module docstring)
         bmm = split_tf32_bmm if group["matmul_precision"] != "fp32" and A.is_cuda else torch.bmm
         if first:
             Q, ok = eigenbasis(A)
-        else:
-            Q, _, ok = refresh_eigenbasis(A, torch.stack([st[f"{side}_basis{k}"] for st, k, side in jobs]), bmm=bmm)
-        d = rayleigh_quotients(A, Q, bmm).clamp_min(0)  # (b, d)
+            d = rayleigh_quotients(A, Q, bmm)  # (b, d)
+        else:  # the eigenvalue estimates the power step computed (refresh_eigenbasis)
+            Q, _, ok, d = refresh_eigenbasis(A, torch.stack([st[f"{side}_basis{k}"] for st, k, side in jobs]),
+                                             bmm=bmm)
+        d = d.clamp_min(0)
         dmax = d.amax(dim=-1, keepdim=True)
         scale = torch.where(dmax > 0, (d + group["damping"] * dmax).pow(-1.0 / p), 1.0)  # 0 -> the identity
         roots = (Q * scale[:, None, :]) @ Q.mT

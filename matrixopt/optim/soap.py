@@ -354,7 +354,7 @@ class SOAP(KroneckerOptimizer):
         ``factor_update="kl"``, the new eigenvalue estimates). Returns ``(jobs, Q_new, order, ok, estimates or
         None)``; no host sync either way."""
         F, Q = self._stack(jobs, ""), self._stack(jobs, "_basis")
-        Q_new, order, ok = refresh_eigenbasis(F, Q)
+        Q_new, order, ok, _ = refresh_eigenbasis(F, Q)
         return jobs, Q_new, order, ok, rayleigh_quotients(F, Q_new) if group["factor_update"] == "kl" else None
 
     def _install_bases(self, group: dict[str, Any], result: tuple, live: Tensor | None = None) -> None:

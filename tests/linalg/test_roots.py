@@ -118,14 +118,19 @@ def test_refresh_eigenbasis_power_iteration():
     Q0 = torch.linalg.qr(torch.randn(3, 12, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))[0]
     Q = Q0.float()
     for _ in range(300):  # repeated single steps converge to the eigenvectors (subspace iteration)
-        Q, order, ok = refresh_eigenbasis(A.float(), Q)
+        Q_old = Q
+        Q, order, ok, est = refresh_eigenbasis(A.float(), Q)
         assert ok.all()
+    # the estimates: the Rayleigh quotients of the columns the step started from, in the new columns' order
+    rayleigh = (Q_old.double().mT @ A @ Q_old.double()).diagonal(dim1=-2, dim2=-1)
+    torch.testing.assert_close(est.double(), torch.gather(rayleigh, -1, order), atol=1e-5, rtol=1e-5)
     ref, _ = eigenbasis(A)
     torch.testing.assert_close((Q.mT @ ref).abs(), torch.eye(12).expand(3, 12, 12), atol=1e-3, rtol=0)
     # one step from a permuted converged basis: columns are re-sorted and ``order`` says how
     perm = torch.randperm(12, generator=torch.Generator().manual_seed(2))
-    Q1, order, ok = refresh_eigenbasis(A.float(), ref[:, :, perm])
+    Q1, order, ok, est = refresh_eigenbasis(A.float(), ref[:, :, perm])
     assert torch.equal(perm[order], torch.arange(12).expand(3, 12))
+    torch.testing.assert_close(est.double(), torch.linalg.eigvalsh(A).flip(-1), rtol=1e-5, atol=0)  # descending
     torch.testing.assert_close(Q1, ref, atol=1e-4, rtol=0)  # signs kept: a converged basis maps to itself
 
 
@@ -213,7 +218,7 @@ def test_refresh_eigenbasis_of_a_singular_factor():
     A[:, 8:, :] = 0  # rank 8 of 16 (a factor of few gradient rows): the shift keeps the step's product full rank
     Q = torch.linalg.qr(torch.randn(3, 16, 16, generator=torch.Generator().manual_seed(5)))[0]
     for _ in range(200):
-        Q, _, ok = refresh_eigenbasis(A.float(), Q)
+        Q, _, ok, _ = refresh_eigenbasis(A.float(), Q)
         assert ok.all()
     torch.testing.assert_close(Q.mT @ Q, torch.eye(16).expand(3, 16, 16), atol=ORTHO_TOL, rtol=0)
     D = Q.double().mT @ A @ Q.double()  # the range is found: the basis diagonalizes A
@@ -225,9 +230,11 @@ def test_refresh_eigenbasis_keeps_basis_on_non_finite():
     A = spd(6, 10.0).float()
     A[0, 1, 1] = float("inf")
     Q = torch.linalg.qr(torch.randn(3, 6, 6))[0]
-    Q1, order, ok = refresh_eigenbasis(A, Q)
+    Q1, order, ok, est = refresh_eigenbasis(A, Q)
     assert ok.tolist() == [False, True, True]
     assert torch.equal(Q1[0], Q[0]) and torch.equal(order[0], torch.arange(6))
+    rayleigh = (Q[1:].mT @ A[1:] @ Q[1:]).diagonal(dim1=-2, dim2=-1)
+    torch.testing.assert_close(est[1:], torch.sort(rayleigh, descending=True)[0])
 
 
 @pytest.mark.parametrize("kwargs, match", [

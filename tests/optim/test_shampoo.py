@@ -21,8 +21,8 @@ def ref_shampoo(W, grads, *, lr, betas, eps, wd, nesterov, freq, start, r, dampi
                 shampoo_beta=None, root_method="newton", phase=0, rnd=lambda x: x):
     """Shampoo on one matrix (one block) in float64, roots by eigh with damping relative to lambda_max; with
     ``root_method="eigenbasis"`` from a basis taken by eigh at the first root and then by one shifted QR power step
-    per refresh. ``rnd``: applied to the operands of the step's products (factor products, preconditioning) and to
-    the preconditioning's inner product."""
+    per refresh, with the Rayleigh quotients of the basis it starts from. ``rnd``: applied to the operands of the
+    step's products (factor products, preconditioning) and to the preconditioning's inner product."""
     W = W.double().clone()
     b1, b2 = betas
     bs = b2 if shampoo_beta is None else shampoo_beta
@@ -49,14 +49,15 @@ def ref_shampoo(W, grads, *, lr, betas, eps, wd, nesterov, freq, start, r, dampi
                     continue
                 if s not in basis:
                     Q = torch.linalg.eigh(F[s])[1]
-                else:
+                    d = torch.diag(Q.T @ F[s] @ Q)
+                else:  # the estimates: the Rayleigh quotients of the columns the power step starts from
                     est = torch.diag(basis[s].T @ F[s] @ basis[s])
                     o = torch.argsort(est, descending=True)
                     shifted = F[s] + REFRESH_SHIFT * est.max() * torch.eye(len(est), dtype=torch.float64)
                     Q, R = torch.linalg.qr(shifted @ basis[s][:, o])
-                    Q = Q * torch.sign(torch.diag(R))[None, :]
+                    Q, d = Q * torch.sign(torch.diag(R))[None, :], est[o]
                 basis[s] = Q
-                d = torch.diag(Q.T @ F[s] @ Q).clamp_min(0)
+                d = d.clamp_min(0)
                 root[s] = Q @ torch.diag((d + damping * d.max()) ** (-1 / p)) @ Q.T
         if t < start:
             U = A if graft else D
