@@ -786,9 +786,13 @@ def graft_select_triton(S: Tensor, fallbacks: Sequence[Tensor], updates: Sequenc
     chunks = _row_chunks((m,) * b, S.device, ADAM_ROWS) if b and m and n else ()
     if not len(chunks):
         return
-    ts = [(S[j], f, u) for j, (f, u) in enumerate(zip(fallbacks, updates))]
-    rows = tuple(((*(t.data_ptr() for t in q), m, n, *(t.stride(0) for t in q), 0), (0,) * 9, 1) for q in ts)
-    aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0 for q in ts for t in q)
+    # S[j]'s address by arithmetic (no view per block: the host's time per block counts at hundreds of blocks)
+    s0, s_step, s_rs = S.data_ptr(), S.stride(0) * S.element_size(), S.stride(1)
+    fu = [(f.data_ptr(), u.data_ptr(), f.stride(0), u.stride(0)) for f, u in zip(fallbacks, updates)]
+    rows = tuple(((s0 + j * s_step, fp, up, m, n, s_rs, fs, us, 0), (0,) * 9, 1)
+                 for j, (fp, up, fs, us) in enumerate(fu))
+    aligned = (s0 % 16 == 0 and s_step % 16 == 0 and s_rs % 4 == 0
+               and all(fp % 16 == 0 and up % 16 == 0 and fs % 4 == 0 and us % 4 == 0 for fp, up, fs, us in fu))
     table = _table(rows, S.device)
     sums = torch.empty((len(chunks), 2), dtype=torch.float32, device=S.device)
     launch_kernel(_graft_sums_kernel, (len(chunks),), table, chunks, sums, ALIGNED=aligned, ROWS=ADAM_ROWS,

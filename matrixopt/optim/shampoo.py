@@ -284,7 +284,7 @@ def block_views(p: Tensor, plan: list[Block], t: Tensor) -> BlockViews:
         else:
             x = pieces[b.piece]
             m, n = x.shape[-2:]
-            grid = x.unflatten(-2, (m // r, r)).unflatten(-1, (n // c, c)).movedim(-3, -2)  # ([E,] R, C, r, c)
+            grid = x.view(*x.shape[:-2], m // r, r, n // c, c).transpose(-3, -2)  # ([E,] R, C, r, c)
             mats = grid.unbind(0) if grid.ndim == 5 else (grid,)
             out += [v for g in mats for row in g.unbind(0) for v in row.unbind(0)]
             try:  # experts' rows of blocks as one dimension where the experts lie one after another
@@ -938,7 +938,8 @@ class Shampoo(KroneckerOptimizer):
                 if right:
                     S = step_product(S, roots("right", ents), precision)
                 Fs, Us = [fviews[i][k] for i, k, _ in ents], [uviews[i][k] for i, k, _ in ents]
-                fused = muon_elementwise.fused_for(Fs, Us, list(S.unbind(0)))
+                fused = muon_elementwise.fused_for(Fs, Us) if S.dtype == torch.float32 and S.stride(-1) == 1 \
+                    else None
                 if fused is not None:  # the graft and the select in two passes (graft_select_triton)
                     fused.graft_select_triton(S, Fs, Us, graft)
                     continue
