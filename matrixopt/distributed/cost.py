@@ -564,15 +564,19 @@ def qr_flops(n: int) -> float:
     return 8.0 / 3.0 * n**3
 
 
-def preconditioner_state_bytes(optimizer: str, m: int, n: int, root_method: str = "newton") -> int:
+def preconditioner_state_bytes(optimizer: str, m: int, n: int, root_method: str = "newton",
+                               matmul_precision: str = "fp32") -> int:
     """Optimizer state of one ``(m, n)`` matrix in bytes (fp32): Muon's momentum, AdamW's two moments, or
-    Shampoo's and SOAP's per-element state plus two ``(k, k)`` matrices per factor of each block (factor and
-    root, or factor and eigenbasis; Shampoo with ``root_method="eigenbasis"`` three: its basis too)."""
+    Shampoo's and SOAP's per-element state plus, per factor of each block, the ``(k, k)`` factor and root, or
+    factor and eigenbasis (Shampoo with ``root_method="eigenbasis"``: its basis too), all fp32, and the stack of
+    its root or basis the step keeps for its products (:meth:`matrixopt.optim.shampoo.KroneckerOptimizer.
+    _step_stack`) in their operand dtype: bf16 under ``matmul_precision="bf16"``, else fp32."""
     base = STATE_BYTES[optimizer] * m * n
     if optimizer not in ("shampoo", "soap"):
         return base
-    per_factor = 3 if optimizer == "shampoo" and check_root_method(root_method) == "eigenbasis" else 2
-    return base + sum(per_factor * 4 * (mb * mb + nb * nb) for mb in _blocks(m) for nb in _blocks(n))
+    kept = 2 if check_matmul_precision(matmul_precision) == "bf16" else 4
+    per_factor = 4 * (3 if optimizer == "shampoo" and check_root_method(root_method) == "eigenbasis" else 2) + kept
+    return base + sum(per_factor * (mb * mb + nb * nb) for mb in _blocks(m) for nb in _blocks(n))
 
 
 def check_root_method(root_method: str) -> str:

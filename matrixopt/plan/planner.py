@@ -508,7 +508,8 @@ def _state(cfg: PlanConfig, mats: Sequence[Matrix], tp: int) -> float:
     for m in mats:
         rows, cols = _split_matrix(m, tp)
         cols = -(-cols // tp) if _tp_sharded(m, tp) else cols
-        total += m.count * preconditioner_state_bytes(cfg.optimizer, rows, cols, cfg.root_method)
+        total += m.count * preconditioner_state_bytes(cfg.optimizer, rows, cols, cfg.root_method,
+                                                      cfg.matmul_precision)
     return total
 
 

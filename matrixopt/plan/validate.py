@@ -555,6 +555,9 @@ def scaling_h200(root: Path) -> list[dict[str, Any]]:
                         _vs_adamw("layerwise:soap", "fsdp:soap", "layerwise:shampoo", "fsdp:shampoo"))
     rows += _scale_rows(two / "scale_precond16k_rep_2xh200.json",
                         _vs_adamw("fsdp:soap", "fsdp:shampoo"))
+    # FSDP2 SOAP and Shampoo with their bases and roots kept stacked and Shampoo's estimates from the power step
+    for path in sorted((dist / "kept_stacks").glob("fsdp_new_*.json")):
+        rows += _scale_rows(path, _vs_adamw("fsdp:soap", "fsdp:shampoo"))
     return rows
 
 

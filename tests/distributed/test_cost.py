@@ -125,8 +125,11 @@ def test_step_times_and_state():
     assert every > tenth > 0  # roots amortized over the period
     assert cost.matrix_step_time(p, "soap", groups, precondition_frequency=10) > 0
     assert cost.preconditioner_state_bytes("muon", 64, 256) == 4 * 64 * 256
-    # Shampoo: momentum and the graft's second moment (8 B per element), a factor and a root per side in fp32
-    assert cost.preconditioner_state_bytes("shampoo", 64, 256) == 8 * 64 * 256 + 8 * (64**2 + 256**2)
+    # Shampoo: momentum and the graft's second moment (8 B per element), a factor and a root per side in fp32, and
+    # the step's kept stack of the roots (fp32; bf16 for bf16 products)
+    assert cost.preconditioner_state_bytes("shampoo", 64, 256) == 8 * 64 * 256 + 12 * (64**2 + 256**2)
+    assert cost.preconditioner_state_bytes("soap", 64, 256, matmul_precision="bf16") == (
+        8 * 64 * 256 + 10 * (64**2 + 256**2))
     with pytest.raises(ValueError, match="optimizer 'lion'"):
         cost.matrix_step_time(p, "lion", groups)
     with pytest.raises(ValueError, match="precondition_frequency"):
