@@ -562,10 +562,11 @@ class KroneckerOptimizer(MatrixOptimizer):
         steps, and at each step only the matrices written since (torch's version counters, which every in-place
         write bumps) or replaced are copied into it again: with the refreshes staggered, about one in
         ``precondition_frequency``. It costs the stacks' memory (the bases or roots again, in the operands'
-        dtype); staged state (compact or offloaded: new tensors at every step) is stacked each time and not kept.
-        Read only: the products never write it."""
+        dtype); staged state (compact or offloaded: new tensors at every step) is stacked each time and not kept,
+        and so is everything under ``torch.compile``, whose graph holds the stacking. Read only: the products never
+        write it."""
         tensors = [states[i][f"{name}{k}"] for i, k, _ in ents]
-        if self.state_dtype is not None or self.offload is not None:
+        if self.state_dtype is not None or self.offload is not None or torch.compiler.is_compiling():
             return step_operands(tensors, precision)
         key = (name, precision, tuple((id(params[i]), k) for i, k, _ in ents))
         versions = [t._version for t in tensors]
