@@ -296,18 +296,17 @@ def block_views(p: Tensor, plan: list[Block], t: Tensor) -> BlockViews:
     return BlockViews(out, grids)
 
 
-def copy_blocks(blocks: list[tuple[BlockViews, int]], X: Tensor) -> None:
-    """Write the stack ``X`` ``(len(blocks), r, c)`` into the blocks ``views[k]`` of ``blocks`` (``(views, k)``
-    pairs, :func:`block_views`' result and a block index): one strided copy for each stretch of whole rows of a
-    parameter's block grid (consecutive pairs of the same ``views`` with consecutive ``k``), a foreach copy for
-    the rest (a foreach copy into blocks, which are not dense, runs one kernel per block)."""
-    singles: list[tuple[Tensor, Tensor]] = []
+def _stretches(blocks: list[tuple[BlockViews, int]]) -> Iterator[tuple[int, int, Tensor | None, int]]:
+    """``blocks`` (``(views, k)`` pairs) cut into stretches for one copy each: ``(j, e, rows, head)`` covers pairs
+    ``j`` to ``e - 1``; ``rows``, where not None, is the ``(q, C, r, c)`` view of the whole rows of a parameter's
+    block grid that pairs ``j + head`` to ``j + head + q C - 1`` are (consecutive pairs of the same ``views`` with
+    consecutive ``k``); the stretch's other pairs are single blocks."""
     j = 0
     while j < len(blocks):
         views, k = blocks[j]
         grid = views.grid_of(k)
         if grid is None or grid[3] is None:
-            singles.append((views[k], X[j]))
+            yield j, j + 1, None, 0
             j += 1
             continue
         first, count, C, rows = grid
@@ -316,13 +315,51 @@ def copy_blocks(blocks: list[tuple[BlockViews, int]], X: Tensor) -> None:
             e += 1
         a, b = k - first, k - first + e - j  # the stretch's blocks in the grid's order
         q0, q1 = -(-a // C), b // C  # the whole rows inside it
-        head, tail = (e - j, 0) if q0 >= q1 else (q0 * C - a, b - q1 * C)
-        if q0 < q1:
-            rows[q0:q1].copy_(X[j + head:e - tail].view(q1 - q0, C, *X.shape[1:]))
-        singles += [(views[k + t], X[j + t]) for t in (*range(head), *range(e - j - tail, e - j))]
+        yield (j, e, rows[q0:q1], q0 * C - a) if q0 < q1 else (j, e, None, 0)
         j = e
+
+
+def _singles(blocks: list[tuple[BlockViews, int]], j: int, e: int, rows: Tensor | None,
+             head: int) -> list[int]:
+    """The pairs of a stretch (:func:`_stretches`) outside its whole rows."""
+    inside = range(j + head, j + head + rows.shape[0] * rows.shape[1]) if rows is not None else range(0)
+    return [t for t in range(j, e) if t not in inside]
+
+
+def copy_blocks(blocks: list[tuple[BlockViews, int]], X: Tensor) -> None:
+    """Write the stack ``X`` ``(len(blocks), r, c)`` into the blocks ``views[k]`` of ``blocks`` (``(views, k)``
+    pairs, :func:`block_views`' result and a block index): one strided copy for each stretch of whole rows of a
+    parameter's block grid (consecutive pairs of the same ``views`` with consecutive ``k``), a foreach copy for
+    the rest (a foreach copy into blocks, which are not dense, runs one kernel per block)."""
+    singles: list[tuple[Tensor, Tensor]] = []
+    for j, e, rows, head in _stretches(blocks):
+        if rows is not None:
+            n = rows.shape[0] * rows.shape[1]
+            rows.copy_(X[j + head:j + head + n].view(*rows.shape))
+        singles += [(blocks[t][0][blocks[t][1]], X[t]) for t in _singles(blocks, j, e, rows, head)]
     if singles:
         torch._foreach_copy_([d for d, _ in singles], [x for _, x in singles])
+
+
+def stack_blocks(blocks: list[tuple[BlockViews, int]], precision: str) -> Tensor:
+    """The blocks ``views[k]`` of ``blocks`` (``(views, k)`` pairs) stacked as :func:`step_operands` stacks them
+    (bfloat16 for ``"bf16"``, else float32). Blocks of another dtype are converted by one strided copy per stretch
+    of whole rows of a parameter's block grid (:func:`copy_blocks`' stretches, read instead of written), where a
+    converting stack copies them one kernel each; blocks already of the operands' dtype are stacked by torch."""
+    dtype = _operand_dtype(precision)
+    first = blocks[0][0][blocks[0][1]]
+    if first.dtype == dtype:
+        return torch.stack([views[k] for views, k in blocks])
+    out = torch.empty((len(blocks), *first.shape), dtype=dtype, device=first.device)
+    singles: list[int] = []
+    for j, e, rows, head in _stretches(blocks):
+        if rows is not None:
+            n = rows.shape[0] * rows.shape[1]
+            out[j + head:j + head + n].view(*rows.shape).copy_(rows)
+        singles += _singles(blocks, j, e, rows, head)
+    if singles:
+        torch._foreach_copy_([out[t] for t in singles], [blocks[t][0][blocks[t][1]] for t in singles])
+    return out
 
 
 class Layout:
@@ -539,7 +576,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         """``L = EMA(G G^T)``, ``R = EMA(G^T G)`` for every block, batched by shape (:meth:`Layout.runs`)."""
         beta, precision = self._shampoo_beta(group), group["matmul_precision"]
         for key, ents in layout.runs():
-            G = step_operands([gviews[i][k] for i, k, _ in ents], precision)
+            G = stack_blocks([(gviews[i], k) for i, k, _ in ents], precision)
             self._accumulate_factors(states, ents, G, key, beta, precision, live)
 
     @staticmethod
@@ -933,7 +970,7 @@ class Shampoo(KroneckerOptimizer):
                 return self._step_stack(params, states, ents, f"{side}_root", precision)
 
             for (_, _, left, right), ents in layout.runs(active):
-                S = step_operands([dviews[i][k] for i, k, _ in ents], precision)  # (b, m, n)
+                S = stack_blocks([(dviews[i], k) for i, k, _ in ents], precision)  # (b, m, n)
                 if left:
                     S = step_product(roots("left", ents), S, precision, inner=right)
                 if right:

@@ -91,7 +91,7 @@ from matrixopt.optim.shampoo import (
     block_views,
     copy_blocks,
     resolve_factor_dtype,
-    step_operands,
+    stack_blocks,
     step_product,
 )
 
@@ -231,7 +231,7 @@ class SOAP(KroneckerOptimizer):
         vviews = [block_views(p, plan, st["exp_avg_sq"]) for p, plan, st in zip(params, plans, states)]
         beta, precision = self._shampoo_beta(group), group["matmul_precision"]
         for key, ents in layout.runs():
-            G = step_operands([gviews[i][k] for i, k, _ in ents], precision)  # (b, m, n)
+            G = stack_blocks([(gviews[i], k) for i, k, _ in ents], precision)  # (b, m, n)
             bases = self._bases(params, states, ents, key, precision)
             X = self._rotate(bases, G, True, precision)  # G' = Q_L^T G Q_R
             if kl:  # KL's factors read this step's projection

@@ -10,7 +10,15 @@ from torch import nn
 import matrixopt
 from matrixopt import Shampoo
 from matrixopt.linalg.roots import REFRESH_SHIFT, InverseRootConfig
-from matrixopt.optim.shampoo import accumulate, block_plan, block_views, copy_blocks, finite_blocks, split_dim
+from matrixopt.optim.shampoo import (
+    accumulate,
+    block_plan,
+    block_views,
+    copy_blocks,
+    finite_blocks,
+    split_dim,
+    stack_blocks,
+)
 
 # fp32 optimizer vs float64 reference over 8 steps with damping 1e-3 (factor condition <= 1e3): the roots carry
 # ~1e-6 relative error, the steps ~1e-6; measured max |W - W_ref| about 3e-6. Allowed with margin:
@@ -359,7 +367,7 @@ def test_block_views_of_a_plan_are_the_blocks_sliced_one_by_one(shape, max_dim, 
     ((8, 12), 4, {}), ((16, 8), 4, {}), ((9, 12), 4, {}), ((3, 8, 12), 4, {"experts": True}),
     ((12, 8), 4, {"split": (3, 0)}), ((8, 12), 4, {"split": ([4, 8], 1)}),
 ])
-def test_copy_blocks_writes_each_block_of_a_run_as_block_by_block_copies_do(shape, max_dim, marks):
+def test_copy_and_stack_blocks_move_each_block_of_a_run_as_block_by_block_copies_do(shape, max_dim, marks):
     ps = [nn.Parameter(torch.randn(shape)) for _ in range(2)]
     for p in ps:
         if "experts" in marks:
@@ -383,6 +391,13 @@ def test_copy_blocks_writes_each_block_of_a_run_as_block_by_block_copies_do(shap
                 ref[i][k].copy_(x)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
             assert sum(int((t != 0).sum()) for t in got) == X.numel()  # nothing written twice or elsewhere
+            # and back: the blocks stacked as the step's products take them, converted by grid rows or not
+            for source, precision in ((want, "bf16"), (want, "fp32"), ([t.bfloat16() for t in want], "fp32")):
+                views = [block_views(p, plan, t) for p, plan, t in zip(ps, plans, source)]
+                stacked = stack_blocks([(views[i], k) for i, k, _ in run], precision)
+                dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+                assert stacked.dtype == dtype
+                assert torch.equal(stacked, torch.stack([views[i][k] for i, k, _ in run]).to(dtype))
 
 
 def test_a_nonfinite_factor_block_contributes_nothing_and_the_rest_accumulate():
