@@ -425,7 +425,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         self._phases: dict[int, tuple[int, int]] = {}  # id(param) -> (precondition_frequency, its refresh phase)
         self._layouts: dict[tuple[int, ...], Layout] = {}
         self._pending: dict[int, Any] = {}  # group index -> side-stream refresh in flight
-        self._operand_cache: dict[tuple, tuple[list[Tensor], list[int], Tensor]] = {}  # (_step_stack)
+        self._operand_cache: dict[tuple, tuple] = {}  # the step's kept stacks (_step_stack)
         self._side_streams: dict[torch.device, Any] = {}
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
                          deferred_nonfinite=deferred_nonfinite, state_dtype=state_dtype, offload=offload)
@@ -591,32 +591,34 @@ class KroneckerOptimizer(MatrixOptimizer):
         if right:
             accumulate([states[i][f"right{k}"] for i, k, _ in ents], step_product(G.mT, G, precision), beta, live)
 
-    def _step_stack(self, params: list[Tensor], states: list[dict[str, Any]], ents: list[tuple[int, int, Block]],
-                    name: str, precision: str) -> Tensor:
+    def _step_stack(self, group: dict[str, Any], params: list[Tensor], states: list[dict[str, Any]],
+                    ents: list[tuple[int, int, Block]], name: str) -> Tensor:
         """The state matrices ``{name}{k}`` of a run's blocks ``ents`` (``(i, k, block)``: block k of
-        ``params[i]``) stacked as the step's products take them (:func:`step_operands`), for matrices that change
-        only when a refresh installs new ones (SOAP's eigenbases, Shampoo's roots). The stack is kept between
-        steps, and at each step only the matrices written since (torch's version counters, which every in-place
-        write bumps) or replaced are copied into it again: with the refreshes staggered, about one in
-        ``precondition_frequency``. It costs the stacks' memory (the bases or roots again, in the operands'
-        dtype); staged state (compact or offloaded: new tensors at every step) is stacked each time and not kept,
-        and so is everything under ``torch.compile``, whose graph holds the stacking. Read only: the products never
-        write it."""
+        ``params[i]``, one block shape) stacked as the step's products take them (:func:`step_operands`, in the
+        group's ``matmul_precision``), for matrices that change only when a refresh installs new ones (SOAP's
+        eigenbases, Shampoo's roots). The stack is kept between steps, one per group, name and block shape, and at
+        each step only the matrices written since (torch's version counters, which every in-place write bumps) or
+        replaced are copied into it again: with the refreshes staggered, about one in ``precondition_frequency``.
+        A run of other blocks (another subset of the group's parameters) makes it anew. It costs the stacks'
+        memory (the bases or roots again, in the operands' dtype); staged state (compact or offloaded: new tensors
+        at every step) is stacked each time and not kept, and so is everything under ``torch.compile``, whose graph
+        holds the stacking. Read only: the products never write it."""
+        precision = group["matmul_precision"]
         tensors = [states[i][f"{name}{k}"] for i, k, _ in ents]
         if self.state_dtype is not None or self.offload is not None or torch.compiler.is_compiling():
             return step_operands(tensors, precision)
-        key = (name, precision, tuple((id(params[i]), k) for i, k, _ in ents))
-        versions = [t._version for t in tensors]
+        key = (id(group), name, precision, ents[0][2].key)
+        blocks = tuple((id(params[i]), k) for i, k, _ in ents)
         kept = self._operand_cache.get(key)
-        if kept is None or kept[2].shape[1:] != tensors[0].shape:
+        if kept is None or kept[0] != blocks or kept[3].shape[1:] != tensors[0].shape:
             self._operand_cache.pop(key, None)  # the old stack's memory first
             stack = step_operands(tensors, precision)
         else:
-            old, seen, stack = kept
-            stale = [j for j, (a, b, v, w) in enumerate(zip(old, tensors, seen, versions)) if a is not b or v != w]
+            _, old, seen, stack = kept
+            stale = [j for j, (a, b, v) in enumerate(zip(old, tensors, seen)) if a is not b or v != b._version]
             if stale:
                 torch._foreach_copy_([stack[j] for j in stale], [tensors[j] for j in stale])
-        self._operand_cache[key] = (tensors, [t._version for t in tensors], stack)
+        self._operand_cache[key] = (blocks, tensors, [t._version for t in tensors], stack)
         return stack
 
     # ----------------------------------------------------------------------------------- refresh schedule
@@ -967,7 +969,7 @@ class Shampoo(KroneckerOptimizer):
             precision = group["matmul_precision"]
 
             def roots(side: str, ents: list[tuple[int, int, Block]]) -> Tensor:
-                return self._step_stack(params, states, ents, f"{side}_root", precision)
+                return self._step_stack(group, params, states, ents, f"{side}_root")
 
             for (_, _, left, right), ents in layout.runs(active):
                 S = stack_blocks([(dviews[i], k) for i, k, _ in ents], precision)  # (b, m, n)

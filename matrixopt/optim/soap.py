@@ -232,7 +232,7 @@ class SOAP(KroneckerOptimizer):
         beta, precision = self._shampoo_beta(group), group["matmul_precision"]
         for key, ents in layout.runs():
             G = stack_blocks([(gviews[i], k) for i, k, _ in ents], precision)  # (b, m, n)
-            bases = self._bases(params, states, ents, key, precision)
+            bases = self._bases(group, params, states, ents, key)
             X = self._rotate(bases, G, True, precision)  # G' = Q_L^T G Q_R
             if kl:  # KL's factors read this step's projection
                 self._kl_factors(group, states, ents, key, G, X, bases, live)
@@ -257,13 +257,14 @@ class SOAP(KroneckerOptimizer):
         return out
 
     # ----------------------------------------------------------------------------------- rotations
-    def _bases(self, params: list[Tensor], states: list[dict[str, Any]], ents: list[tuple[int, int, Block]],
-               key: tuple[int, int, bool, bool], precision: str) -> tuple[Tensor | None, Tensor | None]:
-        """``(Q_L, Q_R)`` of a run of blocks sharing ``key``, stacked ``(b, d, d)`` as the products in ``precision``
-        take them (None for a side without a basis), for both rotations of a step, and kept until a refresh
-        writes one of them (:meth:`~matrixopt.optim.shampoo.KroneckerOptimizer._step_stack`)."""
+    def _bases(self, group: dict[str, Any], params: list[Tensor], states: list[dict[str, Any]],
+               ents: list[tuple[int, int, Block]],
+               key: tuple[int, int, bool, bool]) -> tuple[Tensor | None, Tensor | None]:
+        """``(Q_L, Q_R)`` of a run of blocks sharing ``key``, stacked ``(b, d, d)`` as the products in the group's
+        ``matmul_precision`` take them (None for a side without a basis), for both rotations of a step, and kept
+        until a refresh writes one of them (:meth:`~matrixopt.optim.shampoo.KroneckerOptimizer._step_stack`)."""
         _, _, left, right = key
-        return tuple(self._step_stack(params, states, ents, f"{side}_basis", precision) if has else None
+        return tuple(self._step_stack(group, params, states, ents, f"{side}_basis") if has else None
                      for side, has in (("left", left), ("right", right)))
 
     @staticmethod

@@ -221,9 +221,9 @@ def test_kept_step_stacks_take_only_what_changed(cls):
                 opt.state[Ws[0]][f"{name}0"].mul_(-1.0)
             for W, g in zip(Ws, gs):
                 W.grad = g.clone()
-            before = {k: (v[2], v[2]._version) for k, v in opt._operand_cache.items() if k[0] == name}
+            before = {k: (v[3], v[3]._version) for k, v in opt._operand_cache.items() if k[1] == name}
             opt.step()
-            after = {k: v[2] for k, v in opt._operand_cache.items() if k[0] == name}
+            after = {k: v[3] for k, v in opt._operand_cache.items() if k[1] == name}
             # blocks copied into the kept stack (each copy into a view bumps its version), or "new"
             copies.append([after[k]._version - before[k][1] if k in before and before[k][0] is after[k] else "new"
                            for k in after])
@@ -234,6 +234,14 @@ def test_kept_step_stacks_take_only_what_changed(cls):
             # Shampoo: every root at call 2, then phase 0's at calls 5 and 8 and phase 1's at 3, 6 and 9, before
             # that step's products. And the write before call 7.
             assert copies == [[], ["new"], [1], [0], [1], [1], [1], [1], [1]]
+            assert len(opt._operand_cache) == 2  # one stack per side: what the step keeps is bounded
+            # a run of other blocks (a subset of the parameters) takes the stack's place, and back
+            group, states = opt.param_groups[0], [opt.state[W] for W in Ws]
+            ents = [(i, 0, opt._plan(group, W)[0]) for i, W in enumerate(Ws)]
+            one = opt._step_stack(group, Ws, states, ents[1:], name)
+            both = opt._step_stack(group, Ws, states, ents, name)
+            assert one.shape[0] == 1 and both.shape[0] == 2 and len(opt._operand_cache) == 2
+            assert torch.equal(both, torch.stack([st[f"{name}0"] for st in states]))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
