@@ -426,6 +426,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         self._layouts: dict[tuple[int, ...], Layout] = {}
         self._pending: dict[int, Any] = {}  # group index -> side-stream refresh in flight
         self._operand_cache: dict[tuple, tuple] = {}  # the step's kept stacks (_step_stack)
+        self._stacks_used: set[tuple] = set()  # the keys of those the current group step took
         self._side_streams: dict[torch.device, Any] = {}
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
                          deferred_nonfinite=deferred_nonfinite, state_dtype=state_dtype, offload=offload)
@@ -476,7 +477,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         if failures is not None or "_root_failures" not in self.__dict__:
             self.root_failures = failures or 0
         self._plans, self._phases, self._layouts, self._pending, self._side_streams = {}, {}, {}, {}, {}
-        self._operand_cache = {}
+        self._operand_cache, self._stacks_used = {}, set()
         for group in self.param_groups:  # pickled before these options existed
             if group[self.matrix_flag]:
                 group.setdefault("matmul_precision", "fp32")
@@ -596,19 +597,24 @@ class KroneckerOptimizer(MatrixOptimizer):
         """The state matrices ``{name}{k}`` of a run's blocks ``ents`` (``(i, k, block)``: block k of
         ``params[i]``, one block shape) stacked as the step's products take them (:func:`step_operands`, in the
         group's ``matmul_precision``), for matrices that change only when a refresh installs new ones (SOAP's
-        eigenbases, Shampoo's roots). The stack is kept between steps, one per group, name and block shape, and at
-        each step only the matrices written since (torch's version counters, which every in-place write bumps) or
-        replaced are copied into it again: with the refreshes staggered, about one in ``precondition_frequency``.
-        A run of other blocks (another subset of the group's parameters) makes it anew. It costs the stacks'
-        memory (the bases or roots again, in the operands' dtype); staged state (compact or offloaded: new tensors
-        at every step) is stacked each time and not kept, and so is everything under ``torch.compile``, whose graph
-        holds the stacking. Read only: the products never write it."""
+        eigenbases, Shampoo's roots). The stack is kept between steps, and at each step only the matrices written
+        since (torch's version counters, which every in-place write bumps) or replaced are copied into it again:
+        with the refreshes staggered, about one in ``precondition_frequency``. It costs the stacks' memory (the
+        bases or roots again, in the operands' dtype); staged state (compact or offloaded: new tensors at every
+        step) is stacked each time and not kept, and so is everything under ``torch.compile``, whose graph holds
+        the stacking. Read only: the products never write it.
+
+        A stack is kept per group, name and run, a run known by its first block (a bucket of one block shape is cut
+        into several runs); a run that starts there with other blocks replaces it, and the stacks a group's step
+        did not take are dropped at its end (:meth:`_drop_unused_stacks`), so what is kept is what the last step
+        used."""
         precision = group["matmul_precision"]
         tensors = [states[i][f"{name}{k}"] for i, k, _ in ents]
         if self.state_dtype is not None or self.offload is not None or torch.compiler.is_compiling():
             return step_operands(tensors, precision)
-        key = (id(group), name, precision, ents[0][2].key)
         blocks = tuple((id(params[i]), k) for i, k, _ in ents)
+        key = (id(group), name, precision, blocks[0])
+        self._stacks_used.add(key)
         kept = self._operand_cache.get(key)
         if kept is None or kept[0] != blocks or kept[3].shape[1:] != tensors[0].shape:
             self._operand_cache.pop(key, None)  # the old stack's memory first
@@ -620,6 +626,11 @@ class KroneckerOptimizer(MatrixOptimizer):
                 torch._foreach_copy_([stack[j] for j in stale], [tensors[j] for j in stale])
         self._operand_cache[key] = (blocks, tensors, [t._version for t in tensors], stack)
         return stack
+
+    def _drop_unused_stacks(self, group: dict[str, Any]) -> None:
+        """Drop the kept stacks (:meth:`_step_stack`) of ``group`` that its step just ended did not take."""
+        for key in [k for k in self._operand_cache if k[0] == id(group) and k not in self._stacks_used]:
+            del self._operand_cache[key]
 
     # ----------------------------------------------------------------------------------- refresh schedule
     def _refresh(self, gi: int, group: dict[str, Any], runs: list[Callable[[bool], Any]],
@@ -768,8 +779,11 @@ class KroneckerOptimizer(MatrixOptimizer):
         that computes no roots or eigenbases (:meth:`_device_skip`): nonzero makes every state write keep its old
         value (the moving averages weighted by ``1 - skip``, no NaN/Inf reaching a state write), and the caller
         applies U with the same weight."""
+        self._stacks_used.clear()
         with cuda_matmul_precision(group["matmul_precision"]):
-            return self._updates(group, params, grads, skip)
+            updates = self._updates(group, params, grads, skip)
+        self._drop_unused_stacks(group)
+        return updates
 
     def _updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                  skip: Tensor | None) -> list[Tensor | None]:

@@ -235,15 +235,41 @@ def test_kept_step_stacks_take_only_what_changed(cls):
             # that step's products. And the write before call 7.
             assert copies == [[], ["new"], [1], [0], [1], [1], [1], [1], [1]]
             assert len(opt._operand_cache) == 2  # one stack per side: what the step keeps is bounded
-            # a run of other blocks (a subset of the parameters) takes the stack's place, and back
+            # a run of other blocks (a subset of the parameters) gets a stack of its own, which the next step,
+            # not taking it, drops
             group, states = opt.param_groups[0], [opt.state[W] for W in Ws]
             ents = [(i, 0, opt._plan(group, W)[0]) for i, W in enumerate(Ws)]
             one = opt._step_stack(group, Ws, states, ents[1:], name)
             both = opt._step_stack(group, Ws, states, ents, name)
-            assert one.shape[0] == 1 and both.shape[0] == 2 and len(opt._operand_cache) == 2
+            assert one.shape[0] == 1 and both.shape[0] == 2 and len(opt._operand_cache) == 3
             assert torch.equal(both, torch.stack([st[f"{name}0"] for st in states]))
+            for W, g in zip(Ws, grads[0]):
+                W.grad = g.clone()
+            opt.step()
+            assert len(opt._operand_cache) == 2
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cls", [SOAP, matrixopt.Shampoo])
+def test_kept_step_stacks_hold_for_a_block_shape_cut_into_several_runs(cls, monkeypatch):
+    """A bucket of one block shape larger than a batch's cap is cut into several runs: each keeps its own stack,
+    and a step whose bases or roots did not change copies none of them again."""
+    monkeypatch.setattr("matrixopt.optim.layout.BUCKET_NUMEL", 2 * 36)  # two 6x6 factors per run
+    torch.manual_seed(0)
+    Ws = [nn.Parameter(torch.randn(6, 6)) for _ in range(5)]  # one block shape, three runs
+    opt = cls(Ws, lr=0.01, precondition_frequency=100, **({} if cls is SOAP else {"start_preconditioning_step": 2}))
+    name = "left_basis" if cls is SOAP else "left_root"
+    for t in range(4):
+        for W in Ws:
+            W.grad = torch.randn(6, 6)
+        before = {k: (v[3], v[3]._version) for k, v in opt._operand_cache.items() if k[1] == name}
+        opt.step()
+        after = {k: v[3] for k, v in opt._operand_cache.items() if k[1] == name}
+        assert sorted(v.shape[0] for v in after.values()) == ([] if t == 0 else [1, 2, 2])  # the first step stacks none
+        if t == 3:  # no refresh since the last step: the same three stacks, nothing copied into them
+            assert before.keys() == after.keys()
+            assert all(before[k][0] is after[k] and before[k][1] == after[k]._version for k in after)
 
 
 def test_state_dict_round_trip_is_bit_identical():
