@@ -161,7 +161,9 @@ _switch = BackendSwitch("elementwise")
 
 
 def _on_gpu(*tensors: Sequence[Tensor]) -> bool:
-    return not torch.compiler.is_compiling() and all(t.is_cuda for ts in tensors for t in ts)
+    """Whether every tensor of these lists is on the GPU (a tensor in place of a list, a stack, counts as one)."""
+    return not torch.compiler.is_compiling() and all(
+        ts.is_cuda if isinstance(ts, Tensor) else all(t.is_cuda for t in ts) for ts in tensors)
 
 
 def _kernels(auto: bool) -> ModuleType | None:
@@ -332,12 +334,14 @@ def stochastic_round_bf16(x: Tensor, generator: torch.Generator | None = None) -
     return fused.stochastic_round_bf16_triton(x.contiguous(), seed)
 
 
-def fused_for(*tensors: Sequence[Tensor]) -> ModuleType | None:
+def fused_for(*tensors: Sequence[Tensor] | Tensor) -> ModuleType | None:
     """The fused kernels' module for a pass over these lists of float32 matrices with unit column stride (on the
-    GPU, or anywhere under a forced ``"triton"`` backend), else None: the caller runs its torch reference. Used by
-    Adam's one-pass kernel (:func:`matrixopt.optim.adam.adam_step`, Shampoo's graft), the factors' update and
-    Shampoo's graft-and-select."""
-    takes = all(t.dtype == torch.float32 and t.ndim == 2 and t.stride(1) == 1 for ts in tensors for t in ts)
+    GPU, or anywhere under a forced ``"triton"`` backend), else None: the caller runs its torch reference. A
+    ``(b, m, n)`` tensor may stand for the list of its b matrices (a stack, checked once). Used by Adam's one-pass
+    kernel (:func:`matrixopt.optim.adam.adam_step`, Shampoo's graft), the factors' update and Shampoo's
+    graft-and-select."""
+    takes = all(ts.dtype == torch.float32 and ts.ndim == 3 and ts.stride(-1) == 1 if isinstance(ts, Tensor) else
+                all(t.dtype == torch.float32 and t.ndim == 2 and t.stride(1) == 1 for t in ts) for ts in tensors)
     return _kernels(_on_gpu(*tensors)) if takes else None
 
 

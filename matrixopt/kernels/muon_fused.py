@@ -703,21 +703,35 @@ def _factor_ema_kernel(
             tl.store(f_ptr + r * f_rs + col, new, mask=mask)
 
 
-def factor_ema_triton(factors: Sequence[Tensor], products: Sequence[Tensor], ok: Tensor, weight: float,
+def _addresses(ts: Sequence[Tensor] | Tensor) -> tuple[list[int], list[int], bool]:
+    """Each matrix's address and row stride (elements), and whether every address is 16-byte aligned and every
+    row stride a multiple of 4 elements, for a list of matrices or a ``(b, R, C)`` stack standing for its b
+    matrices (their addresses by arithmetic: no view per matrix, the host's time per matrix counting at hundreds
+    of blocks)."""
+    if isinstance(ts, Tensor):
+        base, step, rs = ts.data_ptr(), ts.stride(0) * ts.element_size(), ts.stride(1)
+        return ([base + j * step for j in range(ts.shape[0])], [rs] * ts.shape[0],
+                base % 16 == 0 and step % 16 == 0 and rs % 4 == 0)
+    ptrs, strides = [t.data_ptr() for t in ts], [t.stride(0) for t in ts]
+    return ptrs, strides, all(p % 16 == 0 for p in ptrs) and all(r % 4 == 0 for r in strides)
+
+
+def factor_ema_triton(factors: Sequence[Tensor], products: Sequence[Tensor] | Tensor, ok: Tensor, weight: float,
                       live: Tensor | None = None, sum_: bool = False) -> None:
     """Shampoo's factor update in one pass (one launch for the lists): ``F <- F (1 - w) + w P``, or ``F <- F + w P``
     with ``sum_``, where ``w = weight * live`` and a product P whose ``ok`` entry is zero counts as zeros (a
     non-finite block contributes nothing). 12 bytes per element, where the torch reference's select, multiply and
     add move 28. ``factors``, ``products``: float32 ``(R, C)`` matrices with unit column stride, pairwise shaped
-    alike, on one device; ``ok``: ``(n,)`` float32 or bool; ``live``: a 0-d float32 device flag, 0 on a skipped
-    step, which leaves every factor as it was, bit for bit."""
-    if not factors:
+    alike, on one device (``products`` may be their ``(n, R, C)`` stack); ``ok``: ``(n,)`` float32 or bool;
+    ``live``: a 0-d float32 device flag, 0 on a skipped step, which leaves every factor as it was, bit for bit."""
+    if not len(factors):
         return
     device = factors[0].device
-    chunks = _row_chunks(tuple(f.shape[0] for f in factors), device, ADAM_ROWS)
-    rows = tuple(((f.data_ptr(), p.data_ptr(), f.shape[0], f.shape[1], f.stride(0), p.stride(0)), (0,) * 6, 1)
-                 for f, p in zip(factors, products))
-    aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0 for q in (factors, products) for t in q)
+    shapes = [f.shape for f in factors]
+    chunks = _row_chunks(tuple(s[0] for s in shapes), device, ADAM_ROWS)
+    (fp, fs, fa), (pp, ps, pa) = _addresses(factors), _addresses(products)
+    rows = tuple(((*a, s[0], s[1], *r), (0,) * 6, 1) for a, s, r in zip(zip(fp, pp), shapes, zip(fs, ps)))
+    aligned = fa and pa
     launch_kernel(_factor_ema_kernel, (len(chunks),), _table(rows, device), chunks, ok.float(),
                   live if live is not None else chunks, float(weight), HAS_LIVE=live is not None, SUM=sum_,
                   ALIGNED=aligned, ROWS=ADAM_ROWS, BLOCK=ADAM_BLOCK, num_warps=ADAM_WARPS)
@@ -812,9 +826,10 @@ def _row_chunks(rows: tuple[int, ...], device: torch.device, per: int) -> Tensor
     return torch.tensor(items, dtype=torch.int64).reshape(-1, 2).to(device)
 
 
-def adam_triton(exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], grads: Sequence[Tensor],
+def adam_triton(exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], grads: Sequence[Tensor] | Tensor,
                 step: int, betas: tuple[float, float], eps: float, skip: Tensor | None = None,
-                out: Sequence[Tensor] | None = None, nesterov: Sequence[Tensor] | None = None) -> list[Tensor]:
+                out: Sequence[Tensor] | Tensor | None = None,
+                nesterov: Sequence[Tensor] | None = None) -> list[Tensor] | Tensor:
     """Adam's moments and bias-corrected direction in one pass over each matrix (one launch for the lists):
     ``m <- lerp(m, g, 1 - beta1)``, ``v <- beta2 v + (1 - beta2) g^2``, and the returned tensors
     ``(m / (1 - beta1^t)) / (sqrt(v) / sqrt(1 - beta2^t) + eps)``, t = ``step`` for every matrix. 24 bytes per
@@ -822,20 +837,22 @@ def adam_triton(exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], grads
     stride (any row stride: blocks of larger tensors) on one device, each ``grads[i]`` shaped as ``exp_avgs[i]``
     and ``exp_avg_sqs[i]``. ``skip``: a 0-d float32 device flag; nonzero leaves the moments unwritten and returns
     zeros. ``out``: where to write the directions instead of new tensors (shaped alike, unit column stride; may be
-    ``grads`` themselves, each element read before it is written). ``nesterov``: tensors shaped alike that receive
-    the Nesterov numerator ``lerp(g, m, beta1)`` (zeros when skipping), which then replaces ``m`` in the
+    ``grads`` themselves, each element read before it is written). ``grads`` and ``out`` may be ``(n, R, C)``
+    stacks standing for their n matrices (``out`` then returned as it is). ``nesterov``: tensors shaped alike that
+    receive the Nesterov numerator ``lerp(g, m, beta1)`` (zeros when skipping), which then replaces ``m`` in the
     direction (Shampoo's graft: 28 bytes per element)."""
     beta1, beta2 = betas
-    outs = list(out) if out is not None else [torch.empty_like(m, memory_format=torch.contiguous_format)
-                                              for m in exp_avgs]
+    outs = out if isinstance(out, Tensor) else list(out) if out is not None else [
+        torch.empty_like(m, memory_format=torch.contiguous_format) for m in exp_avgs]
     device = exp_avgs[0].device if exp_avgs else None
-    chunks = _row_chunks(tuple(m.shape[0] for m in exp_avgs), device, ADAM_ROWS) if exp_avgs else ()
+    shapes = [m.shape for m in exp_avgs]
+    chunks = _row_chunks(tuple(s[0] for s in shapes), device, ADAM_ROWS) if exp_avgs else ()
     if len(chunks):
         nums = list(nesterov) if nesterov is not None else outs  # unused without Nesterov
-        ts = list(zip(grads, exp_avgs, exp_avg_sqs, outs, nums))
-        rows = tuple(((*(t.data_ptr() for t in q), m.shape[0], m.shape[1], *(t.stride(0) for t in q)),
-                      (0,) * 12, 1) for q, m in ((q, q[1]) for q in ts))
-        aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0 for q in ts for t in q)
+        cols = [_addresses(q) for q in (grads, exp_avgs, exp_avg_sqs, outs, nums)]
+        rows = tuple(((*a, s[0], s[1], *r), (0,) * 12, 1)
+                     for a, s, r in zip(zip(*(c[0] for c in cols)), shapes, zip(*(c[1] for c in cols))))
+        aligned = all(c[2] for c in cols)
         launch_kernel(_adam_kernel, (len(chunks),), _table(rows, device), chunks, skip if skip is not None else
                       chunks, float(beta1), float(beta2), float(eps), 1.0 / (1 - beta1**step),
                       (1 - beta2**step) ** 0.5, HAS_SKIP=skip is not None, NESTEROV=nesterov is not None,

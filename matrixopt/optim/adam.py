@@ -53,9 +53,9 @@ def adam_direction(exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], steps: lis
     return out
 
 
-def adam_step(exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], grads: list[Tensor], steps: list[int],
+def adam_step(exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], grads: list[Tensor] | Tensor, steps: list[int],
               betas: tuple[float, float], eps: float, skip: Tensor | None = None,
-              into_grads: bool = False) -> list[Tensor]:
+              into_grads: bool = False) -> list[Tensor] | Tensor:
     """:func:`adam_moments_` then :func:`adam_direction` (lr 1): the moments updated in place, the directions
     returned as float32 tensors. Where every tensor is a float32 matrix with unit column stride (a block of a
     larger tensor too) on the GPU and the steps are one int, in one pass
@@ -63,12 +63,14 @@ def adam_step(exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], grads: list[Ten
     ``skip``: a 0-d float32 device flag, nonzero for a step that must write nothing: the moments are left as they
     were, bit for bit, and the directions are zeros, whatever the gradients hold (NaN/Inf included), for a caller
     that applies them with weight ``1 - skip``. ``into_grads``: the directions are written over ``grads``
-    and returned as them."""
+    and returned as them. ``grads`` may be a ``(n, R, C)`` float32 stack of the n gradients (then returned as it
+    is with ``into_grads``)."""
     fused = muon_elementwise.fused_for(exp_avgs, exp_avg_sqs, grads) if len(set(steps)) == 1 and all(
         isinstance(t, int) for t in steps) else None
     if fused is not None:
         return fused.adam_triton(exp_avgs, exp_avg_sqs, grads, steps[0], betas, eps, skip,
                                  grads if into_grads else None)
+    stack, grads = (grads, list(grads.unbind(0))) if isinstance(grads, Tensor) else (None, grads)
     if skip is None:
         adam_moments_(exp_avgs, exp_avg_sqs, grads, betas)
         out = adam_direction(exp_avgs, exp_avg_sqs, steps, betas, eps)
@@ -81,5 +83,5 @@ def adam_step(exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], grads: list[Ten
         out = [torch.where(keep, d, 0.0) for d in adam_direction(new_m, new_v, steps, betas, eps)]
     if into_grads:
         torch._foreach_copy_(grads, out)
-        return grads
+        return grads if stack is None else stack
     return out

@@ -395,10 +395,9 @@ def accumulate(factors: list[Tensor], GG: Tensor, beta: float, live: Tensor | No
     ``live``: an optional 0-d float32 device flag, 0 for a skipped step, which leaves the factors as they were
     (GG, whatever it holds, then counts as zero; the average as :func:`~matrixopt.optim.adam.ema_` takes it).
     float32 factors on the GPU take one pass (:func:`matrixopt.kernels.muon_fused.factor_ema_triton`)."""
-    products = list(GG.unbind(0))
-    fused = muon_elementwise.fused_for(factors, products)
+    fused = muon_elementwise.fused_for(factors, GG)
     if fused is not None:  # one pass (12 bytes per element instead of 28)
-        fused.factor_ema_triton(factors, products, finite_blocks(GG).flatten(), 1.0 if beta == 1.0 else 1.0 - beta,
+        fused.factor_ema_triton(factors, GG, finite_blocks(GG).flatten(), 1.0 if beta == 1.0 else 1.0 - beta,
                                 live, sum_=beta == 1.0)
         return
     ok = finite_blocks(GG) if live is None else finite_blocks(GG) & (live > 0)
@@ -427,6 +426,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         self._pending: dict[int, Any] = {}  # group index -> side-stream refresh in flight
         self._operand_cache: dict[tuple, tuple] = {}  # the step's kept stacks (_step_stack)
         self._stacks_used: set[tuple] = set()  # the keys of those the current group step took
+        self._view_cache: dict[tuple[int, str], tuple[Tensor, BlockViews]] = {}  # _state_views
         self._side_streams: dict[torch.device, Any] = {}
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
                          deferred_nonfinite=deferred_nonfinite, state_dtype=state_dtype, offload=offload)
@@ -477,7 +477,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         if failures is not None or "_root_failures" not in self.__dict__:
             self.root_failures = failures or 0
         self._plans, self._phases, self._layouts, self._pending, self._side_streams = {}, {}, {}, {}, {}
-        self._operand_cache, self._stacks_used = {}, set()
+        self._operand_cache, self._stacks_used, self._view_cache = {}, set(), {}
         for group in self.param_groups:  # pickled before these options existed
             if group[self.matrix_flag]:
                 group.setdefault("matmul_precision", "fp32")
@@ -627,6 +627,20 @@ class KroneckerOptimizer(MatrixOptimizer):
         self._operand_cache[key] = (blocks, tensors, [t._version for t in tensors], stack)
         return stack
 
+    def _state_views(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], name: str) -> BlockViews:
+        """:func:`block_views` of the state tensor ``st[name]`` of ``p`` (a moment, written in place step after
+        step), kept while that tensor is the state's: a step takes each block's view without making it again
+        (hundreds of blocks a step; the host's time per view counts). Staged state (compact or offloaded: new
+        tensors at every step) and steps under ``torch.compile`` make them anew each time."""
+        t = st[name]
+        kept = self._view_cache.get((id(p), name))
+        if kept is not None and kept[0] is t:
+            return kept[1]
+        views = block_views(p, self._plan(group, p), t)
+        if self.state_dtype is None and self.offload is None and not torch.compiler.is_compiling():
+            self._view_cache[id(p), name] = (t, views)
+        return views
+
     def _drop_unused_stacks(self, group: dict[str, Any]) -> None:
         """Drop the kept stacks (:meth:`_step_stack`) of ``group`` that its step just ended did not take."""
         for key in [k for k in self._operand_cache if k[0] == id(group) and k not in self._stacks_used]:
@@ -684,6 +698,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         super().load_state_dict(state_dict)
         self._pending.clear()
         self._operand_cache.clear()
+        self._view_cache.clear()
 
     def _check_factors(self, group: dict[str, Any], p: Tensor, st: dict[str, Any]) -> None:
         """Raise ValueError unless the factors of the saved state ``st`` of ``p`` match its blocks."""

@@ -227,8 +227,8 @@ class SOAP(KroneckerOptimizer):
         # stack in place (the moments' blocks read and written where they lie), project back into the update
         updates = [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]
         uviews = [block_views(p, plan, t) for p, plan, t in zip(params, plans, updates)]
-        mviews = [block_views(p, plan, st["exp_avg"]) for p, plan, st in zip(params, plans, states)]
-        vviews = [block_views(p, plan, st["exp_avg_sq"]) for p, plan, st in zip(params, plans, states)]
+        mviews = [self._state_views(group, p, st, "exp_avg") for p, st in zip(params, states)]
+        vviews = [self._state_views(group, p, st, "exp_avg_sq") for p, st in zip(params, states)]
         beta, precision = self._shampoo_beta(group), group["matmul_precision"]
         for key, ents in layout.runs():
             G = stack_blocks([(gviews[i], k) for i, k, _ in ents], precision)  # (b, m, n)
@@ -239,7 +239,7 @@ class SOAP(KroneckerOptimizer):
             else:  # this run's factors, from the stack at hand: the projections read the bases, not the factors
                 self._accumulate_factors(states, ents, G, key, beta, precision, live)
             del G
-            adam_step([mviews[i][k] for i, k, _ in ents], [vviews[i][k] for i, k, _ in ents], list(X.unbind(0)),
+            adam_step([mviews[i][k] for i, k, _ in ents], [vviews[i][k] for i, k, _ in ents], X,
                       [steps[i] for i, _, _ in ents], group["betas"], group["eps"], skip, into_grads=True)
             U = self._rotate(bases, X, False, precision)  # Q_L N Q_R^T
             copy_blocks([(uviews[i], k) for i, k, _ in ents], U)
@@ -250,7 +250,7 @@ class SOAP(KroneckerOptimizer):
             gi = next(j for j, g in enumerate(self.param_groups) if g is group)
             items = [(params[i], plans[i], states[i]) for i in due]
             self._refresh(gi, group, [functools.partial(self._new_bases, group, jobs)
-                                      for jobs in self._factor_runs(items)],
+                                      for jobs in self._factor_runs(group, items)],
                           functools.partial(self._install_bases, group, live=live))
         for i, u in zip(rest, updates):
             out[i] = u
@@ -313,13 +313,14 @@ class SOAP(KroneckerOptimizer):
                 ema_(d, list(((P2 * inv_l[:, :, None]).sum(-2) / m).unbind(0)), 1 - beta, live)
 
     # ----------------------------------------------------------------------------------- eigenbases
-    def _factor_jobs(self, items: list[tuple[Tensor, list[Block], dict[str, Any]]]) -> dict[int, list[tuple]]:
+    def _factor_jobs(self, group: dict[str, Any], items: list[tuple[Tensor, list[Block], dict[str, Any]]]
+                     ) -> dict[int, list[tuple]]:
         """``{d: [(state, k, side, exp_avg blocks, exp_avg_sq blocks)]}``: every factor of ``items``
         (``(param, plan, state)``; the moments' :func:`~matrixopt.optim.shampoo.block_views`, block k the job's),
         bucketed by size, each size's jobs ordered by side and moment block shape (a parameter's blocks in order)."""
         jobs: dict[int, list[tuple]] = defaultdict(list)
         for p, plan, st in items:
-            mviews, vviews = block_views(p, plan, st["exp_avg"]), block_views(p, plan, st["exp_avg_sq"])
+            mviews, vviews = (self._state_views(group, p, st, name) for name in ("exp_avg", "exp_avg_sq"))
             for k, b in enumerate(plan):
                 for side in self._sides(b):
                     jobs[st[f"{side}{k}"].shape[0]].append((st, k, side, mviews, vviews))
@@ -327,10 +328,11 @@ class SOAP(KroneckerOptimizer):
             same.sort(key=lambda job: (job[2], tuple(job[3][job[1]].shape)))
         return jobs
 
-    def _factor_runs(self, items: list[tuple[Tensor, list[Block], dict[str, Any]]]) -> list[list[tuple]]:
+    def _factor_runs(self, group: dict[str, Any], items: list[tuple[Tensor, list[Block], dict[str, Any]]]
+                     ) -> list[list[tuple]]:
         """:meth:`_factor_jobs` of each size in batches of bounded workspace
         (:func:`~matrixopt.optim.layout.capped_runs`)."""
-        return [run for d, jobs in self._factor_jobs(items).items() for run in capped_runs(jobs, d * d)]
+        return [run for d, jobs in self._factor_jobs(group, items).items() for run in capped_runs(jobs, d * d)]
 
     @staticmethod
     def _stack(jobs: list[tuple], name: str) -> Tensor:
@@ -342,7 +344,7 @@ class SOAP(KroneckerOptimizer):
         torch._foreach_copy_(dsts, list(X.to(dsts[0].dtype).unbind(0)))
 
     def _first_bases(self, group: dict[str, Any], items: list[tuple[Tensor, list[Block], dict[str, Any]]]) -> None:
-        for jobs in self._factor_runs(items):
+        for jobs in self._factor_runs(group, items):
             F = self._stack(jobs, "")
             Q, ok = eigenbasis(F)
             self._write(jobs, "_basis", Q)

@@ -420,6 +420,31 @@ def test_adam_one_pass_matches_float64_and_skips_on_the_flag(monkeypatch):
         assert torch.equal(big[:, 40:], before[:, 40:])
 
 
+def test_adam_one_pass_takes_a_stack_of_gradients_as_its_matrices(monkeypatch):
+    """A ``(n, R, C)`` stack in place of the gradients' list (SOAP's projected stack, addressed by arithmetic, not
+    one view per block): the same moments and directions, bit for bit, written over the stack, which is returned;
+    also for a stack whose matrices are not adjacent (a strided slice of a larger one)."""
+    from matrixopt.optim.adam import adam_step
+
+    monkeypatch.setattr(fused, "ADAM_BLOCK", 16)
+    g = torch.Generator().manual_seed(0)
+    big_m, big_v = torch.randn(30, 70, generator=g), torch.rand(30, 70, generator=g)
+    M = [big_m[r:r + 10, c:c + 33] for r in (0, 15) for c in (1, 35)]  # blocks of a larger tensor
+    V = [big_v[r:r + 10, c:c + 33] for r in (0, 15) for c in (1, 35)]
+    for X in (torch.randn(4, 10, 33, generator=g), torch.randn(8, 10, 33, generator=g)[::2]):
+        results = []
+        for as_stack in (False, True):
+            m, v = [x.clone() for x in M], [x.clone() for x in V]
+            grads = X.clone() if as_stack else [x.clone() for x in X]
+            with ew.elementwise_backend("triton"):
+                d = adam_step(m, v, grads, [2] * 4, (0.9, 0.95), 1e-8, into_grads=True)
+            assert d is grads if as_stack else all(a is b for a, b in zip(d, grads))
+            results.append((m, v, list(d)))
+        for a, b in zip(*(sum(r, []) for r in results)):
+            assert torch.equal(a, b)
+        assert not torch.equal(results[0][2][0], X[0])  # the directions were written
+
+
 def test_soap_through_the_adam_kernel_matches_its_foreach_path():
     torch.manual_seed(0)
     runs = {}
