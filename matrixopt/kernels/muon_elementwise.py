@@ -334,15 +334,40 @@ def stochastic_round_bf16(x: Tensor, generator: torch.Generator | None = None) -
     return fused.stochastic_round_bf16_triton(x.contiguous(), seed)
 
 
+def _row_matrices(ts: Sequence[Tensor] | Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Whether ``ts`` are matrices of one of ``dtypes`` with unit column stride: a list of them, or a
+    ``(b, m, n)`` stack standing for its b matrices (checked once)."""
+    if isinstance(ts, Tensor):
+        return ts.dtype in dtypes and ts.ndim == 3 and ts.stride(-1) == 1
+    return all(t.dtype in dtypes and t.ndim == 2 and t.stride(1) == 1 for t in ts)
+
+
 def fused_for(*tensors: Sequence[Tensor] | Tensor) -> ModuleType | None:
     """The fused kernels' module for a pass over these lists of float32 matrices with unit column stride (on the
     GPU, or anywhere under a forced ``"triton"`` backend), else None: the caller runs its torch reference. A
     ``(b, m, n)`` tensor may stand for the list of its b matrices (a stack, checked once). Used by Adam's one-pass
     kernel (:func:`matrixopt.optim.adam.adam_step`, Shampoo's graft), the factors' update and Shampoo's
     graft-and-select."""
-    takes = all(ts.dtype == torch.float32 and ts.ndim == 3 and ts.stride(-1) == 1 if isinstance(ts, Tensor) else
-                all(t.dtype == torch.float32 and t.ndim == 2 and t.stride(1) == 1 for t in ts) for ts in tensors)
+    takes = all(_row_matrices(ts, (torch.float32,)) for ts in tensors)
     return _kernels(_on_gpu(*tensors)) if takes else None
+
+
+def copy_matrices(dsts: Sequence[Tensor] | Tensor, srcs: Sequence[Tensor] | Tensor) -> None:
+    """``dsts[i].copy_(srcs[i])`` for every i: lists of matrices, or ``(n, m, n)`` stacks standing for their
+    matrices, pairwise shaped alike (Shampoo's and SOAP's blocks of larger tensors, to and from the stacks of a
+    batch). Float32 or bfloat16 matrices with unit column stride on the GPU (one dtype per side) take one launch
+    (:func:`matrixopt.kernels.muon_fused.copy_matrices_triton`); anything else a foreach copy."""
+    takes = all(_row_matrices(ts, (torch.float32, torch.bfloat16))
+                and (isinstance(ts, Tensor) or len({t.dtype for t in ts}) <= 1) for ts in (dsts, srcs))
+    fused = _kernels(_on_gpu(dsts, srcs)) if takes else None
+    if fused is not None:
+        fused.copy_matrices_triton(dsts, srcs)
+        return
+    torch._foreach_copy_(_unstacked(dsts), _unstacked(srcs))
+
+
+def _unstacked(ts: Sequence[Tensor] | Tensor) -> list[Tensor]:
+    return list(ts.unbind(0)) if isinstance(ts, Tensor) else list(ts)
 
 
 def elementwise_backend(name: str) -> contextlib.AbstractContextManager[None]:

@@ -704,16 +704,17 @@ def _factor_ema_kernel(
 
 
 def _addresses(ts: Sequence[Tensor] | Tensor) -> tuple[list[int], list[int], bool]:
-    """Each matrix's address and row stride (elements), and whether every address is 16-byte aligned and every
-    row stride a multiple of 4 elements, for a list of matrices or a ``(b, R, C)`` stack standing for its b
-    matrices (their addresses by arithmetic: no view per matrix, the host's time per matrix counting at hundreds
-    of blocks)."""
+    """Each matrix's address and row stride (elements), and whether every address and row stride is a multiple of
+    16 bytes, for a list of matrices of one dtype or a ``(b, R, C)`` stack standing for its b matrices (their
+    addresses by arithmetic: no view per matrix, the host's time per matrix counting at hundreds of blocks)."""
     if isinstance(ts, Tensor):
-        base, step, rs = ts.data_ptr(), ts.stride(0) * ts.element_size(), ts.stride(1)
+        base, size, rs = ts.data_ptr(), ts.element_size(), ts.stride(1)
+        step = ts.stride(0) * size
         return ([base + j * step for j in range(ts.shape[0])], [rs] * ts.shape[0],
-                base % 16 == 0 and step % 16 == 0 and rs % 4 == 0)
+                base % 16 == 0 and step % 16 == 0 and rs * size % 16 == 0)
     ptrs, strides = [t.data_ptr() for t in ts], [t.stride(0) for t in ts]
-    return ptrs, strides, all(p % 16 == 0 for p in ptrs) and all(r % 4 == 0 for r in strides)
+    size = ts[0].element_size() if len(ts) else 4
+    return ptrs, strides, all(p % 16 == 0 for p in ptrs) and all(r * size % 16 == 0 for r in strides)
 
 
 def factor_ema_triton(factors: Sequence[Tensor], products: Sequence[Tensor] | Tensor, ok: Tensor, weight: float,
@@ -735,6 +736,56 @@ def factor_ema_triton(factors: Sequence[Tensor], products: Sequence[Tensor] | Te
     launch_kernel(_factor_ema_kernel, (len(chunks),), _table(rows, device), chunks, ok.float(),
                   live if live is not None else chunks, float(weight), HAS_LIVE=live is not None, SUM=sum_,
                   ALIGNED=aligned, ROWS=ADAM_ROWS, BLOCK=ADAM_BLOCK, num_warps=ADAM_WARPS)
+
+
+# ----------------------------------------------------------------------------------------------- block copies
+
+@triton.jit
+def _copy_kernel(
+    # (n, 6) int64 table, one row per matrix: source and destination addresses, rows, columns, their row strides
+    # (elements); (P, 2) int64 work list: matrix, first row
+    table_ptr, chunks_ptr,
+    SRC: tl.constexpr, DST: tl.constexpr, DOWN: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i, r0, row, R, C = _work_row(table_ptr, chunks_ptr, 2, 6)
+    s_addr, d_addr = tl.load(row), tl.load(row + 1)
+    s_rs, d_rs = tl.load(row + 4), tl.load(row + 5)
+    if ALIGNED:  # 16-byte addresses and row strides: vector loads and stores
+        s_addr, d_addr = tl.multiple_of(s_addr, 16), tl.multiple_of(d_addr, 16)
+        s_rs, d_rs = tl.multiple_of(s_rs, 8), tl.multiple_of(d_rs, 8)
+    s_ptr, d_ptr = s_addr.to(tl.pointer_type(SRC)), d_addr.to(tl.pointer_type(DST))
+    for r in range(r0, r0 + ROWS):
+        for c0 in range(0, C, BLOCK):
+            col = _columns(c0, BLOCK, ALIGNED)
+            mask = (col < C) & (r < R)
+            x = tl.load(s_ptr + r * s_rs + col, mask=mask)
+            if DOWN:  # to the nearest, ties to even, as torch rounds
+                x = x.to(DST, fp_downcast_rounding="rtne")
+            tl.store(d_ptr + r * d_rs + col, x.to(DST), mask=mask)
+
+
+def copy_matrices_triton(dsts: Sequence[Tensor] | Tensor, srcs: Sequence[Tensor] | Tensor) -> None:
+    """``dsts[i] <- srcs[i]``, converted to the destinations' dtype, for every i in one launch: each element read
+    and written once, where torch copies a block of a larger tensor (a view that is not dense) by one kernel per
+    block, or a grid of them by a strided copy at about half the memory bandwidth. ``dsts``, ``srcs``: lists of
+    ``(R, C)`` matrices of one dtype each (float32 or bfloat16) with unit column stride, pairwise shaped alike, on
+    one device, or ``(n, R, C)`` stacks standing for their n matrices."""
+    n = len(dsts)
+    if not n:
+        return
+    stack = dsts if isinstance(dsts, Tensor) else None
+    shapes = [stack.shape[1:]] * n if stack is not None else [d.shape for d in dsts]
+    dtype, device = (stack.dtype, stack.device) if stack is not None else (dsts[0].dtype, dsts[0].device)
+    src_dtype = srcs.dtype if isinstance(srcs, Tensor) else srcs[0].dtype
+    chunks = _row_chunks(tuple(sh[0] for sh in shapes), device, ADAM_ROWS)
+    if not len(chunks):
+        return
+    (sp, ss, sa), (dp, ds, da) = _addresses(srcs), _addresses(dsts)
+    rows = tuple(((a, b, sh[0], sh[1], r, q), (0,) * 6, 1) for a, b, sh, r, q in zip(sp, dp, shapes, ss, ds))
+    launch_kernel(_copy_kernel, (len(chunks),), _table(rows, device), chunks, SRC=_TL_DTYPES[src_dtype],
+                  DST=_TL_DTYPES[dtype], DOWN=src_dtype.itemsize > dtype.itemsize, ALIGNED=sa and da,
+                  ROWS=ADAM_ROWS, BLOCK=ADAM_BLOCK, num_warps=ADAM_WARPS)
 
 
 # ----------------------------------------------------------------------------------------------- Shampoo's graft

@@ -253,26 +253,12 @@ def block_plan(p: Tensor, max_dim: int, one_sided_ratio: float | None) -> list[B
     return out
 
 
-class BlockViews(list):
-    """:func:`block_views`' result: the blocks' views in plan order (a list), and ``grids``: for each evenly cut
-    piece, ``(first, count, C, rows)``, ``rows`` one ``(count // C, C, r, c)`` view of its blocks ``first`` to
-    ``first + count - 1`` in plan order (C blocks per row), or None where the piece's grid is not one view."""
-
-    def __init__(self, views: list[Tensor], grids: list[tuple[int, int, int, Tensor | None]]) -> None:
-        super().__init__(views)
-        self.grids = grids
-
-    def grid_of(self, k: int) -> tuple[int, int, int, Tensor | None] | None:
-        return next((g for g in self.grids if g[0] <= k < g[0] + g[1]), None)
-
-
-def block_views(p: Tensor, plan: list[Block], t: Tensor) -> BlockViews:
+def block_views(p: Tensor, plan: list[Block], t: Tensor) -> list[Tensor]:
     """Views of ``t`` (shaped like ``p``, contiguous when written through) as the blocks of ``plan``. An evenly cut
     piece (its first block's :attr:`Block.grid`) is cut by one view (a step takes these views several times per
     parameter, so the host's time per block counts); other blocks are sliced one by one."""
     pieces = matrix_pieces(p, t)
     out: list[Tensor] = []
-    grids: list[tuple[int, int, int, Tensor | None]] = []
     start = 0
     while start < len(plan):
         b = plan[start]
@@ -287,78 +273,16 @@ def block_views(p: Tensor, plan: list[Block], t: Tensor) -> BlockViews:
             grid = x.view(*x.shape[:-2], m // r, r, n // c, c).transpose(-3, -2)  # ([E,] R, C, r, c)
             mats = grid.unbind(0) if grid.ndim == 5 else (grid,)
             out += [v for g in mats for row in g.unbind(0) for v in row.unbind(0)]
-            try:  # experts' rows of blocks as one dimension where the experts lie one after another
-                rows = grid.view(-1, n // c, r, c)
-            except RuntimeError:
-                rows = None
-            grids.append((len(out) - count, count, n // c, rows))
         start += count
-    return BlockViews(out, grids)
+    return out
 
 
-def _stretches(blocks: list[tuple[BlockViews, int]]) -> Iterator[tuple[int, int, Tensor | None, int]]:
-    """``blocks`` (``(views, k)`` pairs) cut into stretches for one copy each: ``(j, e, rows, head)`` covers pairs
-    ``j`` to ``e - 1``; ``rows``, where not None, is the ``(q, C, r, c)`` view of the whole rows of a parameter's
-    block grid that pairs ``j + head`` to ``j + head + q C - 1`` are (consecutive pairs of the same ``views`` with
-    consecutive ``k``); the stretch's other pairs are single blocks."""
-    j = 0
-    while j < len(blocks):
-        views, k = blocks[j]
-        grid = views.grid_of(k)
-        if grid is None or grid[3] is None:
-            yield j, j + 1, None, 0
-            j += 1
-            continue
-        first, count, C, rows = grid
-        e = j  # the stretch holding blocks k, k + 1, ... of this grid
-        while e < len(blocks) and blocks[e][0] is views and blocks[e][1] == k + e - j and blocks[e][1] < first + count:
-            e += 1
-        a, b = k - first, k - first + e - j  # the stretch's blocks in the grid's order
-        q0, q1 = -(-a // C), b // C  # the whole rows inside it
-        yield (j, e, rows[q0:q1], q0 * C - a) if q0 < q1 else (j, e, None, 0)
-        j = e
-
-
-def _singles(blocks: list[tuple[BlockViews, int]], j: int, e: int, rows: Tensor | None,
-             head: int) -> list[int]:
-    """The pairs of a stretch (:func:`_stretches`) outside its whole rows."""
-    inside = range(j + head, j + head + rows.shape[0] * rows.shape[1]) if rows is not None else range(0)
-    return [t for t in range(j, e) if t not in inside]
-
-
-def copy_blocks(blocks: list[tuple[BlockViews, int]], X: Tensor) -> None:
-    """Write the stack ``X`` ``(len(blocks), r, c)`` into the blocks ``views[k]`` of ``blocks`` (``(views, k)``
-    pairs, :func:`block_views`' result and a block index): one strided copy for each stretch of whole rows of a
-    parameter's block grid (consecutive pairs of the same ``views`` with consecutive ``k``), a foreach copy for
-    the rest (a foreach copy into blocks, which are not dense, runs one kernel per block)."""
-    singles: list[tuple[Tensor, Tensor]] = []
-    for j, e, rows, head in _stretches(blocks):
-        if rows is not None:
-            n = rows.shape[0] * rows.shape[1]
-            rows.copy_(X[j + head:j + head + n].view(*rows.shape))
-        singles += [(blocks[t][0][blocks[t][1]], X[t]) for t in _singles(blocks, j, e, rows, head)]
-    if singles:
-        torch._foreach_copy_([d for d, _ in singles], [x for _, x in singles])
-
-
-def stack_blocks(blocks: list[tuple[BlockViews, int]], precision: str) -> Tensor:
-    """The blocks ``views[k]`` of ``blocks`` (``(views, k)`` pairs) stacked as :func:`step_operands` stacks them
-    (bfloat16 for ``"bf16"``, else float32). Blocks of another dtype are converted by one strided copy per stretch
-    of whole rows of a parameter's block grid (:func:`copy_blocks`' stretches, read instead of written), where a
-    converting stack copies them one kernel each; blocks already of the operands' dtype are stacked by torch."""
-    dtype = _operand_dtype(precision)
-    first = blocks[0][0][blocks[0][1]]
-    if first.dtype == dtype:
-        return torch.stack([views[k] for views, k in blocks])
-    out = torch.empty((len(blocks), *first.shape), dtype=dtype, device=first.device)
-    singles: list[int] = []
-    for j, e, rows, head in _stretches(blocks):
-        if rows is not None:
-            n = rows.shape[0] * rows.shape[1]
-            out[j + head:j + head + n].view(*rows.shape).copy_(rows)
-        singles += _singles(blocks, j, e, rows, head)
-    if singles:
-        torch._foreach_copy_([out[t] for t in singles], [blocks[t][0][blocks[t][1]] for t in singles])
+def stack_blocks(blocks: list[Tensor], precision: str) -> Tensor:
+    """The matrices ``blocks`` (blocks of larger tensors, one shape) stacked as :func:`step_operands` stacks them:
+    ``(b, m, n)``, bfloat16 for ``"bf16"``, else float32 (one launch on the GPU,
+    :func:`~matrixopt.kernels.muon_elementwise.copy_matrices`)."""
+    out = torch.empty((len(blocks), *blocks[0].shape), dtype=_operand_dtype(precision), device=blocks[0].device)
+    muon_elementwise.copy_matrices(out, blocks)
     return out
 
 
@@ -426,7 +350,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         self._pending: dict[int, Any] = {}  # group index -> side-stream refresh in flight
         self._operand_cache: dict[tuple, tuple] = {}  # the step's kept stacks (_step_stack)
         self._stacks_used: set[tuple] = set()  # the keys of those the current group step took
-        self._view_cache: dict[tuple[int, str], tuple[Tensor, BlockViews]] = {}  # _state_views
+        self._view_cache: dict[tuple[int, str], tuple[Tensor, list[Tensor]]] = {}  # _state_views
         self._side_streams: dict[torch.device, Any] = {}
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
                          deferred_nonfinite=deferred_nonfinite, state_dtype=state_dtype, offload=offload)
@@ -577,7 +501,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         """``L = EMA(G G^T)``, ``R = EMA(G^T G)`` for every block, batched by shape (:meth:`Layout.runs`)."""
         beta, precision = self._shampoo_beta(group), group["matmul_precision"]
         for key, ents in layout.runs():
-            G = stack_blocks([(gviews[i], k) for i, k, _ in ents], precision)
+            G = stack_blocks([gviews[i][k] for i, k, _ in ents], precision)
             self._accumulate_factors(states, ents, G, key, beta, precision, live)
 
     @staticmethod
@@ -627,7 +551,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         self._operand_cache[key] = (blocks, tensors, [t._version for t in tensors], stack)
         return stack
 
-    def _state_views(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], name: str) -> BlockViews:
+    def _state_views(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], name: str) -> list[Tensor]:
         """:func:`block_views` of the state tensor ``st[name]`` of ``p`` (a moment, written in place step after
         step), kept while that tensor is the state's: a step takes each block's view without making it again
         (hundreds of blocks a step; the host's time per view counts). Staged state (compact or offloaded: new
@@ -1001,7 +925,7 @@ class Shampoo(KroneckerOptimizer):
                 return self._step_stack(group, params, states, ents, f"{side}_root")
 
             for (_, _, left, right), ents in layout.runs(active):
-                S = stack_blocks([(dviews[i], k) for i, k, _ in ents], precision)  # (b, m, n)
+                S = stack_blocks([dviews[i][k] for i, k, _ in ents], precision)  # (b, m, n)
                 if left:
                     S = step_product(roots("left", ents), S, precision, inner=right)
                 if right:
@@ -1017,7 +941,7 @@ class Shampoo(KroneckerOptimizer):
                     nS = torch.linalg.vector_norm(S, dim=(-2, -1), keepdim=True)
                     nF = torch.linalg.vector_norm(F, dim=(-2, -1), keepdim=True)
                     S = S * torch.where(nS > 0, nF / nS, 0.0)
-                copy_blocks([(uviews[i], k) for i, k, _ in ents], torch.where(finite_blocks(S), S, F))
+                muon_elementwise.copy_matrices(Us, torch.where(finite_blocks(S), S, F))
         return updates
 
     @staticmethod

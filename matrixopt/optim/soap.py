@@ -78,6 +78,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from matrixopt.kernels.muon_elementwise import copy_matrices
 from matrixopt.linalg.roots import eigenbasis, rayleigh_quotients, refresh_eigenbasis
 from matrixopt.optim.adam import adam_step, ema_
 from matrixopt.optim.base import adamw_group_defaults
@@ -89,7 +90,6 @@ from matrixopt.optim.shampoo import (
     KroneckerOptimizer,
     accumulate,
     block_views,
-    copy_blocks,
     resolve_factor_dtype,
     stack_blocks,
     step_product,
@@ -231,7 +231,7 @@ class SOAP(KroneckerOptimizer):
         vviews = [self._state_views(group, p, st, "exp_avg_sq") for p, st in zip(params, states)]
         beta, precision = self._shampoo_beta(group), group["matmul_precision"]
         for key, ents in layout.runs():
-            G = stack_blocks([(gviews[i], k) for i, k, _ in ents], precision)  # (b, m, n)
+            G = stack_blocks([gviews[i][k] for i, k, _ in ents], precision)  # (b, m, n)
             bases = self._bases(group, params, states, ents, key)
             X = self._rotate(bases, G, True, precision)  # G' = Q_L^T G Q_R
             if kl:  # KL's factors read this step's projection
@@ -242,7 +242,7 @@ class SOAP(KroneckerOptimizer):
             adam_step([mviews[i][k] for i, k, _ in ents], [vviews[i][k] for i, k, _ in ents], X,
                       [steps[i] for i, _, _ in ents], group["betas"], group["eps"], skip, into_grads=True)
             U = self._rotate(bases, X, False, precision)  # Q_L N Q_R^T
-            copy_blocks([(uviews[i], k) for i, k, _ in ents], U)
+            copy_matrices([uviews[i][k] for i, k, _ in ents], U)
             del X, U, bases
         due = [i for i, (p, st) in enumerate(zip(params, states))
                if self._computes_bases(group, st["step"], self._phase(group, p))]
@@ -390,7 +390,7 @@ class SOAP(KroneckerOptimizer):
             if live is not None:
                 rotated = torch.where(ok[at, None, None], rotated, M)
             for slot, X in ((3, rotated), (4, V)):
-                copy_blocks([(job[slot], job[1]) for job in jobs[at]], X)
+                copy_matrices([job[slot][job[1]] for job in jobs[at]], X)
         self._write(jobs, "_basis", Q_new)
         if eig is not None:
             self._write(jobs, "_eig", eig)

@@ -445,6 +445,49 @@ def test_adam_one_pass_takes_a_stack_of_gradients_as_its_matrices(monkeypatch):
         assert not torch.equal(results[0][2][0], X[0])  # the directions were written
 
 
+def _assert_copied(got: torch.Tensor, want: torch.Tensor, down: bool) -> None:
+    if down:  # float32 to bfloat16: rounded to the nearest on a GPU, truncated by Triton's interpreter
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(got, want)
+
+
+def test_copy_matrices_in_one_launch_match_torch_copies(monkeypatch):
+    """The block copy kernel (Shampoo's and SOAP's stacks of blocks, and their writes back into the blocks): blocks
+    of a larger tensor (odd widths, row strides of their own) into a stack, converting float32 and bfloat16 either
+    way, and back into the blocks of another tensor whose other entries stay as they were; a strided stack; a list
+    of matrices of several shapes, an empty one among them."""
+    launched = []
+    kernel = fused.copy_matrices_triton
+    monkeypatch.setattr(fused, "copy_matrices_triton", lambda *a, **k: launched.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(fused, "ADAM_BLOCK", 16)  # several iterations per row
+    g = torch.Generator().manual_seed(0)
+    at = [(r, c) for r in (0, 15) for c in (1, 35)]
+    for src, dst in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32,) * 2):
+        big = torch.randn(30, 70, generator=g).to(src)
+        blocks = [big[r:r + 10, c:c + 33] for r, c in at]
+        stack = torch.full((4, 10, 33), 7.0, dtype=dst)
+        with ew.elementwise_backend("triton"):
+            ew.copy_matrices(stack, blocks)
+        _assert_copied(stack, torch.stack(blocks).to(dst), down=dst.itemsize < src.itemsize)
+        out = torch.full((30, 70), 5.0, dtype=src)
+        X = torch.randn(8, 10, 33, generator=g).to(dst)[::2]  # matrices not adjacent
+        with ew.elementwise_backend("triton"):
+            ew.copy_matrices([out[r:r + 10, c:c + 33] for r, c in at], X)
+        want = torch.full((30, 70), 5.0, dtype=src)
+        for (r, c), x in zip(at, X):
+            want[r:r + 10, c:c + 33] = x.to(src)
+        _assert_copied(out, want, down=src.itemsize < dst.itemsize)
+    shapes = [(3, 5), (21, 40), (0, 4), (16, 16)]
+    srcs = [torch.randn(s, generator=g) for s in shapes]
+    dsts = [torch.zeros(s, dtype=torch.bfloat16) for s in shapes]
+    with ew.elementwise_backend("triton"):
+        ew.copy_matrices(dsts, srcs)
+    for d, x in zip(dsts, srcs):
+        _assert_copied(d, x.bfloat16(), down=True)
+    assert len(launched) == 7
+
+
 def test_soap_through_the_adam_kernel_matches_its_foreach_path():
     torch.manual_seed(0)
     runs = {}

@@ -9,12 +9,12 @@ from torch import nn
 
 import matrixopt
 from matrixopt import Shampoo
+from matrixopt.kernels.muon_elementwise import copy_matrices
 from matrixopt.linalg.roots import REFRESH_SHIFT, InverseRootConfig
 from matrixopt.optim.shampoo import (
     accumulate,
     block_plan,
     block_views,
-    copy_blocks,
     finite_blocks,
     split_dim,
     stack_blocks,
@@ -385,16 +385,16 @@ def test_copy_and_stack_blocks_move_each_block_of_a_run_as_block_by_block_copies
             X = torch.randn(len(run), *key, generator=g)
             got, want = [torch.zeros(shape) for _ in ps], [torch.zeros(shape) for _ in ps]
             views = [block_views(p, plan, t) for p, plan, t in zip(ps, plans, got)]
-            copy_blocks([(views[i], k) for i, k, _ in run], X)
+            copy_matrices([views[i][k] for i, k, _ in run], X)
             ref = [block_views(p, plan, t) for p, plan, t in zip(ps, plans, want)]
             for (i, k, _), x in zip(run, X):
                 ref[i][k].copy_(x)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
             assert sum(int((t != 0).sum()) for t in got) == X.numel()  # nothing written twice or elsewhere
-            # and back: the blocks stacked as the step's products take them, converted by grid rows or not
+            # and back: the blocks stacked as the step's products take them, converted or not
             for source, precision in ((want, "bf16"), (want, "fp32"), ([t.bfloat16() for t in want], "fp32")):
                 views = [block_views(p, plan, t) for p, plan, t in zip(ps, plans, source)]
-                stacked = stack_blocks([(views[i], k) for i, k, _ in run], precision)
+                stacked = stack_blocks([views[i][k] for i, k, _ in run], precision)
                 dtype = torch.bfloat16 if precision == "bf16" else torch.float32
                 assert stacked.dtype == dtype
                 assert torch.equal(stacked, torch.stack([views[i][k] for i, k, _ in run]).to(dtype))
