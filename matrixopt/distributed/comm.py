@@ -259,14 +259,15 @@ def _exchange(ops: list[tuple[Callable[..., Any], Tensor, int]], group: Group | 
 
 
 def gather_rows(rows: Sequence[Tensor], owners: Sequence[int], sizes: Sequence[Sequence[int]],
-                group: Group | None) -> list[Tensor]:
+                group: Group | None, dtype: torch.dtype | None = None) -> list[Tensor]:
     """Whole matrices to their owners (blocking).
 
     rows[i]: this rank's rows of matrix i, ``(sizes[i][rank], n_i)``, all of one dtype and device. owners[i]: the
     group rank that owns matrix i. Returns the matrices this rank owns, in matrix order, each
-    ``(sum(sizes[i]), n_i)`` and contiguous. Every rank's rows travel by one grouped set of point-to-point
-    transfers straight into their place in the owner's matrix (a row range of a row-major matrix is contiguous):
-    nothing is packed or unpacked; the owner copies its own rows in."""
+    ``(sum(sizes[i]), n_i)``, contiguous, in ``dtype`` (default: the rows'). Every rank's rows travel by one
+    grouped set of point-to-point transfers straight into their place in the owner's matrix (a row range of a
+    row-major matrix is contiguous): nothing is packed or unpacked; the rows sent are converted to ``dtype``
+    first (a bfloat16 exchange moves half the bytes of float32), the owner copies its own rows in."""
     world, me = world_size(group), rank(group)
     if (len(owners) != len(rows) or len(sizes) != len(rows) or any(len(s) != world for s in sizes)
             or any(r.ndim != 2 or r.size(0) != s[me] for r, s in zip(rows, sizes))):
@@ -276,9 +277,9 @@ def gather_rows(rows: Sequence[Tensor], owners: Sequence[int], sizes: Sequence[S
     for i, (r, o) in enumerate(zip(rows, owners)):
         if o != me:
             if r.numel():
-                ops.append((dist.isend, r.contiguous(), o))
+                ops.append((dist.isend, r.to(dtype or r.dtype).contiguous(), o))
             continue
-        whole = r.new_empty((sum(sizes[i]), r.size(1)))
+        whole = r.new_empty((sum(sizes[i]), r.size(1)), dtype=dtype or r.dtype)
         for s, part in enumerate(whole.split(list(sizes[i]))):
             if s == me:
                 part.copy_(r)

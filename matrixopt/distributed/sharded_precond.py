@@ -153,8 +153,8 @@ class _OwnerSharded(OnLocalShards):
         owners = [self._owners[id(p)][1] for p in params]
         sizes = [comm.chunk_sizes(p.shape[0], world) for p in params]  # every rank's rows, as fully_shard splits
         widths = [math.prod(p.shape[1:]) for p in params]
-        rows = [g.to_local().reshape(s[me], n).float() for g, s, n in zip(grads, sizes, widths)]  # (rows, n)
-        whole = comm.gather_rows(rows, owners, sizes, pg)  # (m, n) per matrix owned here
+        rows = [g.to_local().reshape(s[me], n) for g, s, n in zip(grads, sizes, widths)]  # (rows, n)
+        whole = comm.gather_rows(rows, owners, sizes, pg, self._gradient_dtype(group))  # (m, n) per matrix owned
         mine = [i for i, r in enumerate(owners) if r == me]
         updates = dict(zip(mine, self._matrix_updates(group, [params[i] for i in mine],
                                                       [G.view(params[i].shape) for i, G in zip(mine, whole)], skip)

@@ -639,6 +639,11 @@ class KroneckerOptimizer(MatrixOptimizer):
     # ----------------------------------------------------------------------------------- the update
     first_step_moves = True  # whether a parameter's first step moves it (SOAP's only builds its factors)
 
+    def _gradient_dtype(self, group: dict[str, Any]) -> torch.dtype:
+        """The dtype in which ``group``'s step reads the matrices' gradients: a gradient given in it steps exactly
+        as its float32 original (a sharded optimizer gathers the gradients in it). float32 here."""
+        return torch.float32
+
     def _matrix_update(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                        skip: Tensor | None = None) -> None:
         skip = self._device_skip(group, params, skip)

@@ -190,6 +190,13 @@ class SOAP(KroneckerOptimizer):
     def _refresh_reads_host(self, group: dict[str, Any], st: dict[str, Any], step: int) -> bool:
         return step == 1  # the eigh; the QR refreshes run on the device
 
+    def _gradient_dtype(self, group: dict[str, Any]) -> torch.dtype:
+        """bfloat16 where the step's products take bfloat16 operands (``matmul_precision="bf16"``) and the factors
+        are Shampoo's: the gradient then enters only as the operand of those products, rounded to bfloat16 as it
+        is stacked; KL's factors and eigenvalue estimates read it in float32 at the first step."""
+        bf16 = group["matmul_precision"] == "bf16" and group["factor_update"] == "shampoo"
+        return torch.bfloat16 if bf16 else torch.float32
+
     def _updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                  skip: Tensor | None) -> list[Tensor | None]:
         kl = group["factor_update"] == "kl"
@@ -219,9 +226,10 @@ class SOAP(KroneckerOptimizer):
         steps = [st["step"] - 1 for st in states]  # Adam steps: the first call only initializes
         # a skipped step reads its gradients as they are where every use of them is masked (a non-finite factor
         # block is dropped, Adam keeps its moments), as zeros where KL's eigenvalue estimates would read them
-        g32 = [g if g.dtype == torch.float32 else g.float() for g in grads] if skip is None or not kl else \
+        read = (torch.float32, self._gradient_dtype(group))  # a bf16 gradient is stacked as it is
+        gs = [g if g.dtype in read else g.float() for g in grads] if skip is None or not kl else \
             sanitized(grads, skip)
-        gviews = [block_views(p, plan, g) for p, plan, g in zip(params, plans, g32)]
+        gviews = [block_views(p, plan, g) for p, plan, g in zip(params, plans, gs)]
 
         # Adam in the eigenbasis, run by run (batches: Layout.runs): project, the factors, Adam on the projected
         # stack in place (the moments' blocks read and written where they lie), project back into the update

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import matrixopt.distributed as mdist
 from matrixopt.cli import main
-from matrixopt.distributed import checkpoint
+from matrixopt.distributed import checkpoint, comm
 from matrixopt.distributed.fsdp import apply_fsdp
 from matrixopt.distributed.sharded_precond import ShardedShampoo, ShardedSOAP
 from matrixopt.optim.layout import mark_experts, mark_split
@@ -48,6 +48,9 @@ OPTIMIZERS = {
     # the refreshes spread over the steps: the owners refresh one phase's matrices at each step
     "soap_staggered": (SOAP, ShardedSOAP, dict(lr=1e-2, precondition_frequency=3, max_preconditioner_dim=6,
                                                one_sided_ratio=1.5, stagger_refresh=True)),
+    # products from bf16 operands: the owners gather the gradients in bf16, which is how the step reads them
+    "soap_bf16": (SOAP, ShardedSOAP, dict(lr=1e-2, precondition_frequency=3, max_preconditioner_dim=6,
+                                          one_sided_ratio=1.5, matmul_precision="bf16")),
 }
 
 
@@ -163,10 +166,20 @@ def assert_params(model: nn.Module, want: list[torch.Tensor] | dict[str, torch.T
 
 def _equivalence_and_save(rank: int, world: int, d: str) -> None:
     """Sharded against one process over STEPS steps, saving a checkpoint at SAVE_AT (and each rank's state)."""
+    gathered, real = [], comm.gather_rows  # the owners' gradients, as the exchange delivers them
+
+    def spy(*args, **kwargs):
+        gathered.extend(out := real(*args, **kwargs))
+        return out
+
+    comm.gather_rows = spy
     for name in OPTIMIZERS:
         ref_losses, ref_params = reference(name)
         model, opt = sharded(name, world)
+        gathered.clear()
         losses = global_losses(model, opt, range(SAVE_AT))
+        want = torch.bfloat16 if name == "soap_bf16" else torch.float32  # bf16 products: a bf16 exchange
+        assert gathered and {g.dtype for g in gathered} == {want}, f"{name}: gathered {set(g.dtype for g in gathered)}"
         checkpoint.save_dtensor(f"{d}/{name}", model, opt, extra={"step": SAVE_AT})
         torch.save(owned_state(model, opt), f"{d}/{name}_state{rank}.pt")
         at_save = full_params(model)  # collective
