@@ -558,6 +558,9 @@ def scaling_h200(root: Path) -> list[dict[str, Any]]:
     # FSDP2 SOAP and Shampoo with their bases and roots kept stacked and Shampoo's estimates from the power step
     for path in sorted((dist / "kept_stacks").glob("fsdp_new_*.json")):
         rows += _scale_rows(path, _vs_adamw("fsdp:soap", "fsdp:shampoo"))
+    # and with their blocks moved by one copy kernel, SOAP's gradients exchanged in bf16 (the current step)
+    for path in sorted((dist / "step_trims").glob("exchange_new_*.json")):
+        rows += _scale_rows(path, _vs_adamw("fsdp:soap", "fsdp:shampoo"))
     return rows
 
 
