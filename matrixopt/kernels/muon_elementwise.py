@@ -353,7 +353,7 @@ def fused_for(*tensors: Sequence[Tensor] | Tensor) -> ModuleType | None:
 
 
 def copy_matrices(dsts: Sequence[Tensor] | Tensor, srcs: Sequence[Tensor] | Tensor) -> None:
-    """``dsts[i].copy_(srcs[i])`` for every i: lists of matrices, or ``(n, m, n)`` stacks standing for their
+    """``dsts[i].copy_(srcs[i])`` for every i: lists of matrices, or ``(b, m, n)`` stacks standing for their
     matrices, pairwise shaped alike (Shampoo's and SOAP's blocks of larger tensors, to and from the stacks of a
     batch). Float32 or bfloat16 matrices with unit column stride on the GPU (one dtype per side) take one launch
     (:func:`matrixopt.kernels.muon_fused.copy_matrices_triton`); anything else a foreach copy."""
