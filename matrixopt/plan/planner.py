@@ -31,8 +31,9 @@ flops_per_token`) and an assumed MFU (forward a third, backward two thirds). The
   gathered between micro-batches (2 bytes per unsharded parameter, in place of two gathered layers), beside the
   fp32 unsharded gradients, which FSDP2 keeps the same way whether or not it reshards (``FSDPParamGroup.
   post_backward`` upcasts them whenever it does not reduce). The
-  step gathers each matrix to one owner and scatters the update back (two all-to-alls), pipelined over the shape
-  buckets, so the all-to-alls hide behind the owners' Newton–Schulz except for one bucket's share.
+  step gathers each matrix to one owner and scatters the update back (two all-to-alls): Muon's in bf16, pipelined
+  over the shape buckets, so they hide behind the owners' Newton–Schulz except for one bucket's share; Shampoo's
+  and SOAP's blocking, the gradients in fp32 (bf16 for SOAP with bf16 products) and the updates in fp32.
 - In either, a rank's matrix optimizer steps its AdamW groups (tables, vectors) on a side stream beside its
   matrix groups (:func:`matrixopt.distributed.cost.matrix_step_time`): their pass counts only where it outlasts
   the rank's matrix products.
@@ -460,10 +461,16 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         ns_e, comm_e, owned_e = _owner_load(profile, cfg, experts, edp, 1, None)
         ns = ns_d + ns_e  # dense and expert matrices run one after the other on every rank
         dense_mat_shard = sum(m.numel / (tp if _tp_sharded(m, tp) else 1) for m in dense) / dp
-        a2a = 2 * (collective_time("all_to_all", 2 * dense_mat_shard, dp, dp_link)
-                   + collective_time("all_to_all", 2 * expert_shard, edp, edp_link))
-        buckets = max(1, len(mats))
-        opt_comm = comm_d + comm_e + max(0.0, a2a - ns) + a2a / buckets
+        if cfg.optimizer == "muon":  # bf16 both ways, pipelined over the buckets behind Newton–Schulz
+            a2a = 2 * (collective_time("all_to_all", 2 * dense_mat_shard, dp, dp_link)
+                       + collective_time("all_to_all", 2 * expert_shard, edp, edp_link))
+            exchange = max(0.0, a2a - ns) + a2a / max(1, len(mats))
+        else:  # Shampoo's and SOAP's owners gather the gradients (bf16 where SOAP's products take bf16 operands,
+            # the dtype its step reads them in, else fp32) and scatter the fp32 updates back, each blocking
+            per_el = (2 if cfg.optimizer == "soap" and cfg.matmul_precision == "bf16" else 4) + 4
+            exchange = (collective_time("all_to_all", per_el * dense_mat_shard, dp, dp_link)
+                        + collective_time("all_to_all", per_el * expert_shard, edp, edp_link))
+        opt_comm = comm_d + comm_e + exchange
         local_mat = dense_mat_shard + expert_shard
         local_rest = rest_el / dp
         # the step's passes on the local shards and, for ShardedMuon, the owner's on the matrices it gathers
@@ -473,7 +480,7 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
                        if cfg.optimizer == "muon" else 0.0)
         elementwise = profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * local_mat + owner_bytes)
         side = profile.seconds("elementwise", ADAMW_BYTES * local_rest)  # AdamW groups on a side stream
-        opt = max(ns, side) + max(0.0, a2a - ns) + a2a / buckets + elementwise  # ns holds the TP traffic
+        opt = max(ns, side) + exchange + elementwise  # ns holds the TP traffic
         adamw_opt = profile.seconds("fused_adamw", ADAMW_BYTES * (dense_shard + expert_shard))
         state = (_state(cfg, dense, tp) / dp + _state(cfg, experts, 1) / edp
                  + 8 * local_rest)

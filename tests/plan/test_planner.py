@@ -434,6 +434,24 @@ def test_fsdp_muon_owner_pays_its_passes_on_the_gathered_matrices(monkeypatch):
     assert shampoo == planner.predict(fsdp, dataclasses.replace(cfg, optimizer="shampoo"), H100).opt_step_s
 
 
+def test_fsdp_soap_and_shampoo_exchange_rows_blocking_and_soap_with_bf16_products_gathers_in_bf16():
+    """Shampoo's and SOAP's FSDP2 owners gather the gradients and scatter the fp32 updates back, both blocking (not
+    hidden behind the owners' work as Muon's pipelined all-to-alls are): the step's exposed communication is one
+    all-to-all of 8 bytes per local matrix element (fp32 both ways), 6 for SOAP with bf16 products, which gathers
+    the gradients in bf16."""
+    from matrixopt.distributed.cost import collective_time
+
+    model = gpt("gpt2-medium")
+    cfg = planner.PlanConfig(model=model, gpus=2, optimizer="soap")
+    fsdp = planner.Layout(kind="fsdp")
+    shard = sum(m.numel for m in model.matrices()) / 2
+    link = H100.link(2, 1, cfg.gpus_per_node)
+    for optimizer, precision, per_el in (("soap", "fp32", 8), ("soap", "bf16", 6), ("shampoo", "bf16", 8)):
+        c = dataclasses.replace(cfg, optimizer=optimizer, matmul_precision=precision)
+        p = planner.predict(fsdp, c, H100)
+        assert p.opt_comm_s == pytest.approx(collective_time("all_to_all", per_el * shard, 2, link), rel=1e-9)
+
+
 def test_peak_memory_is_backwards_start_or_the_step_whichever_is_larger():
     """The activations are freed before the optimizer step allocates its Newton–Schulz stacks: the peak is the
     larger of backward's start (activations and the gradients held through forward) and the step (its gradients and
