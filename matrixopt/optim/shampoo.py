@@ -185,13 +185,13 @@ def step_product(A: Tensor, B: Tensor, precision: str, inner: bool = False) -> T
 
 
 def step_operands(tensors: list[Tensor], precision: str) -> Tensor:
-    """``tensors`` (same shape) stacked as the step's products take them: bfloat16 for ``matmul_precision="bf16"``
-    (rounded once for all of a stack's products), else float32; converted while stacked, one pass."""
-    dtype = _operand_dtype(precision)
-    if tensors[0].dtype == dtype:
-        return torch.stack(tensors)
-    out = torch.empty((len(tensors), *tensors[0].shape), dtype=dtype, device=tensors[0].device)
-    return torch.stack(tensors, out=out)
+    """``tensors`` (matrices of one shape: state matrices, or blocks of larger tensors) stacked ``(b, m, n)`` as the
+    step's products take them: bfloat16 for ``matmul_precision="bf16"`` (rounded once for all of a stack's
+    products), else float32; converted while stacked, one launch on the GPU
+    (:func:`~matrixopt.kernels.muon_elementwise.copy_matrices`)."""
+    out = torch.empty((len(tensors), *tensors[0].shape), dtype=_operand_dtype(precision), device=tensors[0].device)
+    muon_elementwise.copy_matrices(out, tensors)
+    return out
 
 
 def resolve_factor_dtype(value: Any) -> Any:
@@ -274,15 +274,6 @@ def block_views(p: Tensor, plan: list[Block], t: Tensor) -> list[Tensor]:
             mats = grid.unbind(0) if grid.ndim == 5 else (grid,)
             out += [v for g in mats for row in g.unbind(0) for v in row.unbind(0)]
         start += count
-    return out
-
-
-def stack_blocks(blocks: list[Tensor], precision: str) -> Tensor:
-    """The matrices ``blocks`` (blocks of larger tensors, one shape) stacked as :func:`step_operands` stacks them:
-    ``(b, m, n)``, bfloat16 for ``"bf16"``, else float32 (one launch on the GPU,
-    :func:`~matrixopt.kernels.muon_elementwise.copy_matrices`)."""
-    out = torch.empty((len(blocks), *blocks[0].shape), dtype=_operand_dtype(precision), device=blocks[0].device)
-    muon_elementwise.copy_matrices(out, blocks)
     return out
 
 
@@ -501,7 +492,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         """``L = EMA(G G^T)``, ``R = EMA(G^T G)`` for every block, batched by shape (:meth:`Layout.runs`)."""
         beta, precision = self._shampoo_beta(group), group["matmul_precision"]
         for key, ents in layout.runs():
-            G = stack_blocks([gviews[i][k] for i, k, _ in ents], precision)
+            G = step_operands([gviews[i][k] for i, k, _ in ents], precision)
             self._accumulate_factors(states, ents, G, key, beta, precision, live)
 
     @staticmethod
@@ -547,7 +538,7 @@ class KroneckerOptimizer(MatrixOptimizer):
             _, old, seen, stack = kept
             stale = [j for j, (a, b, v) in enumerate(zip(old, tensors, seen)) if a is not b or v != b._version]
             if stale:
-                torch._foreach_copy_([stack[j] for j in stale], [tensors[j] for j in stale])
+                muon_elementwise.copy_matrices([stack[j] for j in stale], [tensors[j] for j in stale])
         self._operand_cache[key] = (blocks, tensors, [t._version for t in tensors], stack)
         return stack
 
@@ -930,7 +921,7 @@ class Shampoo(KroneckerOptimizer):
                 return self._step_stack(group, params, states, ents, f"{side}_root")
 
             for (_, _, left, right), ents in layout.runs(active):
-                S = stack_blocks([dviews[i][k] for i, k, _ in ents], precision)  # (b, m, n)
+                S = step_operands([dviews[i][k] for i, k, _ in ents], precision)  # (b, m, n)
                 if left:
                     S = step_product(roots("left", ents), S, precision, inner=right)
                 if right:

@@ -91,11 +91,20 @@ from matrixopt.optim.shampoo import (
     accumulate,
     block_views,
     resolve_factor_dtype,
-    stack_blocks,
+    step_operands,
     step_product,
 )
 
 FACTOR_UPDATES = ("shampoo", "kl")
+
+
+def gradient_dtype(matmul_precision: str, factor_update: str = "shampoo") -> torch.dtype:
+    """The dtype in which SOAP's step reads a matrix's gradient: bfloat16 where its products take bfloat16
+    operands (``matmul_precision="bf16"``) and the factors are Shampoo's, for the gradient then enters only as the
+    operand of those products, rounded to bfloat16 as it is stacked; float32 otherwise (KL's factors and eigenvalue
+    estimates read it in float32 at the first step). A gradient given in it steps exactly as its float32 original
+    (FSDP2's owners gather the gradients in it)."""
+    return torch.bfloat16 if matmul_precision == "bf16" and factor_update == "shampoo" else torch.float32
 
 
 def _inverse(d: Tensor, damping: float) -> Tensor:
@@ -191,11 +200,7 @@ class SOAP(KroneckerOptimizer):
         return step == 1  # the eigh; the QR refreshes run on the device
 
     def _gradient_dtype(self, group: dict[str, Any]) -> torch.dtype:
-        """bfloat16 where the step's products take bfloat16 operands (``matmul_precision="bf16"``) and the factors
-        are Shampoo's: the gradient then enters only as the operand of those products, rounded to bfloat16 as it
-        is stacked; KL's factors and eigenvalue estimates read it in float32 at the first step."""
-        bf16 = group["matmul_precision"] == "bf16" and group["factor_update"] == "shampoo"
-        return torch.bfloat16 if bf16 else torch.float32
+        return gradient_dtype(group["matmul_precision"], group["factor_update"])
 
     def _updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                  skip: Tensor | None) -> list[Tensor | None]:
@@ -239,7 +244,7 @@ class SOAP(KroneckerOptimizer):
         vviews = [self._state_views(group, p, st, "exp_avg_sq") for p, st in zip(params, states)]
         beta, precision = self._shampoo_beta(group), group["matmul_precision"]
         for key, ents in layout.runs():
-            G = stack_blocks([gviews[i][k] for i, k, _ in ents], precision)  # (b, m, n)
+            G = step_operands([gviews[i][k] for i, k, _ in ents], precision)  # (b, m, n)
             bases = self._bases(group, params, states, ents, key)
             X = self._rotate(bases, G, True, precision)  # G' = Q_L^T G Q_R
             if kl:  # KL's factors read this step's projection

@@ -77,6 +77,7 @@ from matrixopt.distributed.cost import (
 )
 from matrixopt.linalg.ortho import check_method
 from matrixopt.optim.layout import BUCKET_NUMEL
+from matrixopt.optim.soap import gradient_dtype
 from matrixopt.plan.models import Architecture, ExplicitModel, Matrix
 
 OPTIMIZERS = ("muon", "shampoo", "soap")
@@ -467,7 +468,7 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
             exchange = max(0.0, a2a - ns) + a2a / max(1, len(mats))
         else:  # Shampoo's and SOAP's owners gather the gradients (bf16 where SOAP's products take bf16 operands,
             # the dtype its step reads them in, else fp32) and scatter the fp32 updates back, each blocking
-            per_el = (2 if cfg.optimizer == "soap" and cfg.matmul_precision == "bf16" else 4) + 4
+            per_el = (gradient_dtype(cfg.matmul_precision).itemsize if cfg.optimizer == "soap" else 4) + 4
             exchange = (collective_time("all_to_all", per_el * dense_mat_shard, dp, dp_link)
                         + collective_time("all_to_all", per_el * expert_shard, edp, edp_link))
         opt_comm = comm_d + comm_e + exchange

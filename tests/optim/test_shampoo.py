@@ -17,7 +17,7 @@ from matrixopt.optim.shampoo import (
     block_views,
     finite_blocks,
     split_dim,
-    stack_blocks,
+    step_operands,
 )
 
 # fp32 optimizer vs float64 reference over 8 steps with damping 1e-3 (factor condition <= 1e3): the roots carry
@@ -394,7 +394,7 @@ def test_copy_and_stack_blocks_move_each_block_of_a_run_as_block_by_block_copies
             # and back: the blocks stacked as the step's products take them, converted or not
             for source, precision in ((want, "bf16"), (want, "fp32"), ([t.bfloat16() for t in want], "fp32")):
                 views = [block_views(p, plan, t) for p, plan, t in zip(ps, plans, source)]
-                stacked = stack_blocks([views[i][k] for i, k, _ in run], precision)
+                stacked = step_operands([views[i][k] for i, k, _ in run], precision)
                 dtype = torch.bfloat16 if precision == "bf16" else torch.float32
                 assert stacked.dtype == dtype
                 assert torch.equal(stacked, torch.stack([views[i][k] for i, k, _ in run]).to(dtype))
