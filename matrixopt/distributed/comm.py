@@ -169,14 +169,17 @@ def all_to_all_async(send: Tensor, send_splits: Sequence[int], recv_splits: Sequ
 
 
 class InFlight:
-    """An exchange launched on the network: :meth:`wait` returns its result."""
+    """An exchange launched on the network: :meth:`wait` returns its result (on CUDA the current stream waits for
+    it, not the host). The send buffers are held as long as the handle: a caller that keeps it until its step
+    ends frees them at the same point of every step, so the next steps' buffers land where these did."""
 
-    def __init__(self, work: dist.Work, finish: Callable[[], Tensor], keep: Tensor) -> None:
-        self._work, self._finish, self._keep = work, finish, keep  # keep: the send buffer, alive until the wait
+    def __init__(self, works: Sequence[dist.Work], finish: Callable[[], Any], keep: Any) -> None:
+        self._works, self._finish, self._keep = works, finish, keep  # keep: the send buffers, alive until the wait
 
-    def wait(self) -> Tensor:
-        self._work.wait()
-        self._keep = None
+    def wait(self) -> Any:
+        for work in self._works:
+            work.wait()
+        self._works = ()
         return self._finish()
 
 
@@ -207,7 +210,7 @@ def gather_to_owners(local: Tensor, counts: Sequence[int], sizes: Sequence[int],
         pieces = [p.view(_matrices(k, s, width, rows_dim)) for p, s in zip(recv.split(recv_splits), sizes)]
         return torch.cat(pieces, dim=rows_dim)
 
-    return InFlight(work, finish, local)
+    return InFlight([work], finish, local)
 
 
 def scatter_from_owners(owned: Tensor, counts: Sequence[int], sizes: Sequence[int], rows_dim: int,
@@ -227,7 +230,7 @@ def scatter_from_owners(owned: Tensor, counts: Sequence[int], sizes: Sequence[in
         offset += k * s * width
     rows = sizes[me]
     recv, work = all_to_all_async(send, [k * s * width for s in sizes], [c * rows * width for c in counts], group)
-    return InFlight(work, lambda: recv.view(_matrices(sum(counts), rows, width, rows_dim)), send)
+    return InFlight([work], lambda: recv.view(_matrices(sum(counts), rows, width, rows_dim)), send)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -238,32 +241,34 @@ def scatter_from_owners(owned: Tensor, counts: Sequence[int], sizes: Sequence[in
 # and empty allowed), go to their owners in one grouped set of point-to-point transfers, and the owners' results
 # come back in another:
 #
-#     whole = gather_rows(rows, owners, sizes, group)           # [(sizes[i][rank], n_i)] -> [(m_i, n_i)] owned here
-#     rows = scatter_rows(whole, owners, sizes, widths, group)  # the inverse
+#     whole = gather_rows(rows, owners, sizes, group).wait()           # [(sizes[i][rank], n_i)] -> [(m_i, n_i)] owned
+#     rows = scatter_rows(whole, owners, sizes, widths, group).wait()  # the inverse
 #
 # One transfer per (matrix, rank) pair with rows, each straight between a rank's rows and their row range in the
 # owner's matrix, listed in matrix order on every rank. An all-to-all would need each rank's rows packed into one
 # send buffer and the owner's received buffer unpacked into matrices: two more copies of the gradients each way.
+#
+# Both calls are asynchronous, so a step can cut its matrices into parts and exchange one part while it computes
+# another. Every rank must then make the same calls in the same order, each on the same matrices: a call's
+# transfers run as one group, and the sends and receives between two ranks match in the order they are listed.
 
 
-def _exchange(ops: list[tuple[Callable[..., Any], Tensor, int]], group: Group | None) -> None:
-    """Run point-to-point ``(dist.isend or dist.irecv, tensor, group rank)`` operations as one group and wait (on
-    CUDA the current stream waits, not the host). The ranks list their operations in one agreed order, so each
-    pair's sends and receives match in order."""
+def _exchange(ops: list[tuple[Callable[..., Any], Tensor, int]], group: Group | None) -> list[dist.Work]:
+    """Launch point-to-point ``(dist.isend or dist.irecv, tensor, group rank)`` operations as one group; returns
+    their handles. The ranks list their operations in one agreed order, so each pair's sends and receives match in
+    order."""
     if not ops:
-        return
+        return []
     ranks = group_ranks(group)
-    p2p = [dist.P2POp(op, t, ranks[peer], group) for op, t, peer in ops]
-    for work in dist.batch_isend_irecv(p2p):
-        work.wait()
+    return dist.batch_isend_irecv([dist.P2POp(op, t, ranks[peer], group) for op, t, peer in ops])
 
 
 def gather_rows(rows: Sequence[Tensor], owners: Sequence[int], sizes: Sequence[Sequence[int]],
-                group: Group | None, dtype: torch.dtype | None = None) -> list[Tensor]:
-    """Whole matrices to their owners (blocking).
+                group: Group | None, dtype: torch.dtype | None = None) -> InFlight:
+    """Whole matrices to their owners.
 
     rows[i]: this rank's rows of matrix i, ``(sizes[i][rank], n_i)``, all of one dtype and device. owners[i]: the
-    group rank that owns matrix i. Returns the matrices this rank owns, in matrix order, each
+    group rank that owns matrix i. ``wait()`` returns the matrices this rank owns, in matrix order, each
     ``(sum(sizes[i]), n_i)``, contiguous, in ``dtype`` (default: the rows'). Every rank's rows travel by one
     grouped set of point-to-point transfers straight into their place in the owner's matrix (a row range of a
     row-major matrix is contiguous): nothing is packed or unpacked; the rows sent are converted to ``dtype``
@@ -286,14 +291,13 @@ def gather_rows(rows: Sequence[Tensor], owners: Sequence[int], sizes: Sequence[S
             elif part.numel():
                 ops.append((dist.irecv, part, s))
         out.append(whole)
-    _exchange(ops, group)
-    return out
+    return InFlight(_exchange(ops, group), lambda: out, ops)
 
 
 def scatter_rows(whole: Sequence[Tensor], owners: Sequence[int], sizes: Sequence[Sequence[int]],
-                 widths: Sequence[int], group: Group | None, dtype: torch.dtype = torch.float32) -> list[Tensor]:
-    """The inverse of :func:`gather_rows` (blocking): whole ``(sum(sizes[i]), n_i)`` in ``dtype`` for the matrices
-    this rank owns, in matrix order -> this rank's rows ``(sizes[i][rank], n_i)`` of every matrix i,
+                 widths: Sequence[int], group: Group | None, dtype: torch.dtype = torch.float32) -> InFlight:
+    """The inverse of :func:`gather_rows`: whole ``(sum(sizes[i]), n_i)`` in ``dtype`` for the matrices this rank
+    owns, in matrix order -> (``wait()``) this rank's rows ``(sizes[i][rank], n_i)`` of every matrix i,
     ``n_i = widths[i]``: for the matrices owned here, views of ``whole``; the others received, each into a
     buffer of its own."""
     me = rank(group)
@@ -316,8 +320,7 @@ def scatter_rows(whole: Sequence[Tensor], owners: Sequence[int], sizes: Sequence
             out.append(torch.empty((sizes[i][me], widths[i]), dtype=dtype, device=device))
             if out[-1].numel():
                 ops.append((dist.irecv, out[-1], o))
-    _exchange(ops, group)
-    return out
+    return InFlight(_exchange(ops, group), lambda: out, ops)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -12,6 +12,9 @@ group, per process group::
     u = scatter_rows(U, owners)                     # this rank's rows of every update
     w = (1 - lr wd) w - lr u                        # on the local shards, as the single-process optimizer applies U
 
+The updates are sent as soon as they are issued: SOAP's refresh, which follows its update, runs beside the
+exchange.
+
 The update is the single-process one (up to the order of FSDP's fp32 gradient reduction). The factors, the roots
 or eigenbases and the moments of a matrix live on its owner only, so the state is spread over the ranks, and so
 is the work of each refresh (every ``precondition_frequency`` steps each owner refreshes the matrices it owns,
@@ -148,25 +151,35 @@ class _OwnerSharded(OnLocalShards):
                     skip: Tensor | None) -> None:
         """One step of DTensor matrices sharded over ``pg``: whole gradients to the owners, the single-process
         update there, its rows back, and the update applied to the local shards. Collective over ``pg``.
-        ``skip``: a deferred check's device flag, agreed over the ranks (:meth:`_matrix_updates`)."""
+        ``skip``: a deferred check's device flag, agreed over the ranks (:meth:`_matrix_updates`). The updates
+        are sent as soon as they are issued: a refresh that follows them (SOAP's) runs beside the exchange."""
         me, world = comm.rank(pg), comm.world_size(pg)
         owners = [self._owners[id(p)][1] for p in params]
         sizes = [comm.chunk_sizes(p.shape[0], world) for p in params]  # every rank's rows, as fully_shard splits
         widths = [math.prod(p.shape[1:]) for p in params]
         rows = [g.to_local().reshape(s[me], n) for g, s, n in zip(grads, sizes, widths)]  # (rows, n)
-        whole = comm.gather_rows(rows, owners, sizes, pg, self._gradient_dtype(group))  # (m, n) per matrix owned
+        whole = comm.gather_rows(rows, owners, sizes, pg, self._gradient_dtype(group)).wait()  # (m, n) per owned
         mine = [i for i, r in enumerate(owners) if r == me]
-        updates = dict(zip(mine, self._matrix_updates(group, [params[i] for i in mine],
-                                                      [G.view(params[i].shape) for i, G in zip(mine, whole)], skip)
-                           if mine else []))
-        self._advance([self.state[p] for i, p in enumerate(params) if owners[i] != me], skip)  # owners counted theirs
-        moved = [i for i, p in enumerate(params) if self.first_step_moves or self.state[p]["step"] > 1]
-        if not moved:  # the same on every rank: the steps are
-            return
-        back = comm.scatter_rows([updates[i].view(sum(sizes[i]), widths[i]) for i in moved if owners[i] == me],
-                                 [owners[i] for i in moved], [sizes[i] for i in moved], [widths[i] for i in moved], pg)
-        local = [params[i].to_local() for i in moved]
-        self._apply(group, local, [u.view(w.shape) for u, w in zip(back, local)], skip)
+        self._advance([self.state[p] for i, p in enumerate(params) if owners[i] != me], skip)  # owners count theirs
+        moved = []  # the steps are alike on every rank, so is this
+        back: list[comm.InFlight] = []
+
+        def send(updates: list[Tensor | None]) -> None:
+            owned = dict(zip(mine, updates))
+            moved.extend(i for i, p in enumerate(params) if self.first_step_moves or self.state[p]["step"] > 1)
+            if moved:
+                back.append(comm.scatter_rows([owned[i].view(sum(sizes[i]), widths[i]) for i in moved
+                                               if owners[i] == me], [owners[i] for i in moved],
+                                              [sizes[i] for i in moved], [widths[i] for i in moved], pg))
+
+        if mine:
+            self._matrix_updates(group, [params[i] for i in mine],
+                                 [G.view(params[i].shape) for i, G in zip(mine, whole)], skip, then=send)
+        else:
+            send([])
+        if back:
+            local = [params[i].to_local() for i in moved]
+            self._apply(group, local, [u.view(w.shape) for u, w in zip(back[0].wait(), local)], skip)
 
     # ----------------------------------------------------------------------------------- state
     def _check_factors(self, group: dict[str, Any], p: Tensor, st: dict[str, Any]) -> None:

@@ -285,8 +285,9 @@ _TABLES_KEPT = 256  # gradients are usually reallocated at the same addresses st
 
 def _table(runs: tuple[Run, ...], device: torch.device) -> Tensor:
     """The int64 table of ``runs`` as a device tensor: cached by the runs (which fix its content), else a small
-    asynchronous copy from pageable memory (the driver stages it at once, so the host tensor may go). During CUDA
-    graph capture it must be cached already (by the same launch before capture), and stays so for good."""
+    asynchronous copy from pinned memory (from pageable memory the driver may wait for the stream to drain first:
+    a host sync). During CUDA graph capture it must be cached already (by the same launch before capture), and
+    stays so for good."""
     key = (device, runs)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # graphs read it at every replay: kept
         table = _TABLES.pop(key, None)
@@ -297,7 +298,8 @@ def _table(runs: tuple[Run, ...], device: torch.device) -> Tensor:
         return table
     table = _TABLES.get(key)
     if table is None:
-        table = _TABLES[key] = table_rows(runs).to(device, non_blocking=True)
+        rows = table_rows(runs)
+        table = _TABLES[key] = (rows.pin_memory() if device.type == "cuda" else rows).to(device, non_blocking=True)
         if len(_TABLES) > _TABLES_KEPT:
             _TABLES.popitem(last=False)
     else:

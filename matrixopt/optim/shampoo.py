@@ -341,6 +341,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         self._pending: dict[int, Any] = {}  # group index -> side-stream refresh in flight
         self._operand_cache: dict[tuple, tuple] = {}  # the step's kept stacks (_step_stack)
         self._stacks_used: set[tuple] = set()  # the keys of those the current group step took
+        self._later: list[Callable[[], None]] = []  # refreshes that follow the current group step's updates
         self._view_cache: dict[tuple[int, str], tuple[Tensor, list[Tensor]]] = {}  # _state_views
         self._side_streams: dict[torch.device, Any] = {}
         super().__init__(params, matrix_defaults, adamw_defaults, skip_nonfinite=skip_nonfinite,
@@ -392,7 +393,7 @@ class KroneckerOptimizer(MatrixOptimizer):
         if failures is not None or "_root_failures" not in self.__dict__:
             self.root_failures = failures or 0
         self._plans, self._phases, self._layouts, self._pending, self._side_streams = {}, {}, {}, {}, {}
-        self._operand_cache, self._stacks_used, self._view_cache = {}, set(), {}
+        self._operand_cache, self._stacks_used, self._view_cache, self._later = {}, set(), {}, []
         for group in self.param_groups:  # pickled before these options existed
             if group[self.matrix_flag]:
                 group.setdefault("matmul_precision", "fp32")
@@ -594,6 +595,11 @@ class KroneckerOptimizer(MatrixOptimizer):
             event.record(side)
         self._pending[gi] = (event, results)
 
+    def _refresh_later(self, *args: Any) -> None:
+        """:meth:`_refresh` of a refresh that only follows the step's updates (nothing of the updates reads it):
+        run by :meth:`_matrix_updates` after its ``then``."""
+        self._later.append(functools.partial(self._refresh, *args))
+
     @staticmethod
     def _adopt(*tensors: Tensor) -> None:
         """Side-stream results read on the current stream: keep their memory until that stream is done."""
@@ -703,7 +709,8 @@ class KroneckerOptimizer(MatrixOptimizer):
             self.nonfinite.undo_if_skipped(functools.partial(_take_back, states))
 
     def _matrix_updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
-                        skip: Tensor | None = None) -> list[Tensor | None]:
+                        skip: Tensor | None = None,
+                        then: Callable[[list[Tensor | None]], None] | None = None) -> list[Tensor | None]:
         """Step the state of ``params`` on ``grads`` and return the update U of each parameter, float32 and shaped
         as it, or None where this step does not move it (not even by weight decay; see ``first_step_moves``). The
         matrix products run in the group's ``matmul_precision`` (:func:`cuda_matmul_precision`).
@@ -713,10 +720,20 @@ class KroneckerOptimizer(MatrixOptimizer):
         as the parameters (whole), any float dtype. ``skip``: a deferred check's 0-d float32 device flag, on a step
         that computes no roots or eigenbases (:meth:`_device_skip`): nonzero makes every state write keep its old
         value (the moving averages weighted by ``1 - skip``, no NaN/Inf reaching a state write), and the caller
-        applies U with the same weight."""
+        applies U with the same weight.
+
+        ``then(updates)``: called once the updates are issued, before a refresh that follows them (SOAP's,
+        :meth:`_refresh_later`) runs; a sharded optimizer sends the updates to their ranks there, so that the
+        exchange runs beside the refresh."""
         self._stacks_used.clear()
+        self._later = []
         with cuda_matmul_precision(group["matmul_precision"]):
             updates = self._updates(group, params, grads, skip)
+            if then is not None:
+                then(updates)
+            for refresh in self._later:
+                refresh()
+        self._later = []
         self._drop_unused_stacks(group)
         return updates
 

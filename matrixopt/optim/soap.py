@@ -262,9 +262,9 @@ class SOAP(KroneckerOptimizer):
         if due:  # with skip only where the refresh runs on the device (_device_skip)
             gi = next(j for j, g in enumerate(self.param_groups) if g is group)
             items = [(params[i], plans[i], states[i]) for i in due]
-            self._refresh(gi, group, [functools.partial(self._new_bases, group, jobs)
-                                      for jobs in self._factor_runs(group, items)],
-                          functools.partial(self._install_bases, group, live=live))
+            self._refresh_later(gi, group, [functools.partial(self._new_bases, group, jobs)
+                                            for jobs in self._factor_runs(group, items)],
+                                functools.partial(self._install_bases, group, live=live))
         for i, u in zip(rest, updates):
             out[i] = u
         return out

@@ -169,8 +169,13 @@ def _equivalence_and_save(rank: int, world: int, d: str) -> None:
     gathered, real = [], comm.gather_rows  # the owners' gradients, as the exchange delivers them
 
     def spy(*args, **kwargs):
-        gathered.extend(out := real(*args, **kwargs))
-        return out
+        flight = real(*args, **kwargs)
+
+        def finish():
+            gathered.extend(out := flight.wait())
+            return out
+
+        return comm.InFlight([], finish, None)
 
     comm.gather_rows = spy
     for name in OPTIMIZERS:

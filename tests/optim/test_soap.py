@@ -171,6 +171,27 @@ def test_bases_refresh_schedule_and_first_moment_rotation():
     assert changed == [1, 5, 9]  # Adam steps 0 (eigh), 4 and 8
 
 
+def test_refresh_runs_after_the_updates_are_handed_on(monkeypatch):
+    """The refresh follows the step's update: ``_matrix_updates`` hands the updates to ``then`` (where a sharded
+    optimizer sends them) before it runs the refresh, and the updates handed on are the ones it returns."""
+    W0, grads = data((6, 5), steps=6)
+    W = nn.Parameter(W0.clone())
+    opt = SOAP([W], lr=0.01, precondition_frequency=2)
+    group = opt.param_groups[0]
+    events, real = [], opt._refresh
+    monkeypatch.setattr(opt, "_refresh", lambda *a: (events.append("refresh"), real(*a)))
+    for call, g in enumerate(grads, 1):
+        events.clear()
+        basis = opt.state[W]["right_basis0"].clone() if opt.state else None
+        handed = []
+        out = opt._matrix_updates(group, [W], [g], then=lambda u: (events.append("then"), handed.append(u)))
+        assert handed == [out]
+        if call > 1:
+            assert events == (["then", "refresh"] if call % 2 == 1 else ["then"]), (call, events)
+            # the update was computed in the bases the refresh then replaced
+            assert call % 2 == 0 or not torch.equal(basis, opt.state[W]["right_basis0"])
+
+
 def test_staggered_refreshes_match_float64_reference():
     """stagger_refresh: each matrix's bases refreshed every ``freq`` Adam steps from its own phase, the phases
     packed by refresh cost (m^3 + n^3: 793, 468, 432 -> phases 0, 1, 2), so every step refreshes one matrix."""
