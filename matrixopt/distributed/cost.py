@@ -20,6 +20,9 @@ by ``matrixopt plan --calibrate`` or filled from nominal figures (``"source": "n
   without it (the nominal ones) prices that step at the ``elementwise`` rate;
 - ``links``: ``{"intra": {"latency": s, "bandwidth": bytes/s}, "inter": {...}}``: inside a node (NVLink) and
   between nodes (the network), per GPU and direction;
+- ``host_launch`` (optional): seconds the host takes to issue one kernel of an eager optimizer step, the Python
+  around it included (:func:`muon_host_time`); a profile without it (written before the field, or by
+  ``--calibrate``, which does not measure it) takes :data:`HOST_LAUNCH`;
 - ``peak_flops`` (the data sheet's, for MFU), ``memory_bytes`` per GPU, ``gpus_per_node``, ``name``,
   ``device``, ``source``, ``notes`` and ``env``.
 
@@ -59,6 +62,11 @@ not behind their elementwise passes, which contend for the same memory bandwidth
 clip's per-gradient norms (no ``clip_grad_norm_`` through the optimizer) first reads every gradient once for its
 non-finite check (:data:`CHECK_BYTES`).
 :func:`matrix_step_flops` gives the FLOPs of one step on one matrix, which the balancer packs on.
+
+**The host.** A step launched eagerly (a layer-wise or FSDP2 owner's Muon step, one process's step without
+``cuda_graph``) runs no faster than its host issues its kernels: its time is ``max(device, host)``, the host's
+being its kernel launches (:func:`muon_launches`, counted from how the step launches them) times the profile's
+``host_launch``. A step replayed from a CUDA graph (one launch) costs the host nothing the model counts.
 
 **Tensor-parallel Newton–Schulz** (:func:`tp_ns_times`): the three modes of :mod:`.tp` and what they overlap;
 ``distributed`` always runs the standard form with plain ``bmm`` products, so at the ``gemm`` rate.
@@ -136,6 +144,17 @@ ROOT_STEPS = 20
 ROOT_PRODUCTS = 4
 MAX_PRECONDITIONER_DIM = 1024
 NS_STEPS = 5
+
+# Kernels of Muon's eager step per Newton–Schulz stack besides its products (matrixopt.optim.layout.
+# orthogonalized_momentum_step): the fused momentum pass that packs the stack, the Frobenius normalization and
+# the fused update pass
+MUON_STACK_LAUNCHES = 3
+HOST_LAUNCH = 190e-6
+"""Seconds of host time per kernel of an eager Muon step, where a profile has no ``host_launch``: the H100's,
+from ``docs/results/moe/scale_moe-2b_ep2_16k_eager_2xh100.json`` (DDP with expert parallelism 2, the Muon step
+eager: 46.9 ms of host time on the slower rank for the 248 launches :func:`muon_launches` counts on its
+matrices; the 4.1 ms of host the same step took replayed from a CUDA graph are not taken out). It holds the
+Python of the ``ns_step`` dispatch and the Triton launchers, not the GPU's own launch latency."""
 
 CALIBRATION_STACKS = ((256, 64), (512, 32), (768, 24), (1024, 16), (2048, 8), (4096, 4), (8192, 1))
 """``(s, b)``: the stacks ``matrixopt plan --calibrate`` times each product table on, on CUDA
@@ -239,6 +258,8 @@ class DeviceProfile:
     links: dict[str, Link]
     fused_adamw: Table | None = None
     sym_mul: Table | None = None
+    host_launch: float = HOST_LAUNCH
+    """Seconds of host time per kernel of an eager optimizer step (:func:`muon_host_time`)."""
     notes: str = ""
     env: dict[str, Any] = field(default_factory=dict)
 
@@ -256,6 +277,9 @@ class DeviceProfile:
         for name in _OPTIONAL_TABLES:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _check_table(name, getattr(self, name)))
+        if (isinstance(self.host_launch, bool) or not isinstance(self.host_launch, (int, float))
+                or not 0 <= self.host_launch < 1):
+            raise ValueError(f"profile host_launch must be seconds per launch in [0, 1), got {self.host_launch!r}")
         missing = {"intra", "inter"} - set(self.links)
         if missing:
             raise ValueError(f"profile links need 'intra' and 'inter', missing {sorted(missing)}")
@@ -276,6 +300,10 @@ class DeviceProfile:
             return by_size
         w = min(max(float(width), widths[0][0]), widths[-1][0])  # clamped to the grid's widths
         return max(by_size, size / _rate_at(widths, w))
+
+    def host_seconds(self, launches: float) -> float:
+        """Seconds the host takes to issue ``launches`` kernels of an eager step (``host_launch`` each)."""
+        return launches * self.host_launch
 
     def link(self, group_size: int, stride: int = 1, gpus_per_node: int | None = None) -> Link:
         """The link a group of ``group_size`` ranks ``stride`` apart crosses: ``intra`` if it fits in a node."""
@@ -474,6 +502,40 @@ def batched_newton_schulz_time(profile: DeviceProfile, count: int, m: int, n: in
             + newton_schulz_time(profile, rest, m, n, steps, method))
 
 
+def newton_schulz_launches(batch: int, m: int, n: int, steps: int = NS_STEPS, method: str = "auto") -> int:
+    """Kernels one eager Newton–Schulz call on a ``(batch, m, n)`` stack launches for its products, as
+    :func:`matrixopt.linalg.ortho.newton_schulz_short_side` runs it on CUDA (``auto`` takes the Gram form eagerly
+    only for large stacks, :func:`~matrixopt.linalg.ortho.uses_gram`): the standard form three per step (the
+    Gram product, ``b A + c A^2`` and ``a X + B X``); the Gram form per phase of ``k`` steps the Gram matrix, four
+    per step but the last (``Z``, ``R (a I + Z)``, the new ``R`` and ``Q``) and the last step's ``Z`` and ``Q Y``
+    (and ``Q Z`` after the phase's first step)."""
+    if batch == 0:
+        return 0
+    s, l = min(m, n), max(m, n)
+    if not uses_gram(method, batch, s, l, eager_cuda=True):
+        return 3 * steps
+    return sum(1 + 4 * (k - 1) + (2 if k == 1 else 3) for k in gram_phases(steps))
+
+
+def muon_launches(groups: Sequence[Shapes], steps: int = NS_STEPS, method: str = "auto") -> int:
+    """Kernels Muon's eager step launches on ``groups``: per stack of at most
+    :data:`~matrixopt.optim.layout.BUCKET_NUMEL` values (as :func:`batched_newton_schulz_time` splits them) its
+    Newton–Schulz products and :data:`MUON_STACK_LAUNCHES`."""
+    total = 0
+    for g in groups:
+        per = max(1, BUCKET_NUMEL // max(1, g.m * g.n))
+        for b in [per] * (g.count // per) + ([g.count % per] if g.count % per else []):
+            total += newton_schulz_launches(b, g.m, g.n, steps, method) + MUON_STACK_LAUNCHES
+    return total
+
+
+def muon_host_time(profile: DeviceProfile, groups: Sequence[Shapes], steps: int = NS_STEPS,
+                   method: str = "auto") -> float:
+    """Seconds the host takes to issue Muon's eager step on ``groups`` (:func:`muon_launches` times the profile's
+    ``host_launch``); the step takes at least this long (module docstring)."""
+    return profile.host_seconds(muon_launches(groups, steps, method))
+
+
 @dataclass(frozen=True)
 class Shapes:
     """``count`` matrices of shape ``(m, n)``, stepped as one stack."""
@@ -522,6 +584,26 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
         raise ValueError(f"no step-time model for optimizer {optimizer!r}; use muon, adamw, shampoo or soap")
     if precondition_frequency < 1:
         raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
+    every, refresh, block_bytes = _preconditioner_products(profile, optimizer, groups, root_method, matmul_precision)
+    per_param = SHAMPOO_BYTES if optimizer == "shampoo" else SOAP_BYTES
+    products = every + refresh / precondition_frequency
+    return checked + max(products, side) + profile.seconds("elementwise", per_param * numel + block_bytes)
+
+
+def refresh_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Shapes], *, precondition_frequency: int = 10,
+                 root_method: str = "newton", matmul_precision: str = "fp32") -> float:
+    """Seconds per step of Shampoo's or SOAP's refresh on ``groups`` amortized over ``precondition_frequency``
+    steps: the part of :func:`matrix_step_time` the roots or eigenbases take."""
+    if precondition_frequency < 1:
+        raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
+    return _preconditioner_products(profile, optimizer, groups, root_method, matmul_precision)[1] / \
+        precondition_frequency
+
+
+def _preconditioner_products(profile: DeviceProfile, optimizer: str, groups: Sequence[Shapes], root_method: str,
+                             matmul_precision: str) -> tuple[float, float, float]:
+    """``(seconds of every step's products, seconds of one whole refresh, bytes of the per-block passes)`` of
+    Shampoo or SOAP on ``groups`` (:func:`matrix_step_time`)."""
     check_root_method(root_method)
     check_matmul_precision(matmul_precision)
     newton = optimizer == "shampoo" and root_method == "newton"
@@ -554,9 +636,7 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
                             refresh += accurate + product(cube, k)
                         else:
                             refresh += product(cube, k)
-    per_param = SHAMPOO_BYTES if optimizer == "shampoo" else SOAP_BYTES
-    products = every + refresh / precondition_frequency
-    return checked + max(products, side) + profile.seconds("elementwise", per_param * numel + block_bytes)
+    return every, refresh, block_bytes
 
 
 def qr_flops(n: int) -> float:

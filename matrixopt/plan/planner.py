@@ -33,10 +33,15 @@ flops_per_token`) and an assumed MFU (forward a third, backward two thirds). The
   post_backward`` upcasts them whenever it does not reduce). The
   step gathers each matrix to one owner and scatters the update back (two all-to-alls): Muon's in bf16, pipelined
   over the shape buckets, so they hide behind the owners' Newton–Schulz except for one bucket's share; Shampoo's
-  and SOAP's blocking, the gradients in fp32 (bf16 for SOAP with bf16 products) and the updates in fp32.
+  and SOAP's gather blocking, the gradients in fp32 (bf16 for SOAP with bf16 products), and the updates back in
+  fp32, Shampoo's blocking, SOAP's beside its refresh (which follows its update; an owner's share of the
+  amortized refresh hides as much of the scatter).
 - In either, a rank's matrix optimizer steps its AdamW groups (tables, vectors) on a side stream beside its
   matrix groups (:func:`matrixopt.distributed.cost.matrix_step_time`): their pass counts only where it outlasts
   the rank's matrix products.
+- In either, the owners' Muon step runs eagerly: it takes at least the time its host needs to issue its kernels
+  (:func:`matrixopt.distributed.cost.muon_launches` on the slowest-issuing owner's matrices times the profile's
+  ``host_launch``), the longer of that and its device time.
 - ``tpK <mode>``: FSDP over world/K with each block's matrices split over K ranks of a node (Megatron layout); the
   per-layer activation all-reduces (two in forward, two in backward, not overlapped) and Muon's TP Newton–Schulz in
   ``duplicated``, ``distributed`` or ``blockwise`` mode (:func:`matrixopt.distributed.cost.tp_ns_times`).
@@ -71,8 +76,10 @@ from matrixopt.distributed.cost import (
     check_root_method,
     collective_time,
     matrix_step_time,
+    muon_launches,
     newton_schulz_time,
     preconditioner_state_bytes,
+    refresh_time,
     tp_ns_times,
 )
 from matrixopt.linalg.ortho import check_method
@@ -313,28 +320,43 @@ def _tp_sharded(mat: Matrix, tp: int) -> bool:
 
 
 def _owner_load(profile: DeviceProfile, cfg: PlanConfig, mats: Sequence[Matrix], owners: int, tp: int,
-                mode: str | None) -> tuple[float, float, int]:
-    """``(slowest owner's seconds, its exposed TP communication, the most matrix elements one owner holds)`` when
-    ``owners`` ranks share ``mats`` by LPT on each matrix's time; each shape goes in stacks of ``count / owners``."""
+                mode: str | None) -> tuple[float, float, int, int]:
+    """``(slowest owner's seconds, its exposed TP communication, the most matrix elements one owner holds, the most
+    kernels one owner's eager Muon step launches)`` when ``owners`` ranks share ``mats`` by LPT on each matrix's
+    time; each shape goes in stacks of ``count / owners``. The launches are those of Muon's step on an owner's
+    whole matrices, batched by ``(short side, long side)`` as Muon batches them
+    (:func:`~matrixopt.distributed.cost.muon_launches`); 0 for other optimizers and TP shards."""
     items: list[float] = []
     comm: list[float] = []
     sizes: list[int] = []
+    batches: list[tuple[int, int, int] | None] = []  # (short side, long side, matrices) of an eager Muon chunk
     for mat in mats:
         k = mat.count
         per = max(1, k // owners)  # the stack an owner runs
         chunks = [per] * (k // per) + ([k % per] if k % per else [])
+        split = tp if _tp_sharded(mat, tp) else 1
         for c in chunks:
-            t, x = _matrix_time(profile, cfg, mat, c, tp if _tp_sharded(mat, tp) else 1, mode)
+            t, x = _matrix_time(profile, cfg, mat, c, split, mode)
             items.append(t)
             comm.append(x)
-            sizes.append(c * mat.m * mat.n // (tp if _tp_sharded(mat, tp) else 1))
+            sizes.append(c * mat.m * mat.n // split)
+            eager = cfg.optimizer == "muon" and split == 1
+            batches.append((min(mat.m, mat.n), max(mat.m, mat.n), c) if eager else None)
     if not items:
-        return 0.0, 0.0, 0
+        return 0.0, 0.0, 0, 0
     owner, loads = lpt(items, owners)
     worst = max(range(owners), key=lambda r: loads[r])
     comm_w = sum(x for x, r in zip(comm, owner) if r == worst)
     owned = max(sum(s for s, r in zip(sizes, owner) if r == q) for q in range(owners))
-    return loads[worst], comm_w, owned
+    issued = 0
+    for q in range(owners):
+        stacks: dict[tuple[int, int], int] = {}
+        for b, r in zip(batches, owner):
+            if b is not None and r == q:
+                stacks[b[:2]] = stacks.get(b[:2], 0) + b[2]
+        groups = [Shapes(sl[0], sl[1], c) for sl, c in stacks.items()]
+        issued = max(issued, muon_launches(groups, cfg.ns_steps, cfg.ns_method))
+    return loads[worst], comm_w, owned, issued
 
 
 def _matrix_time(profile: DeviceProfile, cfg: PlanConfig, mat: Matrix, batch: int, tp: int,
@@ -410,14 +432,15 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         bcast = collective_time("all_gather", 2 * (dense_el + expert_el) + 4 * rest_el, dp, dp_link)
         sync = max(0.0, reduce - bwd) + max(0.0, bcast - fwd)
         adamw_sync = max(0.0, collective_time("all_reduce", 4 * params_el, dp, dp_link) - bwd)
-        ns, opt_comm, owned = _owner_load(profile, cfg, mats, dp, 1, None)
+        ns, opt_comm, owned, launches = _owner_load(profile, cfg, mats, dp, 1, None)
         # the step's passes and (with other ranks to send to) the owner's cast of its matrices into the bf16
         # broadcast buffers. Nothing more: NCCL averages inside the reductions, and the ranks' non-finite agreement
         # takes the trainer's clip's per-gradient norms (LayerwiseOptimizer._agree_finite)
         wire = WIRE_CAST_BYTES if dp > 1 else 0
         elementwise = profile.seconds("elementwise", (ELEMENTWISE_BYTES[cfg.optimizer] + wire) * owned)
         side = profile.seconds("elementwise", ADAMW_BYTES * rest_el / dp)  # AdamW groups on a side stream
-        opt = max(ns, side) + elementwise
+        host = profile.host_seconds(launches)  # the owner's step runs eagerly: no faster than its host issues it
+        opt = max(max(ns, side) + elementwise, host)
         adamw_opt = profile.seconds("fused_adamw", ADAMW_BYTES * params_el)  # torch fused AdamW
         mat_el = dense_el + expert_el
         lowered = cfg.bf16_weights
@@ -458,8 +481,8 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
             sync = acc * (max(0.0, gather - fwd) + max(0.0, gather - bwd)) - max(0.0, gather - bwd)
             sync += max(0.0, gather + rs - bwd)
         adamw_sync = sync
-        ns_d, comm_d, owned_d = _owner_load(profile, cfg, dense, dp, tp, layout.tp_mode)
-        ns_e, comm_e, owned_e = _owner_load(profile, cfg, experts, edp, 1, None)
+        ns_d, comm_d, owned_d, launches_d = _owner_load(profile, cfg, dense, dp, tp, layout.tp_mode)
+        ns_e, comm_e, owned_e, launches_e = _owner_load(profile, cfg, experts, edp, 1, None)
         ns = ns_d + ns_e  # dense and expert matrices run one after the other on every rank
         dense_mat_shard = sum(m.numel / (tp if _tp_sharded(m, tp) else 1) for m in dense) / dp
         if cfg.optimizer == "muon":  # bf16 both ways, pipelined over the buckets behind Newton–Schulz
@@ -467,10 +490,18 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
                        + collective_time("all_to_all", 2 * expert_shard, edp, edp_link))
             exchange = max(0.0, a2a - ns) + a2a / max(1, len(mats))
         else:  # Shampoo's and SOAP's owners gather the gradients (bf16 where SOAP's products take bf16 operands,
-            # the dtype its step reads them in, else fp32) and scatter the fp32 updates back, each blocking
-            per_el = (gradient_dtype(cfg.matmul_precision).itemsize if cfg.optimizer == "soap" else 4) + 4
-            exchange = (collective_time("all_to_all", per_el * dense_mat_shard, dp, dp_link)
+            # the dtype its step reads them in, else fp32), blocking, and scatter the fp32 updates back: Shampoo's
+            # blocking, SOAP's beside its refresh, which follows its update (an owner's share of it)
+            def rows_time(per_el: float) -> float:
+                return (collective_time("all_to_all", per_el * dense_mat_shard, dp, dp_link)
                         + collective_time("all_to_all", per_el * expert_shard, edp, edp_link))
+
+            soap = cfg.optimizer == "soap"
+            gather = rows_time(gradient_dtype(cfg.matmul_precision).itemsize if soap else 4)
+            beside = refresh_time(profile, "soap", [Shapes(m.m, m.n, m.count) for m in mats],
+                                  precondition_frequency=cfg.precondition_frequency,
+                                  matmul_precision=cfg.matmul_precision) / dp if soap else 0.0
+            exchange = gather + max(0.0, rows_time(4) - beside)
         opt_comm = comm_d + comm_e + exchange
         local_mat = dense_mat_shard + expert_shard
         local_rest = rest_el / dp
@@ -481,7 +512,8 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
                        if cfg.optimizer == "muon" else 0.0)
         elementwise = profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * local_mat + owner_bytes)
         side = profile.seconds("elementwise", ADAMW_BYTES * local_rest)  # AdamW groups on a side stream
-        opt = max(ns, side) + exchange + elementwise  # ns holds the TP traffic
+        host = profile.host_seconds(launches_d + launches_e)  # the owners' eager Muon steps, issued by the host
+        opt = max(max(ns, side) + exchange + elementwise, host)  # ns holds the TP traffic
         adamw_opt = profile.seconds("fused_adamw", ADAMW_BYTES * (dense_shard + expert_shard))
         state = (_state(cfg, dense, tp) / dp + _state(cfg, experts, 1) / edp
                  + 8 * local_rest)

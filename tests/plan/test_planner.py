@@ -11,6 +11,7 @@ from matrixopt.plan import planner, validate
 from matrixopt.plan.models import PRESETS, Architecture, gpt, load_model
 
 H100 = shipped_profile("h100")
+DEVICE_ONLY = dataclasses.replace(H100, host_launch=0.0)  # device time alone: the host issues for free
 
 
 def test_presets_have_the_published_sizes():
@@ -193,9 +194,9 @@ def test_ns_method_reaches_the_step():
     the standard-form Newton–Schulz of each shape plus the elementwise passes, and slower than the Gram form's."""
     model = gpt("gpt2-small")
     auto, std = (planner.predict(planner.Layout(kind="layerwise"), planner.PlanConfig(
-        model=model, gpus=1, gpus_per_node=8, ns_method=m), H100) for m in ("auto", "standard"))
+        model=model, gpus=1, gpus_per_node=8, ns_method=m), DEVICE_ONLY) for m in ("auto", "standard"))
     from matrixopt.distributed.cost import newton_schulz_time
-    ns = {m: sum(newton_schulz_time(H100, x.count, x.m, x.n, 5, m) for x in model.matrices()) for m in
+    ns = {m: sum(newton_schulz_time(DEVICE_ONLY, x.count, x.m, x.n, 5, m) for x in model.matrices()) for m in
           ("auto", "standard")}
     assert std.opt_step_s - auto.opt_step_s == pytest.approx(ns["standard"] - ns["auto"])
     assert ns["standard"] > ns["auto"]
@@ -286,10 +287,10 @@ def test_layerwise_step_on_one_gpu_is_the_cost_models_step_with_adamw_beside_it(
     from matrixopt.distributed.cost import Shapes, matrix_step_time
 
     model = gpt("gpt2-small")
-    p = planner.predict(planner.Layout(kind="layerwise"), planner.PlanConfig(model=model, gpus=1), H100)
+    p = planner.predict(planner.Layout(kind="layerwise"), planner.PlanConfig(model=model, gpus=1), DEVICE_ONLY)
     groups = [Shapes(m.m, m.n, m.count) for m in model.matrices()]
     rest = model.table_params() + model.vector_params()
-    assert p.opt_step_s == pytest.approx(matrix_step_time(H100, "muon", groups, adamw_numel=rest))
+    assert p.opt_step_s == pytest.approx(matrix_step_time(DEVICE_ONLY, "muon", groups, adamw_numel=rest))
 
 
 def test_fsdp_gather_once_gathers_twice_per_step_and_holds_the_gathered_model():
@@ -422,23 +423,23 @@ def test_fsdp_muon_owner_pays_its_passes_on_the_gathered_matrices(monkeypatch):
     GPT-2-medium's matrices): the FSDP Muon step counts them, Shampoo's (another sharded step) does not."""
     cfg = planner.PlanConfig(model=gpt("gpt2-medium"), gpus=2)
     fsdp = planner.Layout(kind="fsdp")
-    with_passes = planner.predict(fsdp, cfg, H100).opt_step_s
-    shampoo = planner.predict(fsdp, dataclasses.replace(cfg, optimizer="shampoo"), H100).opt_step_s
+    with_passes = planner.predict(fsdp, cfg, DEVICE_ONLY).opt_step_s
+    shampoo = planner.predict(fsdp, dataclasses.replace(cfg, optimizer="shampoo"), DEVICE_ONLY).opt_step_s
     monkeypatch.setattr(planner, "SHARDED_SPLIT_BYTES", 0)
-    without_split = planner.predict(fsdp, cfg, H100).opt_step_s
+    without_split = planner.predict(fsdp, cfg, DEVICE_ONLY).opt_step_s
     monkeypatch.setattr(planner, "SHARDED_OWNER_BYTES", 0)
-    without_passes = planner.predict(fsdp, cfg, H100).opt_step_s
+    without_passes = planner.predict(fsdp, cfg, DEVICE_ONLY).opt_step_s
     # GPT-2-medium's layers: Q, K and V are 3 of its 12 d x d blocks
     assert with_passes - without_split == pytest.approx(0.25 * 4 / 10 * (without_split - without_passes), rel=0.02)
     assert without_passes < without_split < with_passes
-    assert shampoo == planner.predict(fsdp, dataclasses.replace(cfg, optimizer="shampoo"), H100).opt_step_s
+    assert shampoo == planner.predict(fsdp, dataclasses.replace(cfg, optimizer="shampoo"), DEVICE_ONLY).opt_step_s
 
 
-def test_fsdp_soap_and_shampoo_exchange_rows_blocking_and_soap_with_bf16_products_gathers_in_bf16():
-    """Shampoo's and SOAP's FSDP2 owners gather the gradients and scatter the fp32 updates back, both blocking (not
-    hidden behind the owners' work as Muon's pipelined all-to-alls are): the step's exposed communication is one
-    all-to-all of 8 bytes per local matrix element (fp32 both ways), 6 for SOAP with bf16 products, which gathers
-    the gradients in bf16."""
+def test_fsdp_soap_and_shampoo_exchange_rows_blocking_but_soaps_updates_beside_its_refresh():
+    """Shampoo's and SOAP's FSDP2 owners gather the gradients, blocking (not hidden behind the owners' work as Muon's
+    pipelined all-to-alls are), in fp32, or bf16 for SOAP with bf16 products; the fp32 updates go back blocking
+    for Shampoo, and for SOAP beside its refresh, which follows its update: with a refresh every step longer than
+    the scatter only the gather is exposed, with one in 10^9 steps the whole scatter."""
     from matrixopt.distributed.cost import collective_time
 
     model = gpt("gpt2-medium")
@@ -446,10 +447,16 @@ def test_fsdp_soap_and_shampoo_exchange_rows_blocking_and_soap_with_bf16_product
     fsdp = planner.Layout(kind="fsdp")
     shard = sum(m.numel for m in model.matrices()) / 2
     link = H100.link(2, 1, cfg.gpus_per_node)
-    for optimizer, precision, per_el in (("soap", "fp32", 8), ("soap", "bf16", 6), ("shampoo", "bf16", 8)):
-        c = dataclasses.replace(cfg, optimizer=optimizer, matmul_precision=precision)
-        p = planner.predict(fsdp, c, H100)
-        assert p.opt_comm_s == pytest.approx(collective_time("all_to_all", per_el * shard, 2, link), rel=1e-9)
+
+    def a2a(per_el: int) -> float:
+        return collective_time("all_to_all", per_el * shard, 2, link)
+
+    for optimizer, precision, freq, want in (("shampoo", "bf16", 1, a2a(4) + a2a(4)),
+                                             ("soap", "fp32", 10**9, a2a(4) + a2a(4)),
+                                             ("soap", "bf16", 10**9, a2a(2) + a2a(4)),
+                                             ("soap", "fp32", 1, a2a(4)), ("soap", "bf16", 1, a2a(2))):
+        c = dataclasses.replace(cfg, optimizer=optimizer, matmul_precision=precision, precondition_frequency=freq)
+        assert planner.predict(fsdp, c, H100).opt_comm_s == pytest.approx(want, rel=1e-6), (optimizer, freq)
 
 
 def test_peak_memory_is_backwards_start_or_the_step_whichever_is_larger():
