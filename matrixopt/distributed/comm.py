@@ -170,11 +170,10 @@ def all_to_all_async(send: Tensor, send_splits: Sequence[int], recv_splits: Sequ
 
 class InFlight:
     """An exchange launched on the network: :meth:`wait` returns its result (on CUDA the current stream waits for
-    it, not the host). The send buffers are held as long as the handle: a caller that keeps it until its step
-    ends frees them at the same point of every step, so the next steps' buffers land where these did."""
+    it, not the host). The send buffers live as long as the handle."""
 
     def __init__(self, works: Sequence[dist.Work], finish: Callable[[], Any], keep: Any) -> None:
-        self._works, self._finish, self._keep = works, finish, keep  # keep: the send buffers, alive until the wait
+        self._works, self._finish, self._keep = works, finish, keep  # keep: the send buffers
 
     def wait(self) -> Any:
         for work in self._works:
@@ -248,9 +247,10 @@ def scatter_from_owners(owned: Tensor, counts: Sequence[int], sizes: Sequence[in
 # owner's matrix, listed in matrix order on every rank. An all-to-all would need each rank's rows packed into one
 # send buffer and the owner's received buffer unpacked into matrices: two more copies of the gradients each way.
 #
-# Both calls are asynchronous, so a step can cut its matrices into parts and exchange one part while it computes
-# another. Every rank must then make the same calls in the same order, each on the same matrices: a call's
-# transfers run as one group, and the sends and receives between two ranks match in the order they are listed.
+# Both calls are asynchronous: a step computes while an exchange is in flight (SOAP's owners refresh their bases
+# while the updates go back). Every rank makes the same calls in the same order, each on the same matrices: a
+# call's transfers run as one group, and the sends and receives between two ranks match in the order they are
+# listed.
 
 
 def _exchange(ops: list[tuple[Callable[..., Any], Tensor, int]], group: Group | None) -> list[dist.Work]:

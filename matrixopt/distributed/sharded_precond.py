@@ -161,7 +161,7 @@ class _OwnerSharded(OnLocalShards):
         whole = comm.gather_rows(rows, owners, sizes, pg, self._gradient_dtype(group)).wait()  # (m, n) per owned
         mine = [i for i, r in enumerate(owners) if r == me]
         self._advance([self.state[p] for i, p in enumerate(params) if owners[i] != me], skip)  # owners count theirs
-        moved = []  # the steps are alike on every rank, so is this
+        moved: list[int] = []  # the steps are alike on every rank, so is this
         back: list[comm.InFlight] = []
 
         def send(updates: list[Tensor | None]) -> None:

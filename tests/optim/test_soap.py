@@ -178,12 +178,12 @@ def test_refresh_runs_after_the_updates_are_handed_on(monkeypatch):
     W = nn.Parameter(W0.clone())
     opt = SOAP([W], lr=0.01, precondition_frequency=2)
     group = opt.param_groups[0]
-    events, real = [], opt._refresh
+    events, handed, real = [], [], opt._refresh
     monkeypatch.setattr(opt, "_refresh", lambda *a: (events.append("refresh"), real(*a)))
     for call, g in enumerate(grads, 1):
         events.clear()
+        handed.clear()
         basis = opt.state[W]["right_basis0"].clone() if opt.state else None
-        handed = []
         out = opt._matrix_updates(group, [W], [g], then=lambda u: (events.append("then"), handed.append(u)))
         assert handed == [out]
         if call > 1:
