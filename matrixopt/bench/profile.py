@@ -1,9 +1,11 @@
 """``matrixopt bench profile step|train|launch``: where one GPU's time goes, from ``torch.profiler`` traces.
 
 - ``step``: an optimizer's step on a model's parameter set (``bench step``'s, with the trainer's deferred
-  non-finite check where the optimizer takes it): GPU time per kernel and step. Muon (the default) eager and
-  replayed from a CUDA graph; other optimizers (``--optimizers soap shampoo``) eager, with their defaults, so a
-  refresh every ``precondition_frequency`` steps falls in some of the timed and traced steps.
+  non-finite check where the optimizer takes it): GPU time per kernel and step, the kernels launched per step,
+  and the host's time to issue a step (``step()`` returning, the queue drained before each: where it exceeds the
+  step's GPU time, the step is bound by its host). Muon (the default) eager and replayed from a CUDA graph; other
+  optimizers (``--optimizers soap shampoo``) eager, with their defaults, so a refresh every
+  ``precondition_frequency`` steps falls in some of the timed and traced steps.
 - ``train``: training steps of ``bench train`` (its loop, model and optimizers, e.g. ``muon+eager``): the GPU's
   busy time against the step's span and the largest idle gaps, with the kernels on either side. The profiler
   slows the host, so gaps are upper bounds of the unprofiled run's.
@@ -26,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 from matrixopt.bench import train as bench_train
 from matrixopt.bench.common import environment, kernel_choices, table
 from matrixopt.bench.step import MODELS, param_set
-from matrixopt.device import sync, time_ms
+from matrixopt.device import ms_summary, sync, time_ms
 from matrixopt.distributed.parallelism import SingleProcess
 from matrixopt.optim.registry import accepted, build_optimizer
 from matrixopt.train.model import GPT, PRESETS, GPTConfig
@@ -80,9 +82,23 @@ def free(device: torch.device) -> None:
     torch.cuda.empty_cache()
 
 
+def host_ms(fn: Callable[[], object], device: torch.device, reps: int) -> dict[str, float]:
+    """Milliseconds until each of ``reps`` calls of ``fn`` returns, the device's queue drained before each: the
+    host's time to issue it, which the GPU's work runs beside (:func:`~matrixopt.device.ms_summary`)."""
+    laps = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        laps.append((time.perf_counter() - t0) * 1e3)
+    sync(device)
+    return ms_summary(laps)
+
+
 def profile_step(model: str, device: torch.device, reps: int, names: Sequence[str] = ("muon",)) -> dict[str, Any]:
-    """Each optimizer's step on ``model``'s parameter set: median ms and kernel ms per step. Muon's variants are
-    keyed ``eager`` and ``CUDA graph``, the other optimizers by name."""
+    """Each optimizer's step on ``model``'s parameter set: median ms (GPU), the host's ms to issue it, kernel ms
+    and kernels launched per step. Muon's variants are keyed ``eager`` and ``CUDA graph``, the other optimizers by
+    name."""
     ps = param_set(model, device)
     variants = []  # (key, name, options)
     for name in names:
@@ -94,8 +110,11 @@ def profile_step(model: str, device: torch.device, reps: int, names: Sequence[st
     for key, name, options in variants:
         opt = build_optimizer(ps, name, lr=1e-3, **accepted(name, deferred_nonfinite=True), **options)
         t = time_ms(opt.step, device, reps=reps, inner=5, warmup=5)
-        kernels = per_kernel_ms(traced(opt.step, device), PROFILED_STEPS)
-        out[key] = {"ms": t, "kernel_ms": sum(kernels.values()), "kernels": dict(list(kernels.items())[:TOP_KERNELS])}
+        host = host_ms(opt.step, device, 5 * reps)
+        intervals = traced(opt.step, device)
+        kernels = per_kernel_ms(intervals, PROFILED_STEPS)
+        out[key] = {"ms": t, "host_ms": host, "launches": len(intervals) / PROFILED_STEPS,
+                    "kernel_ms": sum(kernels.values()), "kernels": dict(list(kernels.items())[:TOP_KERNELS])}
         del opt
         free(device)
     return out
@@ -205,7 +224,8 @@ def format_tables(record: dict[str, Any]) -> str:
                 rows = [{"kernel": name[:100], "ms per step": ms} for name, ms in r["kernels"].items()]
                 what = f"Muon step, {record['model']} parameter set, {variant}" if variant in ("eager", "CUDA graph") \
                     else f"{variant} step, {record['model']} parameter set"
-                parts.append(f"{what}: {r['ms']['median']:.3f} ms (median), kernels {r['kernel_ms']:.3f} ms\n"
+                parts.append(f"{what}: {r['ms']['median']:.3f} ms (median), host {r['host_ms']['median']:.3f} ms to "
+                             f"issue it, kernels {r['kernel_ms']:.3f} ms in {r['launches']:.0f} launches\n"
                              + table(rows, ["kernel", "ms per step"]))
             return "\n\n".join(parts)
         case "train":

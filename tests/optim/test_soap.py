@@ -109,6 +109,12 @@ def test_matches_float64_reference(shape, variant):
     assert opt.root_failures == 0
 
 
+# An operand within float32's error of a bfloat16 rounding boundary may round the other way in the reference (float64
+# sums), which moves the weights by about 1e-5 over the steps here (the CPU's instruction set decides where that
+# happens); the bf16 products move them by 2e-3 or more from the float32 ones.
+BF16_ATOL = 1e-4
+
+
 @pytest.mark.parametrize("shape", [(7, 5), (6, 6), (4, 9)])
 @pytest.mark.parametrize("variant", [{}, dict(freq=1)])
 def test_bf16_products_match_float64_reference_of_rounded_operands(shape, variant):
@@ -119,9 +125,10 @@ def test_bf16_products_match_float64_reference_of_rounded_operands(shape, varian
     W0, grads = data(shape)
     W, opt, Q0 = run(W0, grads, **kwargs(hp), matmul_precision="bf16")
     bf16 = lambda x: x.to(torch.bfloat16).double()  # noqa: E731
-    assert (W.double() - ref_soap(W0, grads, Q0, **hp, rnd=bf16)).abs().max() < ATOL
+    assert (W.double() - ref_soap(W0, grads, Q0, **hp, rnd=bf16)).abs().max() < BF16_ATOL
     W32, _, Q0_32 = run(W0, grads, **kwargs(hp))
     assert (W - W32).abs().max() > 100 * (W32.double() - ref_soap(W0, grads, Q0_32, **hp)).abs().max()
+    assert (W - W32).abs().max() > 10 * BF16_ATOL
 
 
 def test_first_call_only_initializes():
