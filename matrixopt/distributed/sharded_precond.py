@@ -213,6 +213,15 @@ class ShardedShampoo(_OwnerSharded, Shampoo):
 
     cost = staticmethod(shampoo_cost)
 
+    @staticmethod
+    def _first_basis(group: dict[str, Any], st: dict[str, Any], step: int) -> bool:
+        """Whether the eigenbasis root at the ``step``-th step starts from eigh (and so reads the host): at
+        ``start_preconditioning_step`` only, decided alike on every rank from the step count, which is all a
+        non-owner holds of a matrix's state (Shampoo's rule, which also asks whether the state holds bases, would
+        read the flag on the host at every refresh of a matrix another rank owns). An owner's state without bases
+        (Newton roots before) takes its first power step from the identity."""
+        return step == group["start_preconditioning_step"]
+
 
 class ShardedSOAP(_OwnerSharded, SOAP):
     """:class:`matrixopt.SOAP` over FSDP2-sharded parameters (DTensor ``Shard(0)`` on a 1-D mesh), each matrix

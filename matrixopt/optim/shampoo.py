@@ -1031,8 +1031,10 @@ class Shampoo(KroneckerOptimizer):
         if first:
             Q, ok = eigenbasis(A)
             d = rayleigh_quotients(A, Q, bmm)  # (b, d)
-        else:  # the eigenvalue estimates the power step computed (refresh_eigenbasis)
-            Q, _, ok, d = refresh_eigenbasis(A, torch.stack([st[f"{side}_basis{k}"] for st, k, side in jobs]),
+        else:  # the eigenvalue estimates the power step computed (refresh_eigenbasis); a state without a basis
+            # (its roots were Newton's) starts from the identity
+            eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+            Q, _, ok, d = refresh_eigenbasis(A, torch.stack([st.get(f"{side}_basis{k}", eye) for st, k, side in jobs]),
                                              bmm=bmm)
         d = d.clamp_min(0)
         dmax = d.amax(dim=-1, keepdim=True)

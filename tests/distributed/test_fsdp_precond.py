@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -48,6 +49,9 @@ OPTIMIZERS = {
     # the refreshes spread over the steps: the owners refresh one phase's matrices at each step
     "soap_staggered": (SOAP, ShardedSOAP, dict(lr=1e-2, precondition_frequency=3, max_preconditioner_dim=6,
                                                one_sided_ratio=1.5, stagger_refresh=True)),
+    # eigenbasis roots, refreshed a phase at a time: the first refresh's eigh reads the host on every rank alike
+    "shampoo_eigen": (Shampoo, ShardedShampoo, dict(lr=1e-2, precondition_frequency=3, max_preconditioner_dim=6,
+                                                    root_method="eigenbasis", stagger_refresh=True)),
     # products from bf16 operands: the owners gather the gradients in bf16, which is how the step reads them
     "soap_bf16": (SOAP, ShardedSOAP, dict(lr=1e-2, precondition_frequency=3, max_preconditioner_dim=6,
                                           one_sided_ratio=1.5, matmul_precision="bf16")),
@@ -102,11 +106,11 @@ def reference(name: str) -> tuple[list[float], list[torch.Tensor]]:
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
-def sharded(name: str, world: int, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+def sharded(name: str, world: int, seed: int = 0, **extra: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
     _, cls, hp = OPTIMIZERS[name]
     torch.manual_seed(seed)
     model = apply_fsdp(Net(), init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))).mark()
-    return model, cls(param_groups(model, matrix_flag=cls.matrix_flag), **hp)
+    return model, cls(param_groups(model, matrix_flag=cls.matrix_flag), **hp, **extra)
 
 
 def global_losses(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
@@ -393,12 +397,49 @@ def _deferred(rank: int, world: int) -> None:
         for nan_at in (1, 2, 3):
             got, want = run(name, nan_at, None, how), run(name, None, nan_at, how)
             assert all(torch.equal(got[n], want[n]) for n in want), (name, nan_at)
-        # Shampoo's Newton roots read the host at their refresh steps; SOAP's QR refreshes run on the device
-        assert True in how and (False in how) == (name == "shampoo"), (name, how)
+        # Shampoo's Newton roots read the host at their refresh steps, its eigenbasis roots at the first (an eigh);
+        # SOAP's QR refreshes run on the device
+        assert True in how and (False in how) == name.startswith("shampoo"), (name, how)
 
 
 def test_deferred_nonfinite_check_skips_on_every_rank():
     run(_deferred, 2, timeout=300)
+
+
+def _host_reads(rank: int, world: int) -> None:
+    """Staggered eigenbasis roots under a deferred check read its flag on the host only at the first refresh (the
+    eigh), on every rank alike: a rank holding only the step of a matrix another rank owns does not take it for a
+    state without bases, whose refresh would read the host. A state without bases (Newton roots before) takes its
+    power steps from the identity."""
+    mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    model, opt = sharded("shampoo_eigen", world, deferred_nonfinite=True)
+    real, reads = opt.nonfinite.on_host, []
+
+    def on_host(skip):
+        reads.append(step)
+        return real(skip)
+
+    opt.nonfinite.on_host = on_host
+    for step in range(STEPS):
+        x, y = data(step)
+        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+    start = OPTIMIZERS["shampoo_eigen"][2]["precondition_frequency"]  # the first refresh, at step `start`
+    assert reads and set(reads) == {start - 1}, f"rank {rank}: the flag was read on the host at steps {reads}"
+
+    model, opt = sharded("shampoo", world)  # Newton roots, then eigenbasis roots from the owners' roots alone
+    global_losses(model, opt, range(4))
+    for group in opt.param_groups:
+        group["root_method"] = "eigenbasis"
+    global_losses(model, opt, range(4, STEPS))
+    owned = [st for p, st in opt.state.items() if any(k.startswith("left") or k.startswith("right") for k in st)]
+    assert owned and all(any("_basis" in k for k in st) for st in owned)
+    assert all(torch.isfinite(p.full_tensor()).all() for p in model.parameters())
+
+
+def test_staggered_eigenbasis_refreshes_read_the_flag_on_the_host_only_at_the_first():
+    run(_host_reads, 2)
 
 
 def test_plain_parameters_are_refused():
