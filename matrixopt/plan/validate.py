@@ -29,6 +29,7 @@ from matrixopt.distributed.cost import (
     Shapes,
     matrix_step_time,
     muon_host_time,
+    muon_launches,
     newton_schulz_time,
     nominal_profile,
     shipped_profile,
@@ -239,6 +240,11 @@ def single_gpu(root: Path) -> list[dict[str, Any]]:
                 measured = rec["results"][f"{opt}, frequency {f}"]["median"]
                 rows.append(_row(f"gpt2-small: {opt} step, roots every {f}, {_gpus(rec, 1)}", path.name, pname,
                                  _step(prof, opt, groups, rest, f, check=True) * 1e3, measured, "ms"))
+    for name, path, rec, groups, rest in _eager_records(root):
+        for pname, prof in profiles_for(rec).items():
+            predicted = max(_step(prof, "muon", groups, rest, check=True), muon_host_time(prof, groups)) * 1e3
+            rows.append(_row(f"{name}: Muon step, eager, {_gpus(rec, 1)}", path.name, pname, predicted,
+                             rec["results"]["eager"]["ms"]["median"], "ms"))
     for name in ("gpt2-small", "gpt2-medium"):
         path = root / "bench" / f"train_{name}.json"
         rec = json.loads(path.read_text())
@@ -250,6 +256,35 @@ def single_gpu(root: Path) -> list[dict[str, Any]]:
             rows.append(_row(f"{name}: Muon/AdamW tokens/s, training, {_gpus(rec, 1)}", path.name, pname, ratio,
                              rec["results"]["muon"]["vs_adamw"], "x"))
     return rows
+
+
+EAGER_MODELS = ("gpt2-small", "gpt2-medium", "1.3b", "qwen3-30b-a3b")
+"""The parameter sets whose eager Muon step ``plan/host_h200/`` holds (``matrixopt bench profile step``)."""
+
+
+def _eager_records(root: Path) -> Iterable[tuple[str, Path, dict[str, Any], list[Shapes], int]]:
+    """``(name, path, record, matrix groups, AdamW values)`` of each eager Muon step record on one H200 (bench
+    step's parameter sets: GPT-2's QKV fused; one Qwen3-30B-A3B layer, its router on AdamW)."""
+    for name in EAGER_MODELS:
+        path = root / "plan" / "host_h200" / f"profile_step_{name}_h200.json"
+        rec = json.loads(path.read_text())
+        if name == "qwen3-30b-a3b":
+            layer = dataclasses.replace(PRESETS[name], n_layer=1)
+            groups = _shape_groups(m for m in layer.matrices() if m.name != "moe.router")
+            rest = json.loads((root / "moe" / "step_qwen3-30b-a3b.json").read_text())["limit"]["adamw_params"]
+        else:
+            groups, rest = _groups(gpt(name), fused=True)
+        yield name, path, rec, groups, rest
+
+
+def host_launch_fit(root: Path = ROOT) -> float:
+    """Seconds of host time per kernel of an eager Muon step on one H200: the geometric mean, over the records of
+    :func:`_eager_records`, of each step's host time (``step()`` returning, the queue drained before it) over the
+    kernels :func:`~matrixopt.distributed.cost.muon_launches` counts on its matrices. The shipped H200 profile's
+    ``host_launch``."""
+    per = [rec["results"]["eager"]["host_ms"]["median"] / 1e3 / muon_launches(groups)
+           for _, _, rec, groups, _ in _eager_records(root)]
+    return statistics.geometric_mean(per)
 
 
 def _summaries(rec: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:

@@ -114,3 +114,13 @@ def test_a_bad_host_launch_is_a_clear_error(tmp_path, bad):
     path.write_text(json.dumps(d))
     with pytest.raises(ValueError, match=r"bad.json: profile host_launch must be seconds per launch in \[0, 1\)"):
         DeviceProfile.load(path)
+
+
+def test_the_h200_profiles_host_launch_is_the_fit_to_its_eager_steps():
+    """The shipped H200 ``host_launch`` is :func:`validate.host_launch_fit` of the committed eager Muon steps, and
+    the one constant prices each of them within 15% once the device's time is beside it."""
+    h200 = shipped_profile("h200")
+    assert h200.host_launch == pytest.approx(validate.host_launch_fit(), rel=1e-3)
+    rows = [r for r in validate.single_gpu(validate.ROOT)
+            if "Muon step, eager" in r["what"] and r["profile"] == h200.source]
+    assert len(rows) == 4 and all(r["within"] for r in rows), [(r["what"], r["error"]) for r in rows]
