@@ -18,6 +18,11 @@ the GPU, as the trainer's Muon step runs), median of ``reps``:
 - ``fused_adamw``: ``torch.optim.AdamW(fused=True).step()`` on fp32 parameters (split into tensors of at most
   :data:`ADAMW_TENSOR` elements, as a model's are), counted at ``ADAMW_BYTES`` per element, timed eagerly as
   it runs in training (its learning rate is a float, so it is not captured in a graph);
+- ``host_launch``: seconds of host time per kernel of Muon's eager step (the trainer's deferred check): for each
+  parameter set of :data:`CUDA_HOST_SETS` (GPT-2-small's and the 1.3B's matrices, QKV fused; one tiny set on the
+  CPU, whose "kernels" run on the host), the median time ``step()`` takes to return, the queue drained before
+  each, over the kernels :func:`~matrixopt.distributed.cost.muon_launches` counts on those matrices; the
+  geometric mean over the sets;
 - ``peak_flops`` (the data sheet's, for MFU) is copied from ``base``;
 - ``links``: with a process group of several ranks, a one-element all-reduce (latency) and a large one
   (bandwidth, from the ring formula) on ``intra``; the group is assumed to lie inside one node. ``inter`` and,
@@ -30,22 +35,27 @@ The output has the format of the shipped profiles (:class:`~matrixopt.distribute
 from __future__ import annotations
 
 import platform
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
 
-from matrixopt.device import describe, time_ms
+from matrixopt.device import describe, sync, time_ms
 from matrixopt.distributed import comm
 from matrixopt.distributed.cost import (
     ADAMW_BYTES,
     DeviceProfile,
+    Shapes,
     link_from_all_reduce,
+    muon_launches,
     nominal_profile,
     qr_flops,
     shipped_profile,
 )
 from matrixopt.kernels.ns_step import for_cuda_graphs, gram, sym_mul
 from matrixopt.linalg.roots import cholesky_qr
+from matrixopt.optim.muon import Muon
 
 # (s, b): Newton–Schulz-shaped stacks; the CPU list stays small so calibrating in a test takes seconds.
 CUDA_SHAPES = ((256, 64), (512, 32), (768, 24), (1024, 16), (2048, 8), (4096, 4), (8192, 1))
@@ -56,6 +66,16 @@ QR_BATCH = 16  # refreshes factor batches of matrices: the per-matrix time of on
 CUDA_ELEMENTS = tuple(2**k for k in range(14, 30, 2))
 CPU_ELEMENTS = (2**12, 2**16, 2**20)
 ADAMW_TENSOR = 2**22  # a model's tensors are millions of elements: the fused step's chunking as it meets them
+
+
+def _gpt_matrices(layers: int, d: int) -> tuple[Shapes, ...]:
+    """A GPT's hidden matrices as Muon steps them, QKV fused: ``(3d, d)``, ``(d, d)``, ``(4d, d)``, ``(d, 4d)``."""
+    return tuple(Shapes(m, n, layers) for m, n in ((3 * d, d), (d, d), (4 * d, d), (d, 4 * d)))
+
+
+CUDA_HOST_SETS = (_gpt_matrices(12, 768), _gpt_matrices(24, 2048))  # GPT-2-small's, the 1.3B's
+CPU_HOST_SETS = (_gpt_matrices(2, 8),)
+HOST_STEPS = 10
 
 
 def _rate_points(sizes_and_ms: list[tuple[float, float]]) -> list[list[float]]:
@@ -103,6 +123,8 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
         elementwise.append((12.0 * n, timed(lambda a=a, b=b, c=c: torch.add(a, b, out=c))))
 
     fused_adamw = [(ADAMW_BYTES * n, timed(_fused_adamw_step(n, device), graph=False)) for n in elements]
+    host_launch = statistics.geometric_mean(
+        _host_per_launch(groups, device) for groups in (CUDA_HOST_SETS if cuda else CPU_HOST_SETS))
 
     links, notes = dict(base.links), []
     world = comm.world_size(group) if dist.is_available() and dist.is_initialized() else 1
@@ -126,7 +148,28 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
         gemm=_rate_points(gemm), syrk=_rate_points(syrk), sym_mul=_rate_points(sym), fp32_gemm=_rate_points(fp32),
         qr=_rate_points(qr),
         elementwise=_rate_points(elementwise), fused_adamw=_rate_points(fused_adamw), links=links,
-        notes="; ".join(notes), env=env)
+        host_launch=host_launch, notes="; ".join(notes), env=env)
+
+
+def _host_per_launch(groups: tuple[Shapes, ...], device: torch.device) -> float:
+    """Seconds of host time per kernel :func:`muon_launches` counts, for Muon's eager step on ``groups`` (random
+    gradients, the trainer's deferred check): the median over :data:`HOST_STEPS` steps of the time ``step()``
+    takes to return, the device's queue drained before each."""
+    gen = torch.Generator(device).manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(g.m, g.n, device=device, generator=gen) * 0.02)
+              for g in groups for _ in range(g.count)]
+    for p in params:
+        p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3
+    opt = Muon(params, lr=0.0, deferred_nonfinite=True)
+    laps = []
+    for i in range(3 + HOST_STEPS):  # three steps first: state, kernel choices, compilation
+        sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        if i >= 3:
+            laps.append(time.perf_counter() - t0)
+    sync(device)
+    return statistics.median(laps) / muon_launches(groups)
 
 
 def _fused_adamw_step(n: int, device: torch.device):

@@ -21,8 +21,8 @@ by ``matrixopt plan --calibrate`` or filled from nominal figures (``"source": "n
 - ``links``: ``{"intra": {"latency": s, "bandwidth": bytes/s}, "inter": {...}}``: inside a node (NVLink) and
   between nodes (the network), per GPU and direction;
 - ``host_launch`` (optional): seconds the host takes to issue one kernel of an eager optimizer step, the Python
-  around it included (:func:`muon_host_time`); a profile without it (written before the field, or by
-  ``--calibrate``, which does not measure it) takes :data:`HOST_LAUNCH`;
+  around it included (:func:`muon_host_time`; ``--calibrate`` measures it on Muon's eager step); a profile
+  without it (written before the field) takes :data:`HOST_LAUNCH`;
 - ``peak_flops`` (the data sheet's, for MFU), ``memory_bytes`` per GPU, ``gpus_per_node``, ``name``,
   ``device``, ``source``, ``notes`` and ``env``.
 

@@ -355,6 +355,7 @@ def test_calibrate_on_cpu_writes_the_shipped_format(tmp_path):
     assert p.to_dict().keys() == cost.shipped_profile("h100").to_dict().keys()
     assert all(math.isfinite(r) and r > 0
                for _, r in p.gemm + p.syrk + p.sym_mul + p.qr + p.elementwise + p.fused_adamw)
+    assert 0 < p.host_launch < 0.01 and p.host_launch != cost.HOST_LAUNCH  # measured, not the default
     p.save(tmp_path / "cpu.json")
     assert DeviceProfile.load(tmp_path / "cpu.json") == p
 
