@@ -366,6 +366,47 @@ def copy_matrices(dsts: Sequence[Tensor] | Tensor, srcs: Sequence[Tensor] | Tens
     torch._foreach_copy_(_unstacked(dsts), _unstacked(srcs))
 
 
+def decay_update(params: Sequence[Tensor], updates: Sequence[Tensor], lr: float | Tensor, weight_decay: float,
+                 decay_mode: str, skip: Tensor | None = None) -> None:
+    """``W <- decay(W) - lr U`` in place for every pair (:mod:`matrixopt.kernels.decay`), U read, not written: the
+    update step of Shampoo and SOAP. ``params``: tensors of any shape and float dtype; ``updates``: float32, shaped
+    alike. lr: a float or a 0-d tensor on the parameters' device. skip: a 0-d float32 device flag, nonzero to write
+    W as it was (U must then be finite). Contiguous float32 parameters on the GPU take one launch
+    (:func:`matrixopt.kernels.muon_fused.decay_update_triton`, the tensors seen as ``(numel / C, C)`` matrices);
+    anything else the torch reference, :func:`decay_update_reference`."""
+    takes = all(t.dtype == torch.float32 and t.ndim >= 1 and t.is_contiguous() for ts in (params, updates)
+                for t in ts)
+    fused = _kernels(_on_gpu(params, updates)) if takes else None
+    if fused is None:
+        decay_update_reference(params, updates, lr, weight_decay, decay_mode, skip)
+        return
+    fused.decay_update_triton([_rows_of(w) for w in params], [_rows_of(u) for u in updates], lr, weight_decay,
+                              decay_mode, skip)
+
+
+def _rows_of(t: Tensor) -> Tensor:
+    """A contiguous tensor as the ``(numel / C, C)`` matrix of its rows (``C`` its last dimension)."""
+    return t.view(-1, t.shape[-1]) if t.shape[-1] else t.view(0, 0)
+
+
+def decay_update_reference(params: Sequence[Tensor], updates: Sequence[Tensor], lr: float | Tensor,
+                           weight_decay: float, decay_mode: str, skip: Tensor | None = None) -> None:
+    """:func:`decay_update` by foreach ops: the decay (:func:`~matrixopt.kernels.decay.decay_`, weighted by
+    ``1 - skip``), then ``W += -lr (1 - skip) U``, U cast to each parameter's dtype."""
+    params, updates = list(params), list(updates)
+    live = None if skip is None else 1 - skip
+    decay_(params, lr, weight_decay, decay_mode, updates, live)
+    if live is not None:
+        lr = live * lr
+    if isinstance(lr, Tensor):
+        updates = torch._foreach_mul(updates, lr)
+        alpha = -1.0
+    else:
+        alpha = -lr
+    same = all(u.dtype == p.dtype for u, p in zip(updates, params))
+    torch._foreach_add_(params, updates if same else [u.to(p.dtype) for u, p in zip(updates, params)], alpha=alpha)
+
+
 def _unstacked(ts: Sequence[Tensor] | Tensor) -> list[Tensor]:
     return list(ts.unbind(0)) if isinstance(ts, Tensor) else list(ts)
 

@@ -740,6 +740,63 @@ def factor_ema_triton(factors: Sequence[Tensor], products: Sequence[Tensor] | Te
                   ALIGNED=aligned, ROWS=ADAM_ROWS, BLOCK=ADAM_BLOCK, num_warps=ADAM_WARPS)
 
 
+# ----------------------------------------------------------------------------------------------- decay and update
+
+@triton.jit
+def _decay_update_kernel(
+    # (n, 6) int64 table, one row per matrix: parameter and update addresses, rows, columns, their row strides
+    # (elements); (P, 2) int64 work list: matrix, first row
+    table_ptr, chunks_ptr,
+    # learning rate (or its address when LR_PTR), weight decay; 0-d float32 flag read when HAS_SKIP
+    lr, weight_decay, skip_ptr,
+    # DECAY: 0 decoupled (1 - lr wd), 1 independent (1 - wd), 2 cautious (decoupled where u w >= 0)
+    LR_PTR: tl.constexpr, HAS_SKIP: tl.constexpr, DECAY: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i, r0, row, R, C = _work_row(table_ptr, chunks_ptr, 2, 6)
+    w_ptr, w_rs = _row_operand(row, 0, 2, ALIGNED)
+    u_ptr, u_rs = _row_operand(row, 1, 2, ALIGNED)
+    eta = tl.load(lr).to(tl.float32) if LR_PTR else lr
+    kept = tl.where(tl.load(skip_ptr) == 0, R, 0) if HAS_SKIP else R  # no row at all when skipping
+    for r in range(r0, r0 + ROWS):
+        for c0 in range(0, C, BLOCK):
+            col = _columns(c0, BLOCK, ALIGNED)
+            mask = (col < C) & (r < kept)
+            w = tl.load(w_ptr + r * w_rs + col, mask=mask, other=0.0)
+            u = tl.load(u_ptr + r * u_rs + col, mask=mask, other=0.0)
+            if DECAY == 1:
+                w = w * (1.0 - weight_decay)
+            elif DECAY == 2:
+                w = w * (1.0 - tl.where(u * w >= 0, eta * weight_decay, 0.0))
+            else:
+                w = w * (1.0 - eta * weight_decay)
+            tl.store(w_ptr + r * w_rs + col, w - eta * u, mask=mask)
+
+
+def decay_update_triton(params: Sequence[Tensor], updates: Sequence[Tensor], lr: float | Tensor,
+                        weight_decay: float, decay_mode: str = "decoupled", skip: Tensor | None = None) -> None:
+    """``W <- decay(W) - lr U`` in place for every pair in one launch, the decay as ``decay_mode`` says
+    (:mod:`matrixopt.kernels.decay`): 12 bytes per element, where the torch reference's decay, scaling and add
+    move 20 to 28. ``params``, ``updates``: float32 ``(R, C)`` matrices with unit column stride, pairwise shaped
+    alike, on one device. lr: a float, or a 0-d tensor on their device (no host sync). skip: a 0-d float32 device
+    flag; where nonzero at run time, no parameter is written."""
+    check_weight_decay_mode(decay_mode)
+    if not len(params):
+        return
+    device = params[0].device
+    shapes = [w.shape for w in params]
+    chunks = _row_chunks(tuple(sh[0] for sh in shapes), device, ADAM_ROWS)
+    if not len(chunks):
+        return
+    (wp, ws, wa), (up, us, ua) = _addresses(params), _addresses(updates)
+    rows = tuple(((a, b, sh[0], sh[1], r, q), (0,) * 6, 1) for a, b, sh, r, q in zip(wp, up, shapes, ws, us))
+    lr_ptr = isinstance(lr, Tensor)
+    launch_kernel(_decay_update_kernel, (len(chunks),), _table(rows, device), chunks,
+                  lr if lr_ptr else float(lr), float(weight_decay), chunks if skip is None else skip,
+                  LR_PTR=lr_ptr, HAS_SKIP=skip is not None, DECAY=WEIGHT_DECAY_MODES.index(decay_mode),
+                  ALIGNED=wa and ua, ROWS=ADAM_ROWS, BLOCK=ADAM_BLOCK, num_warps=ADAM_WARPS)
+
+
 # ----------------------------------------------------------------------------------------------- block copies
 
 @triton.jit

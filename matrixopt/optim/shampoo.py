@@ -112,7 +112,6 @@ import torch
 from torch import Tensor
 
 from matrixopt.kernels import muon_elementwise
-from matrixopt.kernels.decay import decay_
 from matrixopt.linalg.roots import (
     InverseRootConfig,
     bf16_bmm,
@@ -746,23 +745,13 @@ class KroneckerOptimizer(MatrixOptimizer):
     @staticmethod
     def _apply(group: dict[str, Any], params: list[Tensor], updates: list[Tensor], skip: Tensor | None = None) -> None:
         """``W = (1 - lr wd) W - lr U`` over the list (U float32, cast to each parameter's dtype; not modified), the
-        decay in the group's ``weight_decay_mode``. ``skip``: a 0-d float32 device flag; nonzero writes W as it
-        was (U must be finite)."""
-        lr, wd = group["lr"], group["weight_decay"]
+        decay in the group's ``weight_decay_mode``, in one pass where the parameters are float32 on the GPU
+        (:func:`~matrixopt.kernels.muon_elementwise.decay_update`). ``skip``: a 0-d float32 device flag; nonzero
+        writes W as it was (U must be finite)."""
+        lr = group["lr"]
         if isinstance(lr, Tensor):
             lr = lr.to(params[0].device)
-        live = None if skip is None else 1 - skip
-        decay_(params, lr, wd, group["weight_decay_mode"], updates, live)
-        if live is not None:
-            lr = live * lr
-        if isinstance(lr, Tensor):
-            updates = torch._foreach_mul(updates, lr)
-            alpha = -1.0
-        else:
-            alpha = -lr
-        same = all(u.dtype == p.dtype for u, p in zip(updates, params))
-        torch._foreach_add_(params, updates if same else [u.to(p.dtype) for u, p in zip(updates, params)],
-                            alpha=alpha)
+        muon_elementwise.decay_update(params, updates, lr, group["weight_decay"], group["weight_decay_mode"], skip)
 
 
 def _take_back(states: list[dict[str, Any]]) -> None:

@@ -626,3 +626,36 @@ def test_factor_update_one_pass_matches_the_reference_drops_non_finite_blocks_an
             torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6)
             assert torch.equal(got, other)
     assert len(launched) == 6
+
+
+@pytest.mark.parametrize("mode", ["decoupled", "independent", "cautious"])
+def test_decay_update_in_one_launch_matches_its_foreach_reference(mode, monkeypatch):
+    """Shampoo's and SOAP's update step, ``W <- decay(W) - lr U``: the one-pass kernel against the foreach
+    reference for matrices, an expert stack, a vector and an empty matrix, the learning rate a float or a device
+    tensor; a set skip flag leaves every parameter as it was, bit for bit; and each decay mode on hand-computed
+    values (cautious decays only where the update and the weight agree in sign)."""
+    launched = []
+    kernel = fused.decay_update_triton
+    monkeypatch.setattr(fused, "decay_update_triton", lambda *a, **k: launched.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(fused, "ADAM_BLOCK", 16)  # several iterations per row
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 33), (3, 5, 17), (40,), (0, 4)]
+    for lr in (0.05, torch.tensor(0.05)):
+        for flag in (None, 0.0, 1.0):
+            W = [torch.randn(s, generator=g) for s in shapes]
+            U = [torch.randn(s, generator=g) for s in shapes]
+            skip = None if flag is None else torch.tensor(flag)
+            before, want = [w.clone() for w in W], [w.clone() for w in W]
+            ew.decay_update_reference(want, U, lr, 0.1, mode, skip)
+            with ew.elementwise_backend("triton"):
+                ew.decay_update(W, U, lr, 0.1, mode, skip)
+            for got, w, w0 in zip(W, want, before):
+                assert torch.equal(got, w0) if flag == 1.0 else not got.numel() or not torch.equal(got, w0)
+                torch.testing.assert_close(got, w, rtol=2e-7, atol=1e-7)
+    W = [torch.ones(2, 4)]
+    U = [torch.tensor([[1.0] * 4, [-1.0] * 4])]
+    with ew.elementwise_backend("triton"):
+        ew.decay_update(W, U, 0.5, 0.1, mode)
+    agree, disagree = {"decoupled": (0.45, 1.45), "independent": (0.4, 1.4), "cautious": (0.45, 1.5)}[mode]
+    torch.testing.assert_close(W[0], torch.tensor([[agree] * 4, [disagree] * 4]))
+    assert len(launched) == 7
