@@ -134,6 +134,19 @@ def _momentum_pack_kernel(
         tl.store(base + offs_r[:, None] * C + offs_c[None, :], u, mask=mask)
 
 @triton.jit
+def _keep(w, u, lr, weight_decay, DECAY: tl.constexpr):
+    """The factor weight decay leaves of ``w`` before ``lr u`` is subtracted (:mod:`matrixopt.kernels.decay`):
+    ``DECAY`` 0 decoupled ``1 - lr wd``, 1 independent ``1 - wd``, 2 cautious (decoupled where ``u w >= 0``)."""
+    if DECAY == 1:
+        keep = 1.0 - weight_decay
+    elif DECAY == 2:
+        keep = 1.0 - tl.where(u * w >= 0, lr * weight_decay, 0.0)
+    else:
+        keep = 1.0 - lr * weight_decay
+    return keep
+
+
+@triton.jit
 def _apply_update_kernel(
     # (k, 3) int64 table: parameter address, parameter row stride, slot
     table_ptr,
@@ -173,13 +186,7 @@ def _apply_update_kernel(
     u = y.to(tl.float32)
     if HAS_ROW_SCALE:
         u = u * tl.load(row_scale_ptr + slot * L + offs_r, mask=offs_r < R, other=0.0)[:, None]
-    if DECAY == 1:
-        keep = 1.0 - weight_decay
-    elif DECAY == 2:
-        keep = 1.0 - tl.where(u * w >= 0, lr_value * weight_decay, 0.0)
-    else:
-        keep = 1.0 - lr_value * weight_decay
-    w = w * keep - (lr_value * scale) * u
+    w = w * _keep(w, u, lr_value, weight_decay, DECAY) - (lr_value * scale) * u
     tl.store(p_ptrs, w.to(P_DTYPE), mask=mask)
 
 
@@ -764,13 +771,7 @@ def _decay_update_kernel(
             mask = (col < C) & (r < kept)
             w = tl.load(w_ptr + r * w_rs + col, mask=mask, other=0.0)
             u = tl.load(u_ptr + r * u_rs + col, mask=mask, other=0.0)
-            if DECAY == 1:
-                w = w * (1.0 - weight_decay)
-            elif DECAY == 2:
-                w = w * (1.0 - tl.where(u * w >= 0, eta * weight_decay, 0.0))
-            else:
-                w = w * (1.0 - eta * weight_decay)
-            tl.store(w_ptr + r * w_rs + col, w - eta * u, mask=mask)
+            tl.store(w_ptr + r * w_rs + col, w * _keep(w, u, eta, weight_decay, DECAY) - eta * u, mask=mask)
 
 
 def decay_update_triton(params: Sequence[Tensor], updates: Sequence[Tensor], lr: float | Tensor,
