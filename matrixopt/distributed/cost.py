@@ -101,10 +101,12 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_t
 MUON_BYTES = 28
 ADAMW_BYTES = 28  # read grad, weight, m, v; write weight, m, v
 # Shampoo: the graft in one pass (reads the gradient, the momentum and the second moment, writes both moments, the
-# Nesterov numerator and the Adam update: 28), then the update applied (the decay reads and writes the weight, the
-# add reads the update and the weight and writes the weight: 20)
-SHAMPOO_BYTES = 48
-SOAP_BYTES = 36  # AdamW's passes in the eigenbasis plus the projected gradient written and read
+# Nesterov numerator and the Adam update: 28), then the update applied in one pass (reads the weight and the update,
+# writes the weight: UPDATE_BYTES, matrixopt.kernels.muon_elementwise.decay_update). SOAP: AdamW's passes in the
+# eigenbasis plus the projected gradient written and read (36), then the update applied alike.
+UPDATE_BYTES = 12
+SHAMPOO_BYTES = 28 + UPDATE_BYTES
+SOAP_BYTES = 36 + UPDATE_BYTES
 CHECK_BYTES = 4  # the non-finite check reads each fp32 gradient once (nonfinite.nonfinite_flags)
 # Sharded Muon's owner (matrixopt.distributed.sharded, FSDP2), per 16-bit element of the whole matrices it gathers,
 # besides Newton-Schulz and MUON_BYTES: the received rows concatenated into matrices (comm.gather_to_owners: read
