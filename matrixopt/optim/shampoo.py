@@ -1020,11 +1020,12 @@ class Shampoo(KroneckerOptimizer):
         if first:
             Q, ok = eigenbasis(A)
             d = rayleigh_quotients(A, Q, bmm)  # (b, d)
-        else:  # the eigenvalue estimates the power step computed (refresh_eigenbasis); a state without a basis
-            # (its roots were Newton's) starts from the identity
-            eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-            Q, _, ok, d = refresh_eigenbasis(A, torch.stack([st.get(f"{side}_basis{k}", eye) for st, k, side in jobs]),
-                                             bmm=bmm)
+        else:  # the eigenvalue estimates the power step computed (refresh_eigenbasis)
+            bases = [st.get(f"{side}_basis{k}") for st, k, side in jobs]
+            if any(b is None for b in bases):  # a state without a basis (its roots were Newton's): the identity
+                eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+                bases = [eye if b is None else b for b in bases]
+            Q, _, ok, d = refresh_eigenbasis(A, torch.stack(bases), bmm=bmm)
         d = d.clamp_min(0)
         dmax = d.amax(dim=-1, keepdim=True)
         scale = torch.where(dmax > 0, (d + group["damping"] * dmax).pow(-1.0 / p), 1.0)  # 0 -> the identity
