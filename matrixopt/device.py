@@ -132,6 +132,22 @@ def time_ms(fn: Callable[[], Any], device: torch.device, *, reps: int = 10, inne
     return ms_summary(times)
 
 
+def host_ms(fn: Callable[[], Any], device: torch.device, *, reps: int = 10, warmup: int = 0) -> dict[str, float]:
+    """Milliseconds until each of ``reps`` calls of ``fn`` returns, the device's queue drained before each (after
+    ``warmup`` calls): the host's time to issue it, which the GPU's work runs beside; where it exceeds the call's
+    GPU time, the call is bound by its host. Returns :func:`ms_summary`'s record."""
+    for _ in range(warmup):
+        fn()
+    laps = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        laps.append((time.perf_counter() - t0) * 1e3)
+    sync(device)
+    return ms_summary(laps)
+
+
 def ms_summary(times: list[float]) -> dict[str, float]:
     """Median, p20, p80 and min of per-call milliseconds (:func:`time_ms`'s record)."""
     q = statistics.quantiles(times, n=5, method="inclusive") if len(times) > 1 else [times[0]] * 4

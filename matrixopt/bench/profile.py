@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 from matrixopt.bench import train as bench_train
 from matrixopt.bench.common import environment, kernel_choices, table
 from matrixopt.bench.step import MODELS, param_set
-from matrixopt.device import ms_summary, sync, time_ms
+from matrixopt.device import host_ms, sync, time_ms
 from matrixopt.distributed.parallelism import SingleProcess
 from matrixopt.optim.registry import accepted, build_optimizer
 from matrixopt.train.model import GPT, PRESETS, GPTConfig
@@ -82,19 +82,6 @@ def free(device: torch.device) -> None:
     torch.cuda.empty_cache()
 
 
-def host_ms(fn: Callable[[], object], device: torch.device, reps: int) -> dict[str, float]:
-    """Milliseconds until each of ``reps`` calls of ``fn`` returns, the device's queue drained before each: the
-    host's time to issue it, which the GPU's work runs beside (:func:`~matrixopt.device.ms_summary`)."""
-    laps = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        laps.append((time.perf_counter() - t0) * 1e3)
-    sync(device)
-    return ms_summary(laps)
-
-
 def profile_step(model: str, device: torch.device, reps: int, names: Sequence[str] = ("muon",)) -> dict[str, Any]:
     """Each optimizer's step on ``model``'s parameter set: median ms (GPU), the host's ms to issue it, kernel ms
     and kernels launched per step. Muon's variants are keyed ``eager`` and ``CUDA graph``, the other optimizers by
@@ -110,7 +97,7 @@ def profile_step(model: str, device: torch.device, reps: int, names: Sequence[st
     for key, name, options in variants:
         opt = build_optimizer(ps, name, lr=1e-3, **accepted(name, deferred_nonfinite=True), **options)
         t = time_ms(opt.step, device, reps=reps, inner=5, warmup=5)
-        host = host_ms(opt.step, device, 5 * reps)
+        host = host_ms(opt.step, device, reps=5 * reps)
         intervals = traced(opt.step, device)
         kernels = per_kernel_ms(intervals, PROFILED_STEPS)
         out[key] = {"ms": t, "host_ms": host, "launches": len(intervals) / PROFILED_STEPS,

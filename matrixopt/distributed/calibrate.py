@@ -36,12 +36,11 @@ from __future__ import annotations
 
 import platform
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
-from matrixopt.device import describe, sync, time_ms
+from matrixopt.device import describe, host_ms, time_ms
 from matrixopt.distributed import comm
 from matrixopt.distributed.cost import (
     ADAMW_BYTES,
@@ -161,15 +160,8 @@ def _host_per_launch(groups: tuple[Shapes, ...], device: torch.device) -> float:
     for p in params:
         p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3
     opt = Muon(params, lr=0.0, deferred_nonfinite=True)
-    laps = []
-    for i in range(3 + HOST_STEPS):  # three steps first: state, kernel choices, compilation
-        sync(device)
-        t0 = time.perf_counter()
-        opt.step()
-        if i >= 3:
-            laps.append(time.perf_counter() - t0)
-    sync(device)
-    return statistics.median(laps) / muon_launches(groups)
+    # three steps first: state, kernel choices, compilation
+    return host_ms(opt.step, device, reps=HOST_STEPS, warmup=3)["median"] / 1e3 / muon_launches(groups)
 
 
 def _fused_adamw_step(n: int, device: torch.device):

@@ -160,6 +160,13 @@ def _shape_groups(mats: Iterable[Matrix]) -> list[Shapes]:
     return [Shapes(m, n, c) for (m, n), c in by_shape.items()]
 
 
+def _moe_layer_groups(name: str) -> list[Shapes]:
+    """The matrices of one layer of the MoE preset ``name`` as ``bench step`` steps them with Muon: attention and
+    the experts (the router on AdamW)."""
+    layer = dataclasses.replace(PRESETS[name], n_layer=1)
+    return _shape_groups(m for m in layer.matrices() if m.name != "moe.router")
+
+
 def _groups(arch: Architecture, fused: bool) -> tuple[list[Shapes], int]:
     groups = _shape_groups(fused_qkv_matrices(arch) if fused else arch.matrices())
     return groups, arch.total_params() - sum(g.numel for g in groups)
@@ -223,8 +230,7 @@ def single_gpu(root: Path) -> list[dict[str, Any]]:
                                  "ms"))
     path = root / "moe" / "step_qwen3-30b-a3b.json"  # one MoE layer: attention and 128 experts, router on AdamW
     rec = json.loads(path.read_text())
-    layer = dataclasses.replace(PRESETS["qwen3-30b-a3b"], n_layer=1)
-    groups = _shape_groups(m for m in layer.matrices() if m.name != "moe.router")
+    groups = _moe_layer_groups("qwen3-30b-a3b")
     for pname, prof in profiles_for(rec).items():
         for label, key, opt in (("Muon step", "matrixopt muon, deferred check, CUDA graph", "muon"),
                                 ("AdamW step", "adamw (fused)", "adamw")):
@@ -269,8 +275,7 @@ def _eager_records(root: Path) -> Iterable[tuple[str, Path, dict[str, Any], list
         path = root / "plan" / "host_h200" / f"profile_step_{name}_h200.json"
         rec = json.loads(path.read_text())
         if name == "qwen3-30b-a3b":
-            layer = dataclasses.replace(PRESETS[name], n_layer=1)
-            groups = _shape_groups(m for m in layer.matrices() if m.name != "moe.router")
+            groups = _moe_layer_groups(name)
             rest = json.loads((root / "moe" / "step_qwen3-30b-a3b.json").read_text())["limit"]["adamw_params"]
         else:
             groups, rest = _groups(gpt(name), fused=True)

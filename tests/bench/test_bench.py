@@ -224,6 +224,23 @@ def test_stream_timer_on_cpu_adds_laps_to_its_offset():
     assert timer.total() == pytest.approx(2.0 + sum(timer.laps))
 
 
+def test_host_ms_times_each_call_after_its_warmup():
+    import time
+
+    import torch
+
+    from matrixopt.device import host_ms
+
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.002 if len(calls) > 2 else 0.05)  # two slow warm-up calls, not timed
+
+    rec = host_ms(fn, torch.device("cpu"), reps=4, warmup=2)
+    assert len(calls) == 6 and 2.0 <= rec["min"] <= rec["median"] < 40.0
+
+
 def test_frozen_heap_passes_over_the_setup_and_collects_what_the_block_makes():
     import gc
 
