@@ -99,12 +99,16 @@ def captured(fn: Callable[[], object], device: torch.device, calls: int) -> Call
 
 
 def time_ms(fn: Callable[[], Any], device: torch.device, *, reps: int = 10, inner: int = 1,
-            warmup: int = 2, graph: bool = False) -> dict[str, float]:
+            warmup: int = 2, graph: bool = False, heat_s: float = 0.0) -> dict[str, float]:
     """Milliseconds per call of ``fn``: ``reps`` blocks of ``inner`` back-to-back calls (CUDA events on the GPU,
     ``perf_counter`` plus a sync elsewhere), after ``warmup`` calls. Returns median, p20, p80 and min.
 
     ``graph=True`` (CUDA only) captures each block of ``inner`` calls in a CUDA graph and times its replays: the
-    GPU time without the host's launch overhead, which dominates kernels of a few tens of microseconds."""
+    GPU time without the host's launch overhead, which dominates kernels of a few tens of microseconds.
+
+    ``heat_s``: seconds of back-to-back blocks run just before the timed ones, so that a GPU held at its power
+    limit is timed at the clock it sustains under load, as in training, rather than the boost clock of a short
+    burst (an H200 runs large bf16 products about 15% slower after a tenth of a second of them)."""
     for _ in range(warmup):
         fn()
     sync(device)
@@ -113,6 +117,16 @@ def time_ms(fn: Callable[[], Any], device: torch.device, *, reps: int = 10, inne
         calls, inner = captured(fn, device, inner), 1  # one replay runs per_block calls
         calls()
         sync(device)
+    until, queued = time.perf_counter() + heat_s, []
+    while time.perf_counter() < until:  # the GPU kept busy, with at most two blocks queued ahead of it
+        for _ in range(inner):
+            calls()
+        if device.type == "cuda":
+            queued.append(torch.cuda.Event())
+            queued[-1].record()
+            if len(queued) > 2:
+                queued.pop(0).synchronize()
+    sync(device)
     times = []
     for _ in range(reps):
         if device.type == "cuda":

@@ -1,7 +1,10 @@
 """Measure a device profile for the cost model (``matrixopt plan --calibrate --out profile.json``).
 
 On each point the call is timed with :func:`matrixopt.device.time_ms` (CUDA events; replayed from a CUDA graph on
-the GPU, as the trainer's Muon step runs), median of ``reps``:
+the GPU, as the trainer's Muon step runs), median of ``reps``, right after :data:`HEAT_S` seconds of the same call
+on the GPU: a GPU at its power limit lowers its clock within a tenth of a second of large products, and training
+holds it there (on an H200, 1.3B-sized bf16 products ran at about 765 TFLOP/s in a burst of ten and 645 after a
+second of them), so the tables are the rates a step sustains, not a burst's:
 
 - ``gemm``: ``(b, s, s) @ (b, s, 4 s)`` in the iteration dtype (bf16 on CUDA, fp32 on the CPU), the shape of
   Newton–Schulz's ``B X``; ``b`` grows with ``s`` shrinking so small shapes are measured as the stacks Muon runs;
@@ -64,6 +67,7 @@ CPU_QR = (32, 64, 128)
 QR_BATCH = 16  # refreshes factor batches of matrices: the per-matrix time of one batch
 CUDA_ELEMENTS = tuple(2**k for k in range(14, 30, 2))
 CPU_ELEMENTS = (2**12, 2**16, 2**20)
+HEAT_S = 0.5  # seconds of each call before it is timed (CUDA only)
 ADAMW_TENSOR = 2**22  # a model's tensors are millions of elements: the fused step's chunking as it meets them
 
 
@@ -96,7 +100,7 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
     gen = torch.Generator(device).manual_seed(0)
 
     def timed(fn, graph: bool = cuda) -> float:
-        return time_ms(fn, device, reps=reps, warmup=2, graph=graph)["median"]
+        return time_ms(fn, device, reps=reps, warmup=2, graph=graph, heat_s=HEAT_S if cuda else 0.0)["median"]
 
     gemm, syrk, sym, fp32 = [], [], [], []
     for s, b in shapes:

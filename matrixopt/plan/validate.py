@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import json
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +251,13 @@ def single_gpu(root: Path) -> list[dict[str, Any]]:
             predicted = max(_step(prof, "muon", groups, rest, check=True), muon_host_time(prof, groups)) * 1e3
             rows.append(_row(f"{name}: Muon step, eager, {_gpus(rec, 1)}", path.name, pname, predicted,
                              rec["results"]["eager"]["ms"]["median"], "ms"))
+    path = root / "plan" / "sustained_h200" / "sustained_step_h200.json"
+    rec = json.loads(path.read_text())
+    for step in rec["steps"]:
+        for pname, prof in profiles_for(rec).items():
+            rows.append(_row(f"1.3b, split QKV: Muon step, eager, {step['step']}, at the sustained clock, "
+                             f"{_gpus(rec, 1)}", path.name, pname, max(owner_step_ms(prof, step["chunks"])),
+                             step["measured_ms"], "ms"))
     for name in ("gpt2-small", "gpt2-medium"):
         path = root / "bench" / f"train_{name}.json"
         rec = json.loads(path.read_text())
@@ -262,6 +269,18 @@ def single_gpu(root: Path) -> list[dict[str, Any]]:
             rows.append(_row(f"{name}: Muon/AdamW tokens/s, training, {_gpus(rec, 1)}", path.name, pname, ratio,
                              rec["results"]["muon"]["vs_adamw"], "x"))
     return rows
+
+
+def owner_step_ms(profile: DeviceProfile, chunks: Sequence[dict[str, Any]]) -> tuple[float, float]:
+    """``(device ms, host ms)`` the cost model gives Muon's eager steps, one after the other, on ``chunks``: each
+    ``{"shapes": [[m, n, count], ...], "adamw_numel": values on its AdamW}`` (a layer-wise owner steps its share
+    in chunks), each step with its own non-finite check."""
+    device = host = 0.0
+    for c in chunks:
+        groups = [Shapes(m, n, k) for m, n, k in c["shapes"]]
+        device += _step(profile, "muon", groups, c["adamw_numel"], check=True)
+        host += muon_host_time(profile, groups)
+    return device * 1e3, host * 1e3
 
 
 EAGER_MODELS = ("gpt2-small", "gpt2-medium", "1.3b", "qwen3-30b-a3b")
