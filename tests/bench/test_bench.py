@@ -241,6 +241,29 @@ def test_host_ms_times_each_call_after_its_warmup():
     assert len(calls) == 6 and 2.0 <= rec["min"] <= rec["median"] < 40.0
 
 
+def test_time_ms_heats_for_the_seconds_asked_right_before_the_timed_calls():
+    import time
+
+    import torch
+
+    from matrixopt.device import time_ms
+
+    stamps = []
+
+    def fn():
+        stamps.append(time.perf_counter())
+        time.sleep(0.002)
+
+    rec = time_ms(fn, torch.device("cpu"), reps=3, warmup=1, heat_s=0.1)
+    heated = stamps[1:-3]  # between the warm-up call and the 3 timed ones
+    assert len(heated) >= 20 and heated[-1] - heated[0] >= 0.09
+    assert stamps[-3] - heated[-1] < 0.05  # the timed calls follow at once
+    assert 2.0 <= rec["median"] < 40.0
+    stamps.clear()
+    time_ms(fn, torch.device("cpu"), reps=3, warmup=1)
+    assert len(stamps) == 4  # no heating unless asked
+
+
 def test_frozen_heap_passes_over_the_setup_and_collects_what_the_block_makes():
     import gc
 

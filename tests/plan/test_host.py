@@ -122,5 +122,17 @@ def test_the_h200_profiles_host_launch_is_the_fit_to_its_eager_steps():
     h200 = shipped_profile("h200")
     assert h200.host_launch == pytest.approx(validate.host_launch_fit(), rel=1e-3)
     rows = [r for r in validate.single_gpu(validate.ROOT)
-            if "Muon step, eager" in r["what"] and r["profile"] == h200.source]
+            if r["source"].startswith("profile_step_") and r["profile"] == h200.source]
     assert len(rows) == 4 and all(r["within"] for r in rows), [(r["what"], r["error"]) for r in rows]
+
+
+def test_the_h200_profile_prices_the_1_3b_owner_steps_measured_at_the_sustained_clock():
+    """The shipped H200 profile's tables were timed at the clock a step sustains: the 1.3B's eager Muon steps timed
+    so (whole model, each of two layer-wise owners' shares in two chunks) are predicted within 15%; the profile
+    timed in bursts that it replaced priced them 11% to 13% low; the whole step is held within 5%."""
+    h200 = shipped_profile("h200")
+    rows = [r for r in validate.single_gpu(validate.ROOT)
+            if r["source"] == "sustained_step_h200.json" and r["profile"] == h200.source]
+    assert len(rows) == 3 and all(r["within"] for r in rows), [(r["what"], r["error"]) for r in rows]
+    whole = next(r for r in rows if "whole model" in r["what"])
+    assert abs(whole["error"]) < 0.05
