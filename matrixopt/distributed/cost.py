@@ -478,30 +478,32 @@ def matrix_step_flops(optimizer: str, m: int, n: int, steps: int = NS_STEPS) -> 
 
 
 def newton_schulz_time(profile: DeviceProfile, batch: int, m: int, n: int, steps: int = NS_STEPS,
-                       method: str = "auto") -> float:
+                       method: str = "auto", *, eager: bool = False) -> float:
     """Seconds of ``steps`` Newton–Schulz iterations on a ``(batch, m, n)`` bf16 stack, product by product as
-    :func:`matrixopt.linalg.ortho.newton_schulz` runs them (replayed from a CUDA graph, so ``auto`` takes the Gram
-    form by aspect alone), each product at most at the rate of its width ``min(m, n)`` (module docstring). The
-    FLOPs add up to :func:`~matrixopt.linalg.ortho.newton_schulz_flops`."""
+    :func:`matrixopt.linalg.ortho.newton_schulz` runs them, each product at most at the rate of its width
+    ``min(m, n)`` (module docstring). Replayed from a CUDA graph ``auto`` takes the Gram form by aspect alone;
+    launched eagerly (``eager``: a layer-wise or FSDP2 owner's step, TP Newton–Schulz) only for stacks of enough
+    work (:func:`~matrixopt.linalg.ortho.uses_gram`), as the dispatcher does. The FLOPs add up to
+    :func:`~matrixopt.linalg.ortho.newton_schulz_flops`."""
     if batch == 0:
         return 0.0
     s, l = min(m, n), max(m, n)
     gram = profile.seconds("syrk", 2.0 * batch * s * s * l, s)  # X X^T
     square = profile.seconds("sym_mul", 2.0 * batch * s**3, s)  # (s, s) @ (s, s), both symmetric
     apply = profile.seconds("gemm", 2.0 * batch * s * s * l, s)  # (s, s) @ (s, l)
-    if not uses_gram(method, batch, s, l):
+    if not uses_gram(method, batch, s, l, eager_cuda=eager):
         return steps * (gram + square + apply)
     return sum(gram + (4 * k - 3) * square + apply for k in gram_phases(steps))
 
 
 def batched_newton_schulz_time(profile: DeviceProfile, count: int, m: int, n: int, steps: int = NS_STEPS,
-                                method: str = "auto") -> float:
+                                method: str = "auto", *, eager: bool = False) -> float:
     """:func:`newton_schulz_time` of ``count`` ``(m, n)`` matrices as the optimizers batch them: stacks of at most
     :data:`~matrixopt.optim.layout.BUCKET_NUMEL` values (a larger matrix alone), each its own iteration."""
     per = max(1, BUCKET_NUMEL // max(1, m * n))
     full, rest = divmod(count, per)
-    return (full * newton_schulz_time(profile, per, m, n, steps, method)
-            + newton_schulz_time(profile, rest, m, n, steps, method))
+    return (full * newton_schulz_time(profile, per, m, n, steps, method, eager=eager)
+            + newton_schulz_time(profile, rest, m, n, steps, method, eager=eager))
 
 
 def newton_schulz_launches(batch: int, m: int, n: int, steps: int = NS_STEPS, method: str = "auto") -> int:
@@ -558,7 +560,8 @@ def _blocks(dim: int) -> list[int]:
 
 def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Shapes], *,
                      ns_steps: int = NS_STEPS, precondition_frequency: int = 10, adamw_numel: int = 0,
-                     check: bool = False, root_method: str = "newton", matmul_precision: str = "fp32") -> float:
+                     check: bool = False, root_method: str = "newton", matmul_precision: str = "fp32",
+                     eager: bool = False) -> float:
     """Seconds of one step of ``optimizer`` ("muon", "shampoo", "soap" or "adamw") on the matrices ``groups`` of
     one rank, each group one stack, plus the step's elementwise passes (one fused pass over all of them).
     Shampoo's roots and SOAP's eigenbases are refreshed every ``precondition_frequency`` steps; their cost is
@@ -573,14 +576,15 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
     ``adamw_numel``: elements of the matrix optimizer's AdamW groups (vectors, tables), stepped on a side stream
     beside the matrix groups, so their pass counts only where it outlasts the matrix products:
     ``passes + max(products, adamw)`` (module docstring). ``check``: the step runs its own non-finite check, one
-    read of every gradient (:data:`CHECK_BYTES`), as it does when not handed the clip's norms."""
+    read of every gradient (:data:`CHECK_BYTES`), as it does when not handed the clip's norms. ``eager``: Muon's
+    step launched eagerly, not replayed from a CUDA graph (:func:`newton_schulz_time`)."""
     numel = sum(g.numel for g in groups)
     checked = profile.seconds("elementwise", CHECK_BYTES * (numel + adamw_numel)) if check else 0.0
     side = profile.seconds("elementwise", ADAMW_BYTES * adamw_numel)
     if optimizer == "adamw":  # torch's fused AdamW on every parameter
         return profile.seconds("fused_adamw", ADAMW_BYTES * (numel + adamw_numel)) + checked
     if optimizer == "muon":
-        t = sum(batched_newton_schulz_time(profile, g.count, g.m, g.n, ns_steps) for g in groups)
+        t = sum(batched_newton_schulz_time(profile, g.count, g.m, g.n, ns_steps, eager=eager) for g in groups)
         return checked + max(t, side) + profile.seconds("elementwise", MUON_BYTES * numel)
     if optimizer not in ("shampoo", "soap"):
         raise ValueError(f"no step-time model for optimizer {optimizer!r}; use muon, adamw, shampoo or soap")

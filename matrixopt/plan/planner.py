@@ -372,10 +372,10 @@ def _matrix_time(profile: DeviceProfile, cfg: PlanConfig, mat: Matrix, batch: in
                              root_method=cfg.root_method, matmul_precision=cfg.matmul_precision)
         return t - profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * shard.numel), 0.0
     def ns(s: int, l: int, b: int) -> float:
-        return newton_schulz_time(profile, b, s, l, cfg.ns_steps, cfg.ns_method)
+        return newton_schulz_time(profile, b, s, l, cfg.ns_steps, cfg.ns_method, eager=True)
 
     if tp == 1:  # the owner's stack in the optimizer's batches
-        return batched_newton_schulz_time(profile, batch, rows, cols, cfg.ns_steps, cfg.ns_method), 0.0
+        return batched_newton_schulz_time(profile, batch, rows, cols, cfg.ns_steps, cfg.ns_method, eager=True), 0.0
     link = profile.link(tp, 1, cfg.gpus_per_node)
     times = tp_ns_times(rows, cols, tp, batch=batch, steps=cfg.ns_steps, link=link, ns=ns,
                         gemm=lambda f: profile.seconds("gemm", f))

@@ -173,13 +173,13 @@ def _groups(arch: Architecture, fused: bool) -> tuple[list[Shapes], int]:
 
 
 def _step(profile: DeviceProfile, optimizer: str, groups: list[Shapes], rest: int, frequency: int = 10, *,
-          check: bool = False) -> float:
+          check: bool = False, eager: bool = False) -> float:
     """One process's step: the optimizer on the matrices and its AdamW groups on the rest (a side stream), or
     torch's fused AdamW on everything (one elementwise pass). ``check``: the matrix optimizer's step runs its own
     non-finite check (no clip before it hands it the gradients' norms: the benchmarks that time ``step()``
     alone, and DDP under expert parallelism, which clips with torch's ``clip_grads_with_norm_``)."""
     return matrix_step_time(profile, optimizer, groups, precondition_frequency=frequency, adamw_numel=rest,
-                            check=check and optimizer != "adamw")
+                            check=check and optimizer != "adamw", eager=eager)
 
 
 def _gpus(rec: dict[str, Any], n: int) -> str:
@@ -248,7 +248,8 @@ def single_gpu(root: Path) -> list[dict[str, Any]]:
                                  _step(prof, opt, groups, rest, f, check=True) * 1e3, measured, "ms"))
     for name, path, rec, groups, rest in _eager_records(root):
         for pname, prof in profiles_for(rec).items():
-            predicted = max(_step(prof, "muon", groups, rest, check=True), muon_host_time(prof, groups)) * 1e3
+            predicted = max(_step(prof, "muon", groups, rest, check=True, eager=True),
+                            muon_host_time(prof, groups)) * 1e3
             rows.append(_row(f"{name}: Muon step, eager, {_gpus(rec, 1)}", path.name, pname, predicted,
                              rec["results"]["eager"]["ms"]["median"], "ms"))
     path = root / "plan" / "sustained_h200" / "sustained_step_h200.json"
@@ -278,7 +279,7 @@ def owner_step_ms(profile: DeviceProfile, chunks: Sequence[dict[str, Any]]) -> t
     device = host = 0.0
     for c in chunks:
         groups = [Shapes(m, n, k) for m, n, k in c["shapes"]]
-        device += _step(profile, "muon", groups, c["adamw_numel"], check=True)
+        device += _step(profile, "muon", groups, c["adamw_numel"], check=True, eager=True)
         host += muon_host_time(profile, groups)
     return device * 1e3, host * 1e3
 
@@ -468,7 +469,8 @@ def _single_rows(path: Path) -> list[dict[str, Any]]:
         for pname, prof in profiles_for(rec).items():
             rows.append(_row(f"{line['preset']}, {_gpus(rec, 1)}: Muon step, whole model (the record's single-GPU "
                              f"reference)", path.name, pname,
-                             max(_step(prof, "muon", groups, rest, check=True), muon_host_time(prof, groups)) * 1e3,
+                             max(_step(prof, "muon", groups, rest, check=True, eager=True),
+                                 muon_host_time(prof, groups)) * 1e3,
                              line["single_gpu_step_ms"], "ms"))
     return rows
 
@@ -503,7 +505,7 @@ def layerwise_owners(path: Path, rec: dict[str, Any], preset: str, steps_ms: lis
                     stacks[mn] = stacks.get(mn, 0) + 1
         groups = [Shapes(m, n, c) for (m, n), c in stacks.items()]
         rest = sum(b // 8 for b, o in zip(tables, owner[len(pieces):]) if o == r)
-        step[r] = _step(prof, "muon", groups, rest)
+        step[r] = _step(prof, "muon", groups, rest, eager=True)
         held[r] = sum(b for b, o in zip(sizes + tables, owner) if o == r)
     where = f"{preset}, {_gpus(rec, world)}, layer-wise owners"
     return [_row(f"{where}: slowest / mean owner step", path.name, prof.source,
@@ -653,7 +655,7 @@ def scaling_4xh100(root: Path) -> list[dict[str, Any]]:
 def _tp_times(prof: DeviceProfile, world: int, steps: int, method: str, r: int, c: int,
               chunks: int) -> dict[str, float]:
     return tp_ns_times(r, c, world, steps=steps, chunks=chunks, link=prof.link(world),
-                       ns=lambda s, l, b: newton_schulz_time(prof, b, s, l, steps, method),
+                       ns=lambda s, l, b: newton_schulz_time(prof, b, s, l, steps, method, eager=True),
                        gemm=lambda f: prof.seconds("gemm", f))
 
 
@@ -673,7 +675,8 @@ def tensor_parallel(root: Path) -> list[dict[str, Any]]:
             m, n = e["shape"]
             if e["shard_dim"] is None:
                 rows.append(_row(f"NS {m}x{n}, {_gpus(rec, 1)}", path.name, prof.source,
-                                 newton_schulz_time(prof, 1, m, n, steps, method) * 1e3, e["median_ms"], "ms"))
+                                 newton_schulz_time(prof, 1, m, n, steps, method, eager=True) * 1e3,
+                                 e["median_ms"], "ms"))
                 continue
             if e["mode"] == "distributed" and e["chunks"] != TP_GRAM_CHUNKS:
                 continue  # the default chunking is the row compared

@@ -111,6 +111,22 @@ def test_newton_schulz_time_counts_the_shared_flops(b, m, n):
         ortho.newton_schulz_flops(m, n, 5, "standard", batch=b) / 1e12)
 
 
+@pytest.mark.parametrize("b, s, l", [(1, 1024, 14336), (3, 768, 3072), (64, 1024, 4096)])
+def test_an_eager_newton_schulz_takes_the_form_the_dispatcher_takes_eagerly(b, s, l):
+    """Replayed from a graph ``auto`` takes the Gram form by aspect alone; launched eagerly only for stacks of
+    enough work (a TP shard, a layer-wise owner's small stack run standard), as ``uses_gram`` decides on CUDA."""
+    p = _flat(rate=1e12)
+    gram, standard = (ortho.newton_schulz_flops(s, l, 5, m, batch=b) / 1e12 for m in ("gram", "standard"))
+    assert gram != pytest.approx(standard)
+    assert cost.newton_schulz_time(p, b, s, l, 5) == pytest.approx(gram)
+    eager = gram if ortho.uses_gram("auto", b, s, l, eager_cuda=True) else standard
+    assert cost.newton_schulz_time(p, b, s, l, 5, eager=True) == pytest.approx(eager)
+    assert cost.matrix_step_time(p, "muon", [cost.Shapes(s, l, b)], eager=True) - cost.matrix_step_time(
+        p, "muon", [cost.Shapes(s, l, b)]) == pytest.approx(eager - gram)
+    if b * s * s * l < ortho.GRAM_MIN_EAGER_WORK:
+        assert eager == standard
+
+
 def test_step_times_and_state():
     p = _flat(rate=1e12, bw=1e11)
     groups = [Shapes(64, 256, 3)]
