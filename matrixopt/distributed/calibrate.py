@@ -14,7 +14,8 @@ second of them), so the tables are the rates a step sustains, not a burst's:
 - ``sym_mul``: the product of two symmetric ``(4 b, s, s)`` stacks through
   :func:`matrixopt.kernels.ns_step.sym_mul` (the square products of both Newton–Schulz forms; the SYRK's
   two-operand form where it is faster), rate on the dense FLOPs, the same FLOPs per width as ``gemm``;
-- ``fp32_gemm``: the same products as ``gemm`` in float32;
+- ``fp32_gemm``: the same products as ``gemm`` in float32 (IEEE), ``tf32_gemm`` on TF32 tensor cores (as
+  Shampoo's and SOAP's ``matmul_precision="tf32"`` runs them; the CPU has none, so there the two agree);
 - ``qr``: :func:`~matrixopt.linalg.roots.cholesky_qr` of a batch of ``QR_BATCH`` ``(n, n)`` float32 matrices,
   as SOAP's eigenbasis refresh runs it (eagerly), per matrix;
 - ``elementwise``: ``c = a + b`` on fp32 vectors (3 passes of 4 bytes per element);
@@ -58,6 +59,7 @@ from matrixopt.distributed.cost import (
 from matrixopt.kernels.ns_step import for_cuda_graphs, gram, sym_mul
 from matrixopt.linalg.roots import cholesky_qr
 from matrixopt.optim.muon import Muon
+from matrixopt.optim.shampoo import cuda_matmul_precision
 
 # (s, b): Newton–Schulz-shaped stacks; the CPU list stays small so calibrating in a test takes seconds.
 CUDA_SHAPES = ((256, 64), (512, 32), (768, 24), (1024, 16), (2048, 8), (4096, 4), (8192, 1))
@@ -102,12 +104,14 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
     def timed(fn, graph: bool = cuda) -> float:
         return time_ms(fn, device, reps=reps, warmup=2, graph=graph, heat_s=HEAT_S if cuda else 0.0)["median"]
 
-    gemm, syrk, sym, fp32 = [], [], [], []
+    gemm, syrk, sym, fp32, tf32 = [], [], [], [], []
     for s, b in shapes:
-        for dt, out in ((dtype, gemm), (torch.float32, fp32)):
+        for dt, precision, out in ((dtype, "fp32", gemm), (torch.float32, "fp32", fp32),
+                                   (torch.float32, "tf32", tf32)):
             A = torch.randn(b, s, s, device=device, dtype=dt, generator=gen)
             X = torch.randn(b, s, 4 * s, device=device, dtype=dt, generator=gen)
-            out.append((2.0 * b * s * s * 4 * s, timed(lambda A=A, X=X: torch.bmm(A, X))))
+            with cuda_matmul_precision(precision):  # float32 products in IEEE or on TF32 tensor cores
+                out.append((2.0 * b * s * s * 4 * s, timed(lambda A=A, X=X: torch.bmm(A, X))))
         X = torch.randn(b, s, 4 * s, device=device, dtype=dtype, generator=gen)
         S = torch.randn(4 * b, s, s, device=device, dtype=dtype, generator=gen)
         S = S + S.mT  # symmetric to the bit, as the products of Newton–Schulz are
@@ -149,6 +153,7 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
         name=f"{describe(device)} (measured)", device=describe(device), source="measured", peak_flops=base.peak_flops,
         memory_bytes=float(memory), gpus_per_node=base.gpus_per_node,
         gemm=_rate_points(gemm), syrk=_rate_points(syrk), sym_mul=_rate_points(sym), fp32_gemm=_rate_points(fp32),
+        tf32_gemm=_rate_points(tf32),
         qr=_rate_points(qr),
         elementwise=_rate_points(elementwise), fused_adamw=_rate_points(fused_adamw), links=links,
         host_launch=host_launch, notes="; ".join(notes), env=env)

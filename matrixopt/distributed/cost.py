@@ -12,6 +12,9 @@ by ``matrixopt plan --calibrate`` or filled from nominal figures (``"source": "n
   products (the SYRK's two-operand form where it is faster), rate on the dense FLOPs ``2 s^3``; a profile without
   it prices those products at the ``gemm`` rate;
 - ``fp32_gemm``: float32 products (Shampoo's inverse roots, SOAP's eigenbases);
+- ``tf32_gemm`` (optional): the same float32 products on TF32 tensor cores (Shampoo's and SOAP's
+  ``matmul_precision="tf32"``); a profile without it prices them at half the ``gemm`` rate (the data sheet's
+  ratio);
 - ``qr``: the QR factorization of one ``(n, n)`` float32 matrix (SOAP's eigenbasis refresh), its rate counted on
   ``8/3 n^3`` FLOPs (those of a Householder factorization forming Q, whatever the algorithm measured);
 - ``elementwise``: ``[[bytes moved by one pass, achieved bytes/s], ...]`` (momentum, AdamW, packing);
@@ -195,7 +198,8 @@ NCCL message step across the fabric."""
 
 Table = tuple[tuple[float, float], ...]
 _TABLES = ("gemm", "syrk", "fp32_gemm", "qr", "elementwise")
-_OPTIONAL_TABLES = {"fused_adamw": "elementwise", "sym_mul": "gemm"}  # -> the table used where one is absent
+# -> the table used where one is absent (tf32_gemm: at half its rate, DeviceProfile.seconds)
+_OPTIONAL_TABLES = {"fused_adamw": "elementwise", "sym_mul": "gemm", "tf32_gemm": "gemm"}
 
 
 def _check_table(name: str, table: Any) -> Table:
@@ -260,6 +264,7 @@ class DeviceProfile:
     links: dict[str, Link]
     fused_adamw: Table | None = None
     sym_mul: Table | None = None
+    tf32_gemm: Table | None = None
     host_launch: float = HOST_LAUNCH
     """Seconds of host time per kernel of an eager optimizer step (:func:`muon_host_time`)."""
     notes: str = ""
@@ -293,6 +298,8 @@ class DeviceProfile:
         (:func:`width_rates`), the call runs no faster than the table's rate at that width (module docstring)."""
         points: Table = getattr(self, table)
         if points is None:  # an optional table not measured: the rate of what it refines
+            if table == "tf32_gemm":  # TF32 tensor cores: half the bf16 rate on the data sheets
+                return 2 * self.seconds("gemm", size, width)
             points = getattr(self, _OPTIONAL_TABLES[table])
         if size <= 0:
             return 0.0
@@ -569,8 +576,8 @@ def matrix_step_time(profile: DeviceProfile, optimizer: str, groups: Sequence[Sh
     "eigenbasis" (SOAP's refresh of a basis, whose power step also gives the eigenvalue estimates, and a product
     forming the root).
     ``matmul_precision="tf32"``: the factor products, the preconditioning or projections and SOAP's power step at
-    the TF32 rate, taken as half the bf16 ``gemm`` rate (the data sheet's ratio; not calibrated); Shampoo's roots
-    stay fp32 (the optimizers' own rule). ``"bf16"``: the step's products (factors, preconditioning, projections)
+    the TF32 rate (the profile's ``tf32_gemm``, else half the bf16 ``gemm`` rate); Shampoo's roots stay fp32 (the
+    optimizers' own rule). ``"bf16"``: the step's products (factors, preconditioning, projections)
     at the bf16 ``gemm`` rate, the refresh's as under ``"tf32"``.
 
     ``adamw_numel``: elements of the matrix optimizer's AdamW groups (vectors, tables), stepped on a side stream
@@ -619,7 +626,7 @@ def _preconditioner_products(profile: DeviceProfile, optimizer: str, groups: Seq
             return profile.seconds("fp32_gemm", flops, width)
         if step and matmul_precision == "bf16":
             return profile.seconds("gemm", flops, width)
-        return 2 * profile.seconds("gemm", flops, width)
+        return profile.seconds("tf32_gemm", flops, width)
 
     every, refresh, block_bytes = 0.0, 0.0, 0.0
     for g in groups:

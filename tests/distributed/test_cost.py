@@ -1,5 +1,6 @@
 """The cost model: α–β collectives against hand-computed cases, rate tables, Newton–Schulz FLOPs, profile files."""
 
+import dataclasses
 import json
 import math
 
@@ -197,6 +198,12 @@ def test_tf32_products_are_priced_at_half_the_bf16_rate_and_newton_roots_stay_fp
     assert refresh("tf32") == pytest.approx(refresh("fp32"))  # the Newton iteration runs in fp32 either way
     with pytest.raises(ValueError, match="matmul_precision"):
         cost.matrix_step_time(p, "soap", groups, matmul_precision="fp16")
+    # a measured TF32 table replaces the half-rate rule: here TF32 at a quarter of the bf16 rate
+    quarter = dataclasses.replace(p, tf32_gemm=((1.0, 0.25e12), (1e18, 0.25e12)))
+    measured = cost.matrix_step_time(quarter, "soap", groups, precondition_frequency=10**9, matmul_precision="tf32")
+    assert measured - soap["tf32"] == pytest.approx(3 * 2 * p.seconds("gemm", pair, 64), rel=1e-3)
+    assert cost.matrix_step_time(quarter, "soap", groups, precondition_frequency=10**9,
+                                 matmul_precision="fp32") == pytest.approx(soap["fp32"])
 
 
 def test_bf16_products_are_priced_at_the_bf16_rate_and_the_refresh_as_under_tf32():
@@ -368,9 +375,9 @@ def test_calibrate_measures_the_link_over_gloo():
 def test_calibrate_on_cpu_writes_the_shipped_format(tmp_path):
     p = measure(torch.device("cpu"), reps=2)
     assert p.source == "measured" and "links not measured" in p.notes
-    assert p.to_dict().keys() == cost.shipped_profile("h100").to_dict().keys()
+    assert p.to_dict().keys() == cost.shipped_profile("h100").to_dict().keys() | {"tf32_gemm"}
     assert all(math.isfinite(r) and r > 0
-               for _, r in p.gemm + p.syrk + p.sym_mul + p.qr + p.elementwise + p.fused_adamw)
+               for _, r in p.gemm + p.syrk + p.sym_mul + p.tf32_gemm + p.qr + p.elementwise + p.fused_adamw)
     assert 0 < p.host_launch < 0.01 and p.host_launch != cost.HOST_LAUNCH  # measured, not the default
     p.save(tmp_path / "cpu.json")
     assert DeviceProfile.load(tmp_path / "cpu.json") == p
