@@ -177,7 +177,8 @@ def _step(profile: DeviceProfile, optimizer: str, groups: list[Shapes], rest: in
     """One process's step: the optimizer on the matrices and its AdamW groups on the rest (a side stream), or
     torch's fused AdamW on everything (one elementwise pass). ``check``: the matrix optimizer's step runs its own
     non-finite check (no clip before it hands it the gradients' norms: the benchmarks that time ``step()``
-    alone, and DDP under expert parallelism, which clips with torch's ``clip_grads_with_norm_``)."""
+    alone, and DDP under expert parallelism, which clips with torch's ``clip_grads_with_norm_``). ``eager``: Muon's
+    step launched eagerly, its Newton–Schulz forms as the dispatcher picks them eagerly."""
     return matrix_step_time(profile, optimizer, groups, precondition_frequency=frequency, adamw_numel=rest,
                             check=check and optimizer != "adamw", eager=eager)
 
