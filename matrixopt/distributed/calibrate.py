@@ -92,17 +92,19 @@ def _rate_points(sizes_and_ms: list[tuple[float, float]]) -> list[list[float]]:
 
 
 def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None = None,
-            group: dist.ProcessGroup | None = None) -> DeviceProfile:
+            group: dist.ProcessGroup | None = None, heat_s: float | None = None) -> DeviceProfile:
     """A measured profile of ``device`` (and of ``group``'s links, where it has several ranks). Collective when a
-    process group is initialized: every rank must call it."""
+    process group is initialized: every rank must call it. ``heat_s``: seconds each call runs before it is timed
+    (default :data:`HEAT_S` on CUDA, none elsewhere); the collectives are never heated."""
     base = base or shipped_profile("h100")
     cuda = device.type == "cuda"
+    heat_s = (HEAT_S if cuda else 0.0) if heat_s is None else heat_s
     dtype = torch.bfloat16 if cuda else torch.float32
     shapes, elements = (CUDA_SHAPES, CUDA_ELEMENTS) if cuda else (CPU_SHAPES, CPU_ELEMENTS)
     gen = torch.Generator(device).manual_seed(0)
 
-    def timed(fn, graph: bool = cuda) -> float:
-        return time_ms(fn, device, reps=reps, warmup=2, graph=graph, heat_s=HEAT_S if cuda else 0.0)["median"]
+    def timed(fn, graph: bool = cuda, heat: bool = True) -> float:
+        return time_ms(fn, device, reps=reps, warmup=2, graph=graph, heat_s=heat_s if heat else 0.0)["median"]
 
     gemm, syrk, sym, fp32, tf32 = [], [], [], [], []
     for s, b in shapes:
@@ -138,8 +140,10 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
     if world > 1:
         tiny = torch.zeros(1, device=device)
         big = torch.zeros((64 << 20 if cuda else 1 << 20) // 4, device=device)
-        lat = timed(lambda: comm.all_reduce_sum(tiny, group), graph=False) / 1e3  # collectives run eagerly
-        t_big = timed(lambda: comm.all_reduce_sum(big, group), graph=False) / 1e3
+        # collectives run eagerly, and are not heated: each rank would run its own number of heating calls, and
+        # the ranks' collectives would pair up wrongly
+        lat = timed(lambda: comm.all_reduce_sum(tiny, group), graph=False, heat=False) / 1e3
+        t_big = timed(lambda: comm.all_reduce_sum(big, group), graph=False, heat=False) / 1e3
         worst = comm.all_reduce_max(torch.tensor([lat, t_big], dtype=torch.float64, device=device), group)
         lat, t_big = worst.tolist()
         links["intra"] = link_from_all_reduce(world, lat, t_big, big.numel() * 4)

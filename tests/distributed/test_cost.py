@@ -344,7 +344,21 @@ def test_link_from_all_reduce_inverts_the_model(parts):
 
 
 def _calibrate_two_ranks(rank: int, world: int) -> None:
-    p = measure(torch.device("cpu"), reps=2)
+    import matrixopt.distributed.calibrate as calibrate
+
+    heats = []
+    timer = calibrate.time_ms
+
+    def recording(fn, device, **kw):
+        heats.append(kw.get("heat_s", 0.0))
+        return timer(fn, device, **kw)
+
+    calibrate.time_ms = recording
+    try:  # every call heated (each rank for its own time) but the two all-reduces, which must pair up on the ranks
+        p = measure(torch.device("cpu"), reps=2, heat_s=0.002 * (1 + rank))
+    finally:
+        calibrate.time_ms = timer
+    assert heats[-2:] == [0.0, 0.0] and all(h > 0 for h in heats[:-2])
     assert p.links["intra"] != nominal("h100").links["intra"] and "measured by all-reduce over 2" in p.notes
     assert p.links["inter"] == nominal("h100").links["inter"]
 
