@@ -152,7 +152,8 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
         notes.append(f"links not measured (one rank): kept from {base.name}")
     memory = (torch.cuda.get_device_properties(device).total_memory if cuda else base.memory_bytes)
     env = {"device": describe(device), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "python": platform.python_version(), "dtype": str(dtype), "reps": reps, "world_size": world}
+           "python": platform.python_version(), "dtype": str(dtype), "reps": reps, "world_size": world,
+           "heat_s": heat_s}
     return DeviceProfile(
         name=f"{describe(device)} (measured)", device=describe(device), source="measured", peak_flops=base.peak_flops,
         memory_bytes=float(memory), gpus_per_node=base.gpus_per_node,

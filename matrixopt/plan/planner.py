@@ -599,6 +599,9 @@ def assumptions(cfg: PlanConfig, profile: DeviceProfile) -> tuple[str, ...]:
         else "layer-wise keeps its matrices in fp32, as DDP AdamW",
         *(("FSDP: parameters gathered once per step, the whole model's bf16 copy held between micro-batches",)
           if cfg.fsdp_gather_once and cfg.grad_accum > 1 else ()),
+        *((f"{profile.name}'s products were timed in bursts (its env has no heat_s): a GPU held at its power limit, "
+           "as in training, may run them 10-20% slower; matrixopt plan --calibrate times them sustained",)
+          if profile.source == "measured" and not profile.env.get("heat_s") else ()),
         f"a layout fits in {cfg.memory_fraction:g} of {profile.memory_bytes / 1e9:.0f} GB per GPU",
     )
 

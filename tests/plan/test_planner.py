@@ -483,3 +483,18 @@ def test_moe_layerwise_keeps_bf16_casts_of_its_experts_for_backward():
     lowered = planner.predict(planner.Layout(kind="layerwise", ep=2), dataclasses.replace(cfg, bf16_weights=True),
                               H100)
     assert lowered.memory.activations == pytest.approx(fsdp.memory.activations)
+
+
+def test_the_plan_says_when_its_profile_was_timed_in_bursts():
+    """A measured profile without ``env.heat_s`` (the shipped H100's) was timed in bursts, at the boost clock: the
+    plan's assumptions say so; the H200's, timed after heating each call, and a nominal one do not."""
+    cfg = planner.PlanConfig(model=gpt("1.3b"), gpus=8)
+
+    def warns(profile):
+        return any("timed in bursts" in a for a in planner.assumptions(cfg, profile))
+
+    h100, h200 = shipped_profile("h100"), shipped_profile("h200")
+    assert h200.env["heat_s"] > 0 and not h100.env.get("heat_s")
+    assert warns(h100) and not warns(h200)
+    assert not warns(dataclasses.replace(h100, source="nominal"))
+    assert not warns(dataclasses.replace(h100, env={**h100.env, "heat_s": 0.5}))
