@@ -9,27 +9,18 @@ reaches the device's, an owner holding that share of the matrices is bound by it
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 
-from matrixopt import SOAP, Shampoo
-from matrixopt.bench.common import environment
-from matrixopt.bench.profile import traced
-from matrixopt.device import host_ms, time_ms
-from matrixopt.optim.layout import mark_split
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from refresh_schedule_gpu import matrices  # noqa: E402
 
-D = 2048  # the 1.3B's width
-
-
-def matrices(layers: int) -> list[torch.nn.Parameter]:
-    torch.manual_seed(0)
-    ps = []
-    for _ in range(layers):
-        qkv = torch.nn.Parameter(torch.randn(3 * D, D, device="cuda") * 0.02)
-        mark_split(qkv, 3)
-        ps += [qkv] + [torch.nn.Parameter(torch.randn(*s, device="cuda") * 0.02)
-                       for s in ((D, D), (4 * D, D), (D, 4 * D))]
-    return ps
+from matrixopt import SOAP, Shampoo  # noqa: E402
+from matrixopt.bench.common import environment  # noqa: E402
+from matrixopt.bench.profile import traced  # noqa: E402
+from matrixopt.device import host_ms, time_ms  # noqa: E402
 
 
 def main() -> None:

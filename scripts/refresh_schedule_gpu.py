@@ -22,10 +22,11 @@ from matrixopt.optim.layout import mark_split
 D, LAYERS, STEPS, TIMED_FROM = 2048, 12, 32, 13
 
 
-def matrices() -> list[torch.nn.Parameter]:
+def matrices(layers: int = LAYERS) -> list[torch.nn.Parameter]:
+    """The trainer's 1.3B matrices of ``layers`` layers (QKV split in three), fp32 on the GPU, seeded."""
     torch.manual_seed(0)
     ps = []
-    for _ in range(LAYERS):
+    for _ in range(layers):
         qkv = torch.nn.Parameter(torch.randn(3 * D, D, device="cuda") * 0.02)
         mark_split(qkv, 3)
         ps += [qkv] + [torch.nn.Parameter(torch.randn(*s, device="cuda") * 0.02)
