@@ -22,15 +22,16 @@ from matrixopt.optim.layout import mark_split
 D, LAYERS, STEPS, TIMED_FROM = 2048, 12, 32, 13
 
 
-def matrices(layers: int = LAYERS) -> list[torch.nn.Parameter]:
-    """The trainer's 1.3B matrices of ``layers`` layers (QKV split in three), fp32 on the GPU, seeded."""
+def matrices(layers: int = LAYERS, d: int = D) -> list[torch.nn.Parameter]:
+    """The trainer's GPT matrices of ``layers`` layers of width ``d`` (QKV split in three; by default the 1.3B's
+    half), fp32 on the GPU, seeded."""
     torch.manual_seed(0)
     ps = []
     for _ in range(layers):
-        qkv = torch.nn.Parameter(torch.randn(3 * D, D, device="cuda") * 0.02)
+        qkv = torch.nn.Parameter(torch.randn(3 * d, d, device="cuda") * 0.02)
         mark_split(qkv, 3)
         ps += [qkv] + [torch.nn.Parameter(torch.randn(*s, device="cuda") * 0.02)
-                       for s in ((D, D), (4 * D, D), (D, 4 * D))]
+                       for s in ((d, d), (4 * d, d), (d, 4 * d))]
     return ps
 
 
