@@ -594,6 +594,9 @@ def assumptions(cfg: PlanConfig, profile: DeviceProfile) -> tuple[str, ...]:
         else f"{cfg.optimizer}: roots refreshed every {cfg.precondition_frequency} steps"
         + (f" ({cfg.root_method})" if cfg.optimizer == "shampoo" else "")
         + (f", {cfg.matmul_precision} products" if cfg.optimizer != "muon" else ""),
+        *((f"{cfg.optimizer}'s step is priced by its device time alone: the host's time to issue its eager step "
+           "(240-1200 kernels) is not modelled, and binds it where a rank's share of the matrices is small",)
+          if cfg.optimizer in ("shampoo", "soap") else ()),
         "AdamW in the same layout (layer-wise against DDP); fp32 master weights, gradients and state; bf16 compute",
         "layer-wise keeps its matrices in bf16 (fp32 masters on their owners), DDP AdamW in fp32" if cfg.bf16_weights
         else "layer-wise keeps its matrices in fp32, as DDP AdamW",

@@ -498,3 +498,12 @@ def test_the_plan_says_when_its_profile_was_timed_in_bursts():
     assert warns(h100) and not warns(h200)
     assert not warns(dataclasses.replace(h100, source="nominal"))
     assert not warns(dataclasses.replace(h100, env={**h100.env, "heat_s": 0.5}))
+
+
+def test_a_plan_for_shampoo_or_soap_says_their_host_time_is_not_priced():
+    """The host term covers Muon's eager step only; a Shampoo or SOAP plan lists that among its assumptions."""
+    def says(optimizer):
+        cfg = planner.PlanConfig(model=gpt("1.3b"), gpus=8, optimizer=optimizer)
+        return any("host" in a and "not modelled" in a for a in planner.assumptions(cfg, shipped_profile("h200")))
+
+    assert says("soap") and says("shampoo") and not says("muon")
