@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import platform
 import resource
 import statistics
@@ -160,6 +161,30 @@ def host_ms(fn: Callable[[], Any], device: torch.device, *, reps: int = 10, warm
         laps.append((time.perf_counter() - t0) * 1e3)
     sync(device)
     return ms_summary(laps)
+
+
+def host_pace(device: torch.device, *, calls: int = 200, rounds: int = 5) -> dict[str, Any]:
+    """The host this process runs on and its pace: the CPU's model name, its logical cores, and ``op_us``, the
+    microseconds the host takes to issue one tiny op on ``device`` (``torch.add`` of one element, out of place
+    into a kept tensor; median over ``rounds`` of ``calls`` calls, the queue drained before each round). Eager
+    optimizer steps and FSDP2's forward issue hundreds of kernels each, and the lent machines' hosts differ in pace
+    for the same GPU, so benchmark records keep it beside the device's name."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    a, out = torch.zeros(1, device=device), torch.empty(1, device=device)
+    laps = []
+    for _ in range(rounds + 1):  # the first round warms the op's dispatch up
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            torch.add(a, 1.0, out=out)
+        laps.append((time.perf_counter() - t0) / calls * 1e6)
+    sync(device)
+    return {"cpu": cpu, "cpus": os.cpu_count(), "op_us": statistics.median(laps[1:])}
 
 
 def ms_summary(times: list[float]) -> dict[str, float]:

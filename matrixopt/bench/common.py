@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from matrixopt.device import describe
+from matrixopt.device import describe, host_pace
 
 # One H100 SXM as measured on the lent machines (device README, KINDS.md, 2026-11-13): an 8192^3 bf16 matmul ran
 # at 798 TFLOP/s on random data and a device-to-device copy moved 3.0 TB/s (read + write). These are the limits
@@ -46,6 +46,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "python": platform.python_version(),
         "git_commit": commit,
         "git_dirty": dirty,
+        "host": host_pace(device),
         "limits": {"peak_bf16_tflops": PEAK_BF16_TFLOPS, "copy_tbps": COPY_TBPS,
                    "source": "H100 measured on the lent machine: 8192^3 bf16 matmul, device-to-device copy"},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

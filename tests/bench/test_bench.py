@@ -264,6 +264,28 @@ def test_time_ms_heats_for_the_seconds_asked_right_before_the_timed_calls():
     assert len(stamps) == 4  # no heating unless asked
 
 
+def test_records_keep_the_hosts_pace_per_op_it_issues(monkeypatch, tmp_path):
+    """``env.host``: the CPU, its cores and the host's microseconds per tiny op, from timing the op itself (an op
+    slowed to 1 ms reads as about 1,000 µs)."""
+    import time
+
+    from matrixopt.bench.common import environment
+    from matrixopt.device import host_pace
+
+    env = environment(torch.device("cpu"))["host"]
+    assert isinstance(env["cpu"], str) and env["cpu"] and env["cpus"] >= 1 and 0 < env["op_us"] < 1e4
+    real_add, calls = torch.add, []
+
+    def slow_add(*args, **kwargs):
+        calls.append(1)
+        time.sleep(1e-3)
+        return real_add(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "add", slow_add)
+    pace = host_pace(torch.device("cpu"), calls=5, rounds=3)
+    assert len(calls) == 5 * 4 and 1000 <= pace["op_us"] < 5000
+
+
 def test_frozen_heap_passes_over_the_setup_and_collects_what_the_block_makes():
     import gc
 
