@@ -441,6 +441,8 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         side = profile.seconds("elementwise", ADAMW_BYTES * rest_el / dp)  # AdamW groups on a side stream
         host = profile.host_seconds(launches)  # the owner's step runs eagerly: no faster than its host issues it
         opt = max(max(ns, side) + elementwise, host)
+        if host > max(ns, side) + elementwise:
+            notes.append(HOST_BOUND)
         adamw_opt = profile.seconds("fused_adamw", ADAMW_BYTES * params_el)  # torch fused AdamW
         mat_el = dense_el + expert_el
         lowered = cfg.bf16_weights
@@ -514,6 +516,8 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         side = profile.seconds("elementwise", ADAMW_BYTES * local_rest)  # AdamW groups on a side stream
         host = profile.host_seconds(launches_d + launches_e)  # the owners' eager Muon steps, issued by the host
         opt = max(max(ns, side) + exchange + elementwise, host)  # ns holds the TP traffic
+        if host > max(ns, side) + exchange + elementwise:
+            notes.append(HOST_BOUND)
         adamw_opt = profile.seconds("fused_adamw", ADAMW_BYTES * (dense_shard + expert_shard))
         state = (_state(cfg, dense, tp) / dp + _state(cfg, experts, 1) / edp
                  + 8 * local_rest)
@@ -580,6 +584,11 @@ def _activations(model: Architecture | ExplicitModel, tokens: int, tp: int, reco
 
 # ----------------------------------------------------------------------------------------------------------
 # the plan
+
+
+HOST_BOUND = "optimizer step bound by the host issuing its kernels"
+"""The note of a layout whose eager owner step takes its host longer to issue than its device to run
+(:func:`~matrixopt.distributed.cost.muon_host_time`); the printed plan lists those layouts."""
 
 
 def assumptions(cfg: PlanConfig, profile: DeviceProfile) -> tuple[str, ...]:
@@ -687,7 +696,13 @@ def format_plan(p: Plan) -> str:
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
     lines += ["", f"* best: {p.best.layout.label}, {p.best.tokens_per_s:.0f} tokens/s per GPU, "
                   f"{p.best.ratio:.3f} of AdamW's in the same layout, {p.adamw_step_s / p.best.step_s:.3f} of "
-                  f"AdamW's in its best layout ({p.adamw_best})", "assumptions:"]
+                  f"AdamW's in its best layout ({p.adamw_best})"]
+    bound = [q.layout.label for q in p.predictions if HOST_BOUND in q.notes]
+    if bound:
+        lines.append(f"{HOST_BOUND} ({p.profile.host_launch * 1e6:.0f} us per kernel on {p.profile.name}): "
+                     f"{', '.join(bound)}. A host's pace differs between machines with the same GPU (up to 2x on "
+                     f"lent H200s): matrixopt plan --calibrate on the target machine measures its own")
+    lines.append("assumptions:")
     lines += [f"  - {a}" for a in p.assumptions]
     return "\n".join(lines)
 

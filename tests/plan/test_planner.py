@@ -507,3 +507,18 @@ def test_a_plan_for_shampoo_or_soap_says_their_host_time_is_not_priced():
         return any("host" in a and "not modelled" in a for a in planner.assumptions(cfg, shipped_profile("h200")))
 
     assert says("soap") and says("shampoo") and not says("muon")
+
+
+def test_the_plan_names_the_layouts_whose_optimizer_step_the_host_binds():
+    """At 64 GPUs an owner's share of the 1.3B takes its host longer to issue than its H100 to run (layer-wise and
+    plain FSDP2); TP 2's is not bound. The printed plan lists exactly the bound ones; a host free of cost binds none."""
+    cfg = planner.PlanConfig(model=gpt("1.3b"), gpus=64)
+    p = planner.plan(cfg, shipped_profile("h100"))
+    bound = {q.layout.label for q in p.predictions if planner.HOST_BOUND in q.notes}
+    assert bound == {"layerwise", "fsdp"}
+    line = next(x for x in planner.format_plan(p).splitlines() if x.startswith(planner.HOST_BOUND))
+    assert line.split(": ", 1)[1].startswith("layerwise, fsdp.")
+    free = planner.plan(cfg, dataclasses.replace(shipped_profile("h100"), host_launch=0.0))
+    assert not any(planner.HOST_BOUND in q.notes for q in free.predictions)
+    assert planner.HOST_BOUND not in planner.format_plan(free)
+
