@@ -68,8 +68,9 @@ non-finite check (:data:`CHECK_BYTES`).
 
 **The host.** A step launched eagerly (a layer-wise or FSDP2 owner's Muon step, one process's step without
 ``cuda_graph``) runs no faster than its host issues its kernels: its time is ``max(device, host)``, the host's
-being its kernel launches (:func:`muon_launches`, counted from how the step launches them) times the profile's
-``host_launch``. A step replayed from a CUDA graph (one launch) costs the host nothing the model counts.
+being its kernel launches (:func:`muon_launches`, counted from how the step launches them, a TP-sharded stack's
+by :func:`tp_newton_schulz_launches`) times the profile's ``host_launch``. A step replayed from a CUDA graph (one
+launch) costs the host nothing the model counts.
 
 **Tensor-parallel Newton–Schulz** (:func:`tp_ns_times`): the three modes of :mod:`.tp` and what they overlap;
 ``distributed`` always runs the standard form with plain ``bmm`` products, so at the ``gemm`` rate.
@@ -528,15 +529,52 @@ def newton_schulz_launches(batch: int, m: int, n: int, steps: int = NS_STEPS, me
     return sum(1 + 4 * (k - 1) + (2 if k == 1 else 3) for k in gram_phases(steps))
 
 
-def muon_launches(groups: Sequence[Shapes], steps: int = NS_STEPS, method: str = "auto") -> int:
+TP_GATHER_LAUNCHES = 5
+"""Kernels a rank launches around ``duplicated`` TP Newton–Schulz's iteration (:func:`matrixopt.distributed.tp.
+tp_newton_schulz`): the padded buffer and its fill, the all-gather, the concatenation and its own columns of the
+result copied out."""
+TP_NORMALIZE_LAUNCHES = 14
+"""Kernels a rank launches around ``distributed`` TP Newton–Schulz's steps (:func:`matrixopt.distributed.tp.
+distributed_newton_schulz`): the float32 copy, the max-abs and its all-reduce, the scaling, the sum of squares
+and its all-reduce, the square root, the normalization, the cast into the iteration dtype, and the result's cast
+back and copy."""
+TP_STEP_LAUNCHES = 4
+"""Kernels per step of ``distributed`` TP Newton–Schulz: the Gram rows, their all-reduce, ``b A + c A^2`` and
+``a X + B X``."""
+
+
+def tp_newton_schulz_launches(mode: str, batch: int, rows: int, cols: int, parts: int, steps: int = NS_STEPS,
+                              method: str = "auto") -> int:
+    """Kernels (collectives included) one rank launches for TP Newton–Schulz of a ``(batch, rows, cols)`` stack
+    whose ``cols`` (the contracted dim) are split over ``parts`` ranks, in ``mode``: ``duplicated`` iterates on
+    the gathered matrices (:func:`newton_schulz_launches` of the whole stack, :data:`TP_GATHER_LAUNCHES`),
+    ``distributed`` runs the standard form's steps over the shards (:data:`TP_STEP_LAUNCHES` each,
+    :data:`TP_NORMALIZE_LAUNCHES`), ``blockwise`` iterates on its own shard alone."""
+    if batch == 0:
+        return 0
+    if mode == "duplicated":
+        return newton_schulz_launches(batch, rows, cols, steps, method) + TP_GATHER_LAUNCHES
+    if mode == "distributed":
+        return TP_NORMALIZE_LAUNCHES + TP_STEP_LAUNCHES * steps
+    if mode == "blockwise":
+        return newton_schulz_launches(batch, rows, -(-cols // parts), steps, method)
+    raise ValueError(f"unknown TP Newton–Schulz mode {mode!r}; use duplicated, distributed or blockwise")
+
+
+def muon_launches(groups: Sequence[Shapes], steps: int = NS_STEPS, method: str = "auto", *,
+                  tp_mode: str | None = None, parts: int = 1) -> int:
     """Kernels Muon's eager step launches on ``groups``: per stack of at most
     :data:`~matrixopt.optim.layout.BUCKET_NUMEL` values (as :func:`batched_newton_schulz_time` splits them) its
-    Newton–Schulz products and :data:`MUON_STACK_LAUNCHES`."""
+    Newton–Schulz products and :data:`MUON_STACK_LAUNCHES`. ``tp_mode``: the groups are TP-sharded over ``parts``
+    ranks along their ``n`` (the contracted dim), each stack one :func:`tp_newton_schulz_launches` call on this
+    rank's shards."""
     total = 0
     for g in groups:
-        per = max(1, BUCKET_NUMEL // max(1, g.m * g.n))
+        per = max(1, BUCKET_NUMEL // max(1, g.m * g.n // parts))
         for b in [per] * (g.count // per) + ([g.count % per] if g.count % per else []):
-            total += newton_schulz_launches(b, g.m, g.n, steps, method) + MUON_STACK_LAUNCHES
+            ns = (newton_schulz_launches(b, g.m, g.n, steps, method) if tp_mode is None
+                  else tp_newton_schulz_launches(tp_mode, b, g.m, g.n, parts, steps, method))
+            total += ns + MUON_STACK_LAUNCHES
     return total
 
 

@@ -324,12 +324,14 @@ def _owner_load(profile: DeviceProfile, cfg: PlanConfig, mats: Sequence[Matrix],
     """``(slowest owner's seconds, its exposed TP communication, the most matrix elements one owner holds, the most
     kernels one owner's eager Muon step launches)`` when ``owners`` ranks share ``mats`` by LPT on each matrix's
     time; each shape goes in stacks of ``count / owners``. The launches are those of Muon's step on an owner's
-    whole matrices, batched by ``(short side, long side)`` as Muon batches them
-    (:func:`~matrixopt.distributed.cost.muon_launches`); 0 for other optimizers and TP shards."""
+    whole matrices, batched by ``(short side, long side)`` as Muon batches them, and TP shards by their
+    ``(rows, contracted cols)`` in ``mode`` (:func:`~matrixopt.distributed.cost.muon_launches`); 0 for other
+    optimizers."""
     items: list[float] = []
     comm: list[float] = []
     sizes: list[int] = []
-    batches: list[tuple[int, int, int] | None] = []  # (short side, long side, matrices) of an eager Muon chunk
+    # (sides, matrices, TP-sharded) of an eager Muon chunk: (short, long) side, or a TP shard's (rows, cols)
+    batches: list[tuple[tuple[int, int], int, bool] | None] = []
     for mat in mats:
         k = mat.count
         per = max(1, k // owners)  # the stack an owner runs
@@ -340,8 +342,12 @@ def _owner_load(profile: DeviceProfile, cfg: PlanConfig, mats: Sequence[Matrix],
             items.append(t)
             comm.append(x)
             sizes.append(c * mat.m * mat.n // split)
-            eager = cfg.optimizer == "muon" and split == 1
-            batches.append((min(mat.m, mat.n), max(mat.m, mat.n), c) if eager else None)
+            if cfg.optimizer != "muon":
+                batches.append(None)
+            elif split > 1:
+                batches.append((_split_matrix(mat, tp), c, True))
+            else:
+                batches.append(((min(mat.m, mat.n), max(mat.m, mat.n)), c, False))
     if not items:
         return 0.0, 0.0, 0, 0
     owner, loads = lpt(items, owners)
@@ -350,12 +356,16 @@ def _owner_load(profile: DeviceProfile, cfg: PlanConfig, mats: Sequence[Matrix],
     owned = max(sum(s for s, r in zip(sizes, owner) if r == q) for q in range(owners))
     issued = 0
     for q in range(owners):
-        stacks: dict[tuple[int, int], int] = {}
+        stacks: dict[tuple[tuple[int, int], bool], int] = {}
         for b, r in zip(batches, owner):
             if b is not None and r == q:
-                stacks[b[:2]] = stacks.get(b[:2], 0) + b[2]
-        groups = [Shapes(sl[0], sl[1], c) for sl, c in stacks.items()]
-        issued = max(issued, muon_launches(groups, cfg.ns_steps, cfg.ns_method))
+                stacks[b[0], b[2]] = stacks.get((b[0], b[2]), 0) + b[1]
+        plain = [Shapes(*sides, c) for (sides, sharded), c in stacks.items() if not sharded]
+        shards = [Shapes(*sides, c) for (sides, sharded), c in stacks.items() if sharded]
+        launches = muon_launches(plain, cfg.ns_steps, cfg.ns_method)
+        if shards:
+            launches += muon_launches(shards, cfg.ns_steps, cfg.ns_method, tp_mode=mode, parts=tp)
+        issued = max(issued, launches)
     return loads[worst], comm_w, owned, issued
 
 

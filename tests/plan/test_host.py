@@ -10,6 +10,9 @@ import pytest
 from matrixopt.distributed.cost import (
     HOST_LAUNCH,
     MUON_STACK_LAUNCHES,
+    TP_GATHER_LAUNCHES,
+    TP_NORMALIZE_LAUNCHES,
+    TP_STEP_LAUNCHES,
     DeviceProfile,
     Shapes,
     matrix_step_time,
@@ -17,6 +20,7 @@ from matrixopt.distributed.cost import (
     muon_launches,
     newton_schulz_launches,
     shipped_profile,
+    tp_newton_schulz_launches,
 )
 from matrixopt.optim.layout import BUCKET_NUMEL
 from matrixopt.plan import planner, validate
@@ -43,6 +47,24 @@ def test_muon_launches_count_stacks_of_at_most_bucket_numel():
     full, single = (newton_schulz_launches(b, 2048, 8192) for b in (per, 1))
     assert muon_launches(groups) == 2 * (full + MUON_STACK_LAUNCHES) + single + MUON_STACK_LAUNCHES
     assert muon_host_time(H100, groups) == pytest.approx(H100.host_launch * muon_launches(groups))
+
+
+def test_tp_newton_schulz_launches_count_each_modes_kernels():
+    """By hand, 5 steps on a (4, 2048, 8192) stack split over 2 ranks along its 8192 columns: duplicated iterates
+    on the gathered (2048, 8192) matrices (the Gram form, 20 launches) plus its 5 around the gather; distributed
+    runs the standard form's 4 launches a step plus 14; blockwise iterates on its (2048, 4096) shards."""
+    assert (TP_GATHER_LAUNCHES, TP_NORMALIZE_LAUNCHES, TP_STEP_LAUNCHES) == (5, 14, 4)
+    assert tp_newton_schulz_launches("duplicated", 4, 2048, 8192, 2) == 20 + 5
+    assert tp_newton_schulz_launches("distributed", 4, 2048, 8192, 2) == 14 + 4 * 5
+    assert tp_newton_schulz_launches("blockwise", 4, 2048, 8192, 2) == newton_schulz_launches(4, 2048, 4096) == 20
+    assert tp_newton_schulz_launches("blockwise", 1, 1024, 1024, 4) == 15  # a small shard: the standard form
+    assert tp_newton_schulz_launches("duplicated", 0, 2048, 8192, 2) == 0
+    with pytest.raises(ValueError, match="unknown TP Newton–Schulz mode 'auto'"):
+        tp_newton_schulz_launches("auto", 4, 2048, 8192, 2)
+    # a TP rank's stacks hold its shards: 2 x 8 matrices of 2048 x 8192 fill one BUCKET_NUMEL stack at 2 ranks
+    per = BUCKET_NUMEL // (2048 * 8192 // 2)
+    assert per == 16
+    assert muon_launches([Shapes(2048, 8192, per)], tp_mode="distributed", parts=2) == 14 + 20 + MUON_STACK_LAUNCHES
 
 
 def test_a_host_bound_eager_owner_step_is_its_host_time():
