@@ -533,11 +533,11 @@ TP_GATHER_LAUNCHES = 5
 """Kernels a rank launches around ``duplicated`` TP Newton–Schulz's iteration (:func:`matrixopt.distributed.tp.
 tp_newton_schulz`): the padded buffer and its fill, the all-gather, the concatenation and its own columns of the
 result copied out."""
-TP_NORMALIZE_LAUNCHES = 14
+TP_NORMALIZE_LAUNCHES = 13
 """Kernels a rank launches around ``distributed`` TP Newton–Schulz's steps (:func:`matrixopt.distributed.tp.
-distributed_newton_schulz`): the float32 copy, the max-abs and its all-reduce, the scaling, the sum of squares
-and its all-reduce, the square root, the normalization, the cast into the iteration dtype, and the result's cast
-back and copy."""
+distributed_newton_schulz`) on a bf16 stack: the float32 copy, the max-abs (two), its all-reduce, its clamp and the
+scaling, the squares, their sum and its all-reduce, the square root, its clamp, the normalization and the cast into
+the iteration dtype."""
 TP_STEP_LAUNCHES = 4
 """Kernels per step of ``distributed`` TP Newton–Schulz: the Gram rows, their all-reduce, ``b A + c A^2`` and
 ``a X + B X``."""

@@ -10,8 +10,10 @@ import torch
 from _mp import run
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from matrixopt.distributed import comm, tp
+from matrixopt.distributed.cost import TP_GATHER_LAUNCHES, TP_NORMALIZE_LAUNCHES, TP_STEP_LAUNCHES
 from matrixopt.distributed.tp import CostModel, choose_mode, mode_costs, tp_newton_schulz, tp_newton_schulz_dtensor
 from matrixopt.linalg import ortho
 from matrixopt.linalg.ortho import NewtonSchulzConfig, newton_schulz
@@ -129,8 +131,48 @@ def _auto(rank: int, world: int) -> None:
     _close(Y, ref, "auto with the measured model")
 
 
+class _Kernels(TorchDispatchMode):
+    """Counts the ops that launch a kernel on the GPU: every aten op but views and bare allocations."""
+
+    FREE = {"view", "_unsafe_view", "t", "transpose", "slice", "select", "unsqueeze", "squeeze", "expand", "permute",
+            "alias", "as_strided", "detach", "split", "split_with_sizes", "unbind", "reshape", "empty", "empty_like",
+            "empty_strided"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.__name__.split(".")[0] not in self.FREE
+        return func(*args, **(kwargs or {}))
+
+
+def _kernels(fn) -> int:
+    fn()  # once first: what a first call of a shape does once (compiling ahead) is not the step's
+    with _Kernels() as k:
+        fn()
+    return k.count
+
+
+def _launch_counts(rank: int, world: int) -> None:
+    """The cost model's kernel counts for TP Newton–Schulz (``cost.tp_newton_schulz_launches``) are what
+    tp_newton_schulz launches: around ``duplicated``'s iteration on the gathered stack, and per step and around the
+    steps of ``distributed``; in bf16 iterations on a bf16 stack, so the casts are the GPU's."""
+    X = torch.randn(2, 8, 12, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)  # (b, rows, cols_p)
+    sizes = [12] * world
+    cfg = {k: NewtonSchulzConfig(steps=k, dtype=torch.bfloat16) for k in (1, 3)}
+    full = torch.randn(2, 8, 12 * world).to(torch.bfloat16)
+    gather = (_kernels(lambda: tp_newton_schulz(X, 1, None, config=cfg[3], mode="duplicated", sizes=sizes))
+              - _kernels(lambda: ortho.newton_schulz_with(full, cfg[3])))
+    one, three = (_kernels(lambda k=k: tp_newton_schulz(X, 1, None, config=cfg[k], mode="distributed", sizes=sizes))
+                  for k in (1, 3))
+    assert gather == TP_GATHER_LAUNCHES, gather
+    assert (three - one) / 2 == TP_STEP_LAUNCHES, (one, three)
+    assert one - TP_STEP_LAUNCHES == TP_NORMALIZE_LAUNCHES, one
+
+
 def _all_checks(rank: int, world: int) -> None:
-    for check in (_equals_unsharded, _dtensor_api, _overlap_and_warning, _auto):
+    for check in (_equals_unsharded, _dtensor_api, _overlap_and_warning, _auto, _launch_counts):
         check(rank, world)
 
 
