@@ -44,7 +44,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from matrixopt.device import describe, host_ms, time_ms
+from matrixopt.device import describe, host_ms, host_pace, time_ms
 from matrixopt.distributed import comm
 from matrixopt.distributed.cost import (
     ADAMW_BYTES,
@@ -153,7 +153,7 @@ def measure(device: torch.device, *, reps: int = 10, base: DeviceProfile | None 
     memory = (torch.cuda.get_device_properties(device).total_memory if cuda else base.memory_bytes)
     env = {"device": describe(device), "torch": torch.__version__, "cuda": torch.version.cuda,
            "python": platform.python_version(), "dtype": str(dtype), "reps": reps, "world_size": world,
-           "heat_s": heat_s}
+           "heat_s": heat_s, "host": host_pace(device)}
     return DeviceProfile(
         name=f"{describe(device)} (measured)", device=describe(device), source="measured", peak_flops=base.peak_flops,
         memory_bytes=float(memory), gpus_per_node=base.gpus_per_node,

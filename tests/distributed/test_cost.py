@@ -390,6 +390,7 @@ def test_calibrate_on_cpu_writes_the_shipped_format(tmp_path):
     p = measure(torch.device("cpu"), reps=2)
     assert p.source == "measured" and "links not measured" in p.notes
     assert p.env["heat_s"] == 0.0  # the CPU's calls are not heated, and the profile says so
+    assert p.env["host"]["op_us"] > 0 and p.env["host"]["cpus"] >= 1  # the host's pace, for its host_launch
     assert p.to_dict().keys() == cost.shipped_profile("h100").to_dict().keys() | {"tf32_gemm"}
     assert all(math.isfinite(r) and r > 0
                for _, r in p.gemm + p.syrk + p.sym_mul + p.tf32_gemm + p.qr + p.elementwise + p.fused_adamw)
