@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 
@@ -53,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load_profile(spec: str, network: str | None):
     from matrixopt.distributed.cost import NETWORKS, DeviceProfile, shipped_profile
 
-    profile = DeviceProfile.load(spec) if spec.endswith(".json") else shipped_profile(spec)
+    # a shipped profile's name, or a file: anything named .json, holding a path separator or lying on disk
+    is_file = spec.endswith(".json") or os.sep in spec or os.path.isfile(spec)
+    profile = DeviceProfile.load(spec) if is_file else shipped_profile(spec)
     if network is not None:
         if network not in NETWORKS:
             raise ValueError(f"--network {network!r} is not one of {', '.join(NETWORKS)}")

@@ -135,6 +135,11 @@ def test_cli_rejects_an_unreadable_profile(tmp_path, capsys):
     bad.write_text('{"format": "matrixopt-profile/1", "name": ')
     assert cli.main(["plan", "--model", "1.3b", "--gpus", "8", "--profile", str(bad)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+    other = tmp_path / "profile.txt"  # a file by any other name is read as a profile too, not taken for a name
+    other.write_text("h100")
+    assert cli.main(["plan", "--model", "1.3b", "--gpus", "8", "--profile", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert str(other) in err and "not valid JSON" in err
 
 
 def test_cli_calibrates_into_a_loadable_profile(tmp_path, capsys):
