@@ -358,7 +358,11 @@ def cmd_bench(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
-    return bench_cli.run(args)
+    try:
+        return bench_cli.run(args)
+    except (ValueError, OSError) as e:  # bad input: one line, as the other commands print it
+        print(f"matrixopt bench: error: {e}", file=sys.stderr)
+        return 2
 
 
 def is_rank_zero() -> bool:

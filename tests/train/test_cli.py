@@ -190,6 +190,13 @@ def test_bench_is_delegated(monkeypatch, capsys):
     assert main(["bench"]) == 2  # its own argparse error
 
 
+def test_bench_bad_input_exit_2_with_one_line(capsys):
+    expect_error(["bench", "scale", "--presets", "tiny-cpu", "--iters", "0", "--configs", "ddp:adamw"], capsys,
+                 "matrixopt bench: error: --iters must be >= 2")
+    expect_error(["bench", "scale", "--presets", "tiny-cpu", "--configs", "ddp:adamw"], capsys,
+                 "launch it with `torchrun --nproc-per-node N")
+
+
 def test_bench_missing_exit_2(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matrixopt.bench.cli", None)  # makes the import fail
     expect_error(["bench", "ns"], capsys, "the benchmark CLI is unavailable")
