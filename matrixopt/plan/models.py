@@ -258,15 +258,25 @@ def load_model(spec: str) -> Architecture | ExplicitModel:
         raise ValueError(f"cannot read model file {path}: {e.strerror or e}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"model file {path} is not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"model file {path} must hold one JSON object (its fields: see `matrixopt plan --help`), "
+                         f"got a {type(d).__name__}")
     try:
         if "matrices" not in d:
             return Architecture(**d)
-        mats = tuple(Matrix(m["name"], *m["shape"], m.get("count", 1), m.get("expert", False), m.get("active"))
-                     for m in d["matrices"])
-        return ExplicitModel(name=d["name"], matrix_list=mats, adamw_params=d["adamw_params"],
+        mats = []
+        for i, m in enumerate(d["matrices"]):
+            shape = m.get("shape") if isinstance(m, dict) else None
+            if not (isinstance(m, dict) and "name" in m and isinstance(shape, list) and len(shape) == 2):
+                raise ValueError(f"matrices[{i}] must be an object with a \"name\" and a \"shape\" [m, n], got {m!r}")
+            mats.append(Matrix(m["name"], *shape, m.get("count", 1), m.get("expert", False), m.get("active")))
+        return ExplicitModel(name=d["name"], matrix_list=tuple(mats), adamw_params=d["adamw_params"],
                              flops_token=d["flops_per_token"],
                              act_bytes_token_layer=d["activation_bytes_per_token_layer"], n_layer=d["n_layer"],
                              d_model=d["d_model"], n_head=d["n_head"], moe=any(m.expert for m in mats),
                              top_k=d.get("top_k", 0), n_experts=d.get("n_experts", 0), context=d.get("context", 2048))
-    except (TypeError, KeyError, ValueError) as e:
-        raise ValueError(f"model file {path}: {e!r}; see `matrixopt plan --help` for the format") from None
+    except KeyError as e:
+        raise ValueError(f"model file {path} lacks the field {e.args[0]!r}; see `matrixopt plan --help` for the "
+                         f"format") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"model file {path}: {e}; see `matrixopt plan --help` for the format") from None

@@ -100,9 +100,15 @@ def test_shapes_file(tmp_path):
                                     "activation_bytes_per_token_layer": 4096}))
     p = planner.plan(planner.PlanConfig(model=load_model(str(explicit)), gpus=8, tp=1), H100)
     assert p.best.layout.label in ("layerwise", "fsdp")
-    explicit.write_text(json.dumps({"name": "mats", "matrices": [{"shape": [1, 2]}]}))
-    with pytest.raises(ValueError, match="model file"):
-        load_model(str(explicit))
+    for bad, says in (({"name": "mats", "matrices": [{"shape": [1, 2]}]}, r"matrices\[0\] must be an object"),
+                      ({"name": "mats", "matrices": [[1, 2]]}, r"matrices\[0\] must be an object"),
+                      ({"name": "mats", "matrices": [{"name": "w", "shape": [256, 1024]}]},
+                       "lacks the field 'adamw_params'"),
+                      ({"n_layer": 2, "widht": 3}, "unexpected keyword argument 'widht'"),
+                      ([1, 2], "must hold one JSON object")):
+        explicit.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=f"model file {explicit}.*{says}"):
+            load_model(str(explicit))
     with pytest.raises(ValueError, match="unknown model 'gpt5'"):
         load_model("gpt5")
 
