@@ -67,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
 import os
 import statistics
 import time
@@ -335,16 +336,29 @@ def owner_summary(opt: torch.optim.Optimizer, timers: list[StreamTimer], iters: 
                 param_dtype=str(opt.param_dtype))
 
 
+def step_rows(tokens_per_gpu: int, tp: int, context: int, micro_batch: int | None) -> tuple[int, int]:
+    """``(rows, rows per micro-batch)`` one data-parallel rank takes per step: ``tokens_per_gpu`` on each GPU, a TP
+    group of ``tp`` GPUs sharing its rows, in rows of ``context`` tokens; ``micro_batch`` None: one micro-batch.
+    ValueError when the tokens do not make whole rows or the micro-batch does not divide them."""
+    if tokens_per_gpu * tp % context:
+        unit = context // math.gcd(context, tp)
+        raise ValueError(f"--tokens-per-gpu {tokens_per_gpu} does not make whole rows of {context} tokens (the "
+                         f"model's context" + (f", shared by a TP group of {tp}" if tp > 1 else "")
+                         + f"); use a multiple of {unit}")
+    rows = tokens_per_gpu * tp // context
+    micro = micro_batch or rows
+    if rows % micro:
+        raise ValueError(f"--micro-batch {micro} must divide the {rows} rows of {context} tokens each data-parallel "
+                         f"rank takes per step (--tokens-per-gpu {tokens_per_gpu}, tp {tp}); pick a divisor")
+    return rows, micro
+
+
 def run_config(par: Parallelism, config: ScaleConfig, preset: str, settings: Settings) -> dict[str, Any]:
     """Time one configuration on this rank, built through ``par``; returns its measurements. Collective."""
     device = par.device
     gpt = model_config(preset, settings.toy).gpt_config(TOY_VOCAB if settings.toy else VOCAB)
     T = gpt.block_size
-    rows = max(1, settings.tokens_per_gpu * config.tp // T)  # per data-parallel rank: a TP group shares its rows
-    micro = settings.micro_batch or rows
-    if rows % micro:
-        raise ValueError(f"--micro-batch {micro} must divide the {rows} rows of {T} tokens each data-parallel rank "
-                         f"takes per step (--tokens-per-gpu {settings.tokens_per_gpu}, tp {config.tp}); pick a divisor")
+    rows, micro = step_rows(settings.tokens_per_gpu, config.tp, T, settings.micro_batch)
     held_mb = torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0  # earlier configs' left
     torch.manual_seed(0)
     with device:  # initialized where it trains: a 1.3B model takes tens of seconds to initialize on one CPU thread

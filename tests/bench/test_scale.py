@@ -26,6 +26,7 @@ from matrixopt.bench.scale import (
     parse_config,
     run,
     single_gpu_step,
+    step_rows,
     summarize,
     toy_preset,
     window_warning,
@@ -82,6 +83,17 @@ def test_bad_config_is_an_argument_error(capsys):
 def test_settings_check_themselves(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Settings(**kwargs)
+
+
+def test_step_rows_take_whole_rows_and_micro_batches_that_divide_them():
+    assert step_rows(16384, 1, 2048, 2) == (8, 2)  # the 1.3B at 16k tokens per GPU, micro-batches of 2 rows
+    assert step_rows(4096, 2, 2048, None) == (4, 4)  # a TP pair shares its rows; one micro-batch
+    with pytest.raises(ValueError, match="--tokens-per-gpu 100 does not make whole rows of 64 tokens.*multiple of 64"):
+        step_rows(100, 1, 64, None)
+    with pytest.raises(ValueError, match="--tokens-per-gpu 24 .* shared by a TP group of 4.*multiple of 16"):
+        step_rows(24, 4, 64, None)
+    with pytest.raises(ValueError, match="--micro-batch 3 must divide the 8 rows"):
+        step_rows(16384, 1, 2048, 3)
 
 
 def test_scale_outside_torchrun_says_how_to_launch(monkeypatch):
