@@ -330,8 +330,8 @@ def _owner_load(profile: DeviceProfile, cfg: PlanConfig, mats: Sequence[Matrix],
     items: list[float] = []
     comm: list[float] = []
     sizes: list[int] = []
-    # (sides, matrices, TP-sharded) of an eager Muon chunk: (short, long) side, or a TP shard's (rows, cols)
-    batches: list[tuple[tuple[int, int], int, bool] | None] = []
+    # ((sides, TP-sharded), matrices) of an eager Muon chunk: sides (short, long), or a TP shard's (rows, cols)
+    batches: list[tuple[tuple[tuple[int, int], bool], int] | None] = []
     for mat in mats:
         k = mat.count
         per = max(1, k // owners)  # the stack an owner runs
@@ -345,9 +345,9 @@ def _owner_load(profile: DeviceProfile, cfg: PlanConfig, mats: Sequence[Matrix],
             if cfg.optimizer != "muon":
                 batches.append(None)
             elif split > 1:
-                batches.append((_split_matrix(mat, tp), c, True))
+                batches.append(((_split_matrix(mat, tp), True), c))
             else:
-                batches.append(((min(mat.m, mat.n), max(mat.m, mat.n)), c, False))
+                batches.append((((min(mat.m, mat.n), max(mat.m, mat.n)), False), c))
     if not items:
         return 0.0, 0.0, 0, 0
     owner, loads = lpt(items, owners)
@@ -359,7 +359,7 @@ def _owner_load(profile: DeviceProfile, cfg: PlanConfig, mats: Sequence[Matrix],
         stacks: dict[tuple[tuple[int, int], bool], int] = {}
         for b, r in zip(batches, owner):
             if b is not None and r == q:
-                stacks[b[0], b[2]] = stacks.get((b[0], b[2]), 0) + b[1]
+                stacks[b[0]] = stacks.get(b[0], 0) + b[1]
         plain = [Shapes(*sides, c) for (sides, sharded), c in stacks.items() if not sharded]
         shards = [Shapes(*sides, c) for (sides, sharded), c in stacks.items() if sharded]
         launches = muon_launches(plain, cfg.ns_steps, cfg.ns_method)
@@ -367,6 +367,14 @@ def _owner_load(profile: DeviceProfile, cfg: PlanConfig, mats: Sequence[Matrix],
             launches += muon_launches(shards, cfg.ns_steps, cfg.ns_method, tp_mode=mode, parts=tp)
         issued = max(issued, launches)
     return loads[worst], comm_w, owned, issued
+
+
+def _eager_step(device: float, host: float, notes: list[str]) -> float:
+    """Seconds of an eager owner step: the longer of its ``device`` time and its ``host``'s to issue it; a step the
+    host binds gets the :data:`HOST_BOUND` note."""
+    if host > device:
+        notes.append(HOST_BOUND)
+    return max(device, host)
 
 
 def _matrix_time(profile: DeviceProfile, cfg: PlanConfig, mat: Matrix, batch: int, tp: int,
@@ -450,9 +458,7 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         elementwise = profile.seconds("elementwise", (ELEMENTWISE_BYTES[cfg.optimizer] + wire) * owned)
         side = profile.seconds("elementwise", ADAMW_BYTES * rest_el / dp)  # AdamW groups on a side stream
         host = profile.host_seconds(launches)  # the owner's step runs eagerly: no faster than its host issues it
-        opt = max(max(ns, side) + elementwise, host)
-        if host > max(ns, side) + elementwise:
-            notes.append(HOST_BOUND)
+        opt = _eager_step(max(ns, side) + elementwise, host, notes)
         adamw_opt = profile.seconds("fused_adamw", ADAMW_BYTES * params_el)  # torch fused AdamW
         mat_el = dense_el + expert_el
         lowered = cfg.bf16_weights
@@ -525,9 +531,7 @@ def predict(layout: Layout, cfg: PlanConfig, profile: DeviceProfile) -> Predicti
         elementwise = profile.seconds("elementwise", ELEMENTWISE_BYTES[cfg.optimizer] * local_mat + owner_bytes)
         side = profile.seconds("elementwise", ADAMW_BYTES * local_rest)  # AdamW groups on a side stream
         host = profile.host_seconds(launches_d + launches_e)  # the owners' eager Muon steps, issued by the host
-        opt = max(max(ns, side) + exchange + elementwise, host)  # ns holds the TP traffic
-        if host > max(ns, side) + exchange + elementwise:
-            notes.append(HOST_BOUND)
+        opt = _eager_step(max(ns, side) + exchange + elementwise, host, notes)  # ns holds the TP traffic
         adamw_opt = profile.seconds("fused_adamw", ADAMW_BYTES * (dense_shard + expert_shard))
         state = (_state(cfg, dense, tp) / dp + _state(cfg, experts, 1) / edp
                  + 8 * local_rest)
@@ -710,8 +714,8 @@ def format_plan(p: Plan) -> str:
     bound = [q.layout.label for q in p.predictions if HOST_BOUND in q.notes]
     if bound:
         lines.append(f"{HOST_BOUND} ({p.profile.host_launch * 1e6:.0f} us per kernel on {p.profile.name}): "
-                     f"{', '.join(bound)}. A host's pace differs between machines with the same GPU (up to 2x on "
-                     f"lent H200s): matrixopt plan --calibrate on the target machine measures its own")
+                     f"{', '.join(bound)}. A host's pace differs between machines with the same GPU (2x between H200 "
+                     f"hosts measured): matrixopt plan --calibrate on the target machine measures its own")
     lines.append("assumptions:")
     lines += [f"  - {a}" for a in p.assumptions]
     return "\n".join(lines)
